@@ -1,0 +1,29 @@
+# Two commands set up everything on a fresh machine:
+#   make demo   -- install into .venv and run `baton demo`
+#   make test   -- install into .venv and run the test suite
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: setup demo test bench clean
+
+$(BIN)/baton: pyproject.toml
+	$(PY) -m venv $(VENV)
+	# torch first, pinned, so pip takes the local CPU wheel and never resolves CUDA builds
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	touch $(BIN)/baton
+
+setup: $(BIN)/baton
+
+demo: setup
+	$(BIN)/baton demo
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+bench: setup
+	$(BIN)/python bench/run.py
+
+clean:
+	rm -rf $(VENV) .baton build *.egg-info

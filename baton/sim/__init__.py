@@ -1,0 +1,1 @@
+"""Failure economics: closed-form cost model and Monte Carlo cluster simulator."""
