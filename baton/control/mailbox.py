@@ -1,0 +1,40 @@
+"""Per-worker command queues that workers long-poll.
+
+The orchestrator appends; a worker's control thread asks for everything after
+the last sequence number it saw. Sequence numbers make redelivery after a
+dropped HTTP response harmless.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+
+class Mailboxes:
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._boxes: dict[str, list[dict[str, Any]]] = {}
+
+    def post(self, worker_id: str, command: dict[str, Any]) -> None:
+        with self._cond:
+            box = self._boxes.setdefault(worker_id, [])
+            box.append({**command, "seq": len(box) + 1})
+            self._cond.notify_all()
+
+    def wait(self, worker_id: str, after: int, timeout: float) -> list[dict[str, Any]]:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                box = self._boxes.get(worker_id, [])
+                if len(box) > after:
+                    return box[after:]
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return []
+                self._cond.wait(remaining)
+
+    def wake_all(self) -> None:
+        with self._cond:
+            self._cond.notify_all()

@@ -1,0 +1,114 @@
+"""Typed records of everything the orchestrator knows: slots, workers, ranks, taints, events.
+
+They are plain dataclasses so they persist as JSON rows and serve as the API's
+response shapes without a second schema.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class WorkerRole(str, enum.Enum):
+    STARTING = "starting"  # process launched, not yet registered
+    SPARE = "spare"  # registered, waiting in baton.init()
+    RANK = "rank"  # holds a rank
+    LEAVING = "leaving"  # handing its rank over, will exit
+    GONE = "gone"  # process exited or was killed
+
+
+class RankState(str, enum.Enum):
+    STARTING = "starting"
+    RUNNING = "running"
+    PAUSED = "paused"
+    MIGRATING = "migrating"
+    RECOVERING = "recovering"
+    WAITING_SPARE = "waiting-for-spare"
+    FINISHED = "finished"
+    FAILED = "failed"
+
+
+class EventKind(str, enum.Enum):
+    PLANNED = "planned"
+    PREEMPTIVE = "pre-emptive"
+    UNPLANNED = "unplanned"
+
+
+@dataclass
+class Slot:
+    name: str
+    taint: str | None = None  # reason, or None when healthy
+    tainted_at: float | None = None
+
+    @property
+    def healthy(self) -> bool:
+        return self.taint is None
+
+
+@dataclass
+class Worker:
+    id: str
+    slot: str
+    role: WorkerRole = WorkerRole.STARTING
+    pid: int | None = None
+    rank: int | None = None
+    intended_rank: int | None = None  # initial workers are launched for a rank
+    last_seen: float = field(default_factory=time.time)
+    exit_code: int | None = None
+    transfer_addr: tuple[str, int] | None = None  # where this worker serves its state
+
+
+@dataclass
+class RankInfo:
+    rank: int
+    worker: str | None = None
+    state: RankState = RankState.STARTING
+    step: int = 0  # index of the next step this rank will run
+    metrics: dict[str, float] = field(default_factory=dict)
+    # Last rank-local snapshot (RNG, data position), reported at step boundaries.
+    # Used to rebuild a dead rank's private state; model/optimizer come from replicas.
+    local_state: dict[str, Any] | None = None
+    local_state_step: int | None = None
+
+
+@dataclass
+class Event:
+    id: int
+    kind: EventKind
+    cause: str
+    rank: int | None
+    from_slot: str | None
+    to_slot: str | None
+    detected_at: float
+    resumed_at: float | None = None
+    downtime_s: float | None = None
+    steps_lost: int = 0
+    steps_rerun: int = 0
+    resolved_without_rollback: bool | None = None
+    state_bytes: int | None = None
+    transfer_s: float | None = None
+    step: int | None = None
+    status: str = "in-progress"  # in-progress | resolved | failed
+    note: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["kind"] = self.kind.value
+        return out
+
+
+def to_json(obj: Any) -> Any:
+    """Dataclass -> JSON-safe dict, with enums as their values."""
+    if dataclasses.is_dataclass(obj):
+        return {k: to_json(v) for k, v in dataclasses.asdict(obj).items()}
+    if isinstance(obj, dict):
+        return {k: to_json(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [to_json(v) for v in obj]
+    if isinstance(obj, enum.Enum):
+        return obj.value
+    return obj

@@ -1,0 +1,181 @@
+"""Fetches a published state from one or several sources, striped, verified chunk by chunk.
+
+With several sources (unplanned recovery: every healthy DDP replica holds the
+same bytes) chunks are pulled from all of them at once. A chunk whose checksum
+fails is asked for again (from another source when there is one); a source that
+drops out has its outstanding chunks handed to the others. Nothing is returned
+until every chunk has verified.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import socket
+import struct
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import xxhash
+
+from baton.transfer.protocol import (
+    CHUNK_HEADER,
+    MAGIC,
+    FlatState,
+    Piece,
+    TransferError,
+    alloc_tensors,
+    byte_view,
+    plan_chunks,
+    recv_exact,
+    recv_into_exact,
+    recv_json,
+    send_all,
+    sizes_of,
+)
+from baton.transfer.server import auth_digest
+
+MAX_ATTEMPTS = 4
+BATCH = 4  # chunks asked for per request: enough to keep a source's pipe full
+
+
+@dataclass
+class FetchStats:
+    bytes: int = 0
+    seconds: float = 0.0
+    sources: int = 0
+    corrupt_chunks: int = 0
+    resent_chunks: int = 0
+    per_source: dict[str, int] = field(default_factory=dict)
+
+
+class _Source:
+    def __init__(self, addr: tuple[str, int], generation: int, token: str, timeout: float):
+        self.addr = addr
+        self.sock = socket.create_connection(addr, timeout=timeout)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        magic_nonce = recv_exact(self.sock, len(MAGIC) + 16)
+        if magic_nonce[: len(MAGIC)] != MAGIC:
+            raise TransferError(f"{addr} is not a baton transfer endpoint")
+        nonce = magic_nonce[len(MAGIC):]
+        send_all(self.sock, struct.pack("!Q", generation), auth_digest(token, nonce, generation))
+        self.manifest = recv_json(self.sock)
+        if "error" in self.manifest:
+            raise TransferError(f"source {addr[0]}:{addr[1]} refused: {self.manifest['error']}")
+        self.meta = recv_exact(self.sock, int(self.manifest["meta_len"]))
+        if hashlib.sha256(self.meta).hexdigest() != self.manifest.get("meta_sha256"):
+            raise TransferError(f"source {addr[0]}:{addr[1]}: state skeleton failed its checksum")
+
+    def close(self) -> None:
+        try:
+            send_all(self.sock, struct.pack("!I", 0))
+        except OSError:
+            pass
+        self.sock.close()
+
+
+def fetch_state(sources: list[tuple[str, int]], generation: int, token: str,
+                timeout: float = 60.0) -> tuple[FlatState, FetchStats]:
+    t0 = time.perf_counter()
+    conns: list[_Source] = []
+    errors: list[str] = []
+    for addr in sources:
+        try:
+            conns.append(_Source(tuple(addr), generation, token, timeout))
+        except (OSError, TransferError) as exc:
+            errors.append(f"{addr}: {exc}")
+    if not conns:
+        raise TransferError("no source could serve the state: " + "; ".join(errors))
+    # Every source must describe the same bytes; keep those that agree with the first.
+    reference = json.dumps(conns[0].manifest, sort_keys=True)
+    agreeing = [c for c in conns if json.dumps(c.manifest, sort_keys=True) == reference]
+    for c in conns:
+        if c not in agreeing:
+            c.close()
+    conns = agreeing
+    manifest = conns[0].manifest
+    tensors = alloc_tensors(manifest)
+    views = [byte_view(t) for t in tensors]
+    chunks = plan_chunks(sizes_of(manifest), int(manifest["chunk_bytes"]))
+    if len(chunks) != int(manifest["chunks"]):
+        raise TransferError("chunk plan mismatch between source and receiver")
+
+    stats = FetchStats(sources=len(conns))
+    work: deque[int] = deque(range(len(chunks)))
+    attempts = [0] * len(chunks)
+    lock = threading.Condition()
+    in_flight = [0]
+    failure: list[str] = []
+
+    def worker(src: _Source) -> None:
+        name = f"{src.addr[0]}:{src.addr[1]}"
+        stats.per_source[name] = 0
+        while True:
+            with lock:
+                while not work and in_flight[0] > 0 and not failure:
+                    lock.wait(0.5)
+                if not work or failure:
+                    return
+                batch = [work.popleft() for _ in range(min(BATCH, len(work)))]
+                in_flight[0] += len(batch)
+            done = 0
+            try:
+                send_all(src.sock, struct.pack(f"!I{len(batch)}I", len(batch), *batch))
+                for expected in batch:
+                    index, length, digest = CHUNK_HEADER.unpack(recv_exact(src.sock, CHUNK_HEADER.size))
+                    if index != expected:
+                        raise TransferError(f"source sent chunk {index}, expected {expected}")
+                    ok = _receive_chunk(src.sock, chunks[index], views, length, digest)
+                    with lock:
+                        done += 1
+                        in_flight[0] -= 1
+                        if ok:
+                            stats.bytes += length
+                            stats.per_source[name] += length
+                        else:
+                            stats.corrupt_chunks += 1
+                            attempts[index] += 1
+                            if attempts[index] >= MAX_ATTEMPTS:
+                                failure.append(f"chunk {index} failed its checksum {attempts[index]} times")
+                            else:
+                                stats.resent_chunks += 1
+                                work.append(index)
+                        lock.notify_all()
+            except (OSError, TransferError, struct.error) as exc:
+                with lock:
+                    rest = batch[done:]
+                    in_flight[0] -= len(rest)
+                    work.extendleft(reversed(rest))
+                    errors.append(f"{name}: {exc}")
+                    lock.notify_all()
+                return
+
+    threads = [threading.Thread(target=worker, args=(c,), daemon=True) for c in conns]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for c in conns:
+        c.close()
+    if failure:
+        raise TransferError("; ".join(failure))
+    if work or in_flight[0]:
+        raise TransferError("sources dropped out before the state was complete: " + "; ".join(errors))
+    stats.bytes += len(conns[0].meta)
+    stats.seconds = time.perf_counter() - t0
+    return FlatState(meta=conns[0].meta, tensors=tensors), stats
+
+
+def _receive_chunk(sock: socket.socket, pieces: list[Piece], views: list[memoryview],
+                   length: int, digest: int) -> bool:
+    """Receive a chunk straight into its destination tensors, then verify it."""
+    if length != sum(p.length for p in pieces):
+        raise TransferError("chunk length does not match the manifest")
+    h = xxhash.xxh3_64()
+    for p in pieces:
+        dest = views[p.segment][p.offset:p.offset + p.length]
+        recv_into_exact(sock, dest)
+        h.update(dest)
+    return h.intdigest() == digest

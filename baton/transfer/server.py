@@ -1,0 +1,149 @@
+"""Serves this process's published state to authenticated peers, straight from tensor memory.
+
+Every worker runs one from `baton.init()` on: its address is known to the
+orchestrator before any failure, so a joiner can connect the moment it is told
+which generation to fetch. Nothing is copied to publish: the rank is paused at
+a step boundary, so the tensors do not change while they are served.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import secrets
+import socket
+import struct
+import threading
+
+import xxhash
+
+from baton.transfer.protocol import (
+    CHUNK_HEADER,
+    DEFAULT_CHUNK_BYTES,
+    MAGIC,
+    FlatState,
+    Piece,
+    TransferError,
+    byte_view,
+    manifest_of,
+    plan_chunks,
+    recv_exact,
+    send_all,
+    send_json,
+)
+
+log = logging.getLogger("baton.transfer")
+
+
+def auth_digest(token: str, nonce: bytes, generation: int) -> bytes:
+    return hmac.new(token.encode(), nonce + struct.pack("!Q", generation), "sha256").digest()
+
+
+class TransferServer:
+    def __init__(self, token: str, host: str = "127.0.0.1", chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 publish_wait_s: float = 120.0):
+        self.token = token
+        self.chunk_bytes = chunk_bytes
+        self.publish_wait_s = publish_wait_s
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((host, 0))
+        self._sock.listen(64)
+        self.address = self._sock.getsockname()[:2]
+        self._cond = threading.Condition()
+        self._published: tuple[int, FlatState, list[list[Piece]], list[memoryview]] | None = None
+        self._closed = False
+        # Fault injection for tests: corrupt the first sending of these chunk indices.
+        env = os.environ.get("BATON_FAULT_CORRUPT_CHUNKS", "")
+        self._corrupt_once = {int(x) for x in env.split(",") if x.strip()}
+        self.chunks_served = 0
+        threading.Thread(target=self._accept_loop, name="baton-transfer", daemon=True).start()
+
+    def publish(self, generation: int, state: FlatState) -> None:
+        views = [byte_view(t) for t in state.tensors]
+        chunks = plan_chunks([len(v) for v in views], self.chunk_bytes)
+        with self._cond:
+            self._published = (generation, state, chunks, views)
+            self._cond.notify_all()
+
+    def retract(self) -> None:
+        with self._cond:
+            self._published = None
+
+    def close(self) -> None:
+        self._closed = True
+        try:
+            self._sock.close()
+        except OSError:
+            pass
+
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _wait_published(self, generation: int) -> tuple[FlatState, list[list[Piece]], list[memoryview]] | None:
+        with self._cond:
+            ok = self._cond.wait_for(
+                lambda: self._published is not None and self._published[0] >= generation,
+                timeout=self.publish_wait_s,
+            )
+            if not ok or self._published is None or self._published[0] != generation:
+                return None
+            _, state, chunks, views = self._published
+            return state, chunks, views
+
+    def _serve(self, conn: socket.socket) -> None:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            with conn:
+                nonce = secrets.token_bytes(16)
+                send_all(conn, MAGIC, nonce)
+                (generation,) = struct.unpack("!Q", recv_exact(conn, 8))
+                digest = recv_exact(conn, 32)
+                if not hmac.compare_digest(digest, auth_digest(self.token, nonce, generation)):
+                    send_json(conn, {"error": "authentication failed: wrong job token"})
+                    return
+                found = self._wait_published(generation)
+                if found is None:
+                    send_json(conn, {"error": f"no state published for generation {generation}"})
+                    return
+                state, chunks, views = found
+                manifest = manifest_of(state, self.chunk_bytes)
+                manifest["chunks"] = len(chunks)
+                send_json(conn, manifest)
+                send_all(conn, state.meta)
+                while True:
+                    (count,) = struct.unpack("!I", recv_exact(conn, 4))
+                    if count == 0:
+                        return
+                    wanted = struct.unpack(f"!{count}I", recv_exact(conn, 4 * count))
+                    for index in wanted:
+                        self._send_chunk(conn, index, chunks, views)
+        except (OSError, TransferError, struct.error) as exc:
+            log.debug("transfer connection ended: %s", exc)
+
+    def _send_chunk(self, conn: socket.socket, index: int, chunks: list[list[Piece]],
+                    views: list[memoryview]) -> None:
+        if index >= len(chunks):
+            raise TransferError(f"chunk {index} requested, only {len(chunks)} exist")
+        pieces = [views[p.segment][p.offset:p.offset + p.length] for p in chunks[index]]
+        h = xxhash.xxh3_64()
+        for piece in pieces:
+            h.update(piece)
+        length = sum(len(p) for p in pieces)
+        send_all(conn, CHUNK_HEADER.pack(index, length, h.intdigest()))
+        if index in self._corrupt_once:
+            self._corrupt_once.discard(index)
+            bad = bytearray(pieces[0])
+            if bad:
+                bad[len(bad) // 2] ^= 0xFF
+            pieces = [memoryview(bytes(bad))] + pieces[1:]
+            log.warning("fault injection: corrupted chunk %d on the wire", index)
+        for piece in pieces:
+            conn.sendall(piece)
+        self.chunks_served += 1
