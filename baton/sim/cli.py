@@ -144,5 +144,131 @@ def _add_simulate_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "simulate",
         help="Monte Carlo of a training run under checkpoint-restart, replica-group drop and live migration",
+        description=(
+            "Simulate one job doing a fixed amount of work while failures arrive, under each recovery "
+            "strategy, over many trials. SCENARIO is a shipped scenario name or a path to a TOML file."
+        ),
     )
-    p.set_defaults(func=lambda args: 0)
+    p.add_argument("scenario", nargs="?", default="1024-gpus", help="shipped scenario name or .toml path (default %(default)s)")
+    p.add_argument("--list", action="store_true", help="list the shipped scenarios and exit")
+    p.add_argument("--trials", type=int, default=None, help="number of Monte Carlo trials (default: the scenario's)")
+    p.add_argument("--seed", type=int, default=None, help="random seed (default: the scenario's)")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a scenario key, e.g. --set job.gpus=2048 --set live_migration.spare_pool=4",
+    )
+    p.add_argument("--plot", metavar="PNG", default=None, help="write the progress-vs-time plot of trial 0 to this PNG")
+    p.add_argument("--json", action="store_true", help="print a JSON object instead of a table")
+    p.set_defaults(func=run_simulate)
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    from baton.sim import scenario as scenario_mod
+
+    if args.list:
+        for name in scenario_mod.shipped_scenarios():
+            raw = scenario_mod.load_raw(name)[1]
+            print(f"{name:16s} {raw.get('description', '')}")
+        return 0
+    try:
+        if args.trials is not None and args.trials < 1:
+            raise InputError("--trials", f"must be >= 1, got {args.trials}")
+        if args.seed is not None and args.seed < 0:
+            raise InputError("--seed", f"must be >= 0, got {args.seed}")
+        scn = scenario_mod.load_scenario(args.scenario, args.set)
+    except InputError as err:
+        return _bad_input("simulate", err)
+
+    from baton.sim.engine import simulate, summarize
+
+    result = simulate(scn, trials=args.trials, seed=args.seed)
+    summary = summarize(result)
+    plot_path = None
+    if args.plot:
+        from baton.sim.plot import plot_progress
+
+        plot_path = str(plot_progress(result, args.plot))
+    if args.json:
+        print(json.dumps(simulation_dict(result, summary, plot_path), indent=2))
+    else:
+        print(format_simulation(result, summary, plot_path))
+    return 0
+
+
+def simulation_dict(result, summary: dict, plot_path: str | None) -> dict:
+    scn = result.scenario
+    return {
+        "scenario": scn.name,
+        "description": scn.description,
+        "trials": int(next(iter(result.runs.values())).completion_h.shape[0]),
+        "gpus": scn.job.gpus,
+        "work_hours": scn.job.work_h,
+        "mttf_hours": scn.arrivals.mean_gap_h,
+        "mttf_source": scn.mttf_source,
+        "failure_distribution": scn.arrivals.distribution,
+        "elapsed_s": result.elapsed_s,
+        "strategies": summary,
+        "published_min": scn.published_min,
+        "plot": plot_path,
+    }
+
+
+def format_simulation(result, summary: dict, plot_path: str | None) -> str:
+    """Readable per-strategy table of a simulation."""
+    from baton.sim.strategies import STRATEGY_LABELS
+
+    scn = result.scenario
+    job = scn.job
+    minutes = job.work_h < 24
+    unit, scale = ("min", 60.0) if minutes else ("h", 1.0)
+    trials = next(iter(result.runs.values())).completion_h.shape[0]
+    arr = scn.arrivals
+    if arr.distribution == "uniform":
+        fail = f"a failure every {arr.uniform_min_h * 3600:,.0f}-{arr.uniform_max_h * 3600:,.0f} s"
+    else:
+        fail = f"{arr.distribution} failures, MTTF {arr.mttf_h:.2f} h ({scn.mttf_source})"
+    lines = [
+        f"Scenario {scn.name}: {job.gpus:,} GPUs, {job.work_h * scale:,.1f} {unit} of work, {fail}",
+        f"checkpoint save {scn.checkpoint.save_min:g} min; {trials} trials in {result.elapsed_s:.2f} s",
+        "",
+    ]
+    names = list(summary)
+    rows = [
+        (f"completion p50 ({unit})", lambda s: f"{s['completion_h']['p50'] * scale:,.1f}"),
+        (f"completion p95 ({unit})", lambda s: f"{s['completion_h']['p95'] * scale:,.1f}"),
+        ("goodput p50", lambda s: f"{s['goodput']['p50']:.1%}"),
+        ("goodput p5 (worst 5%)", lambda s: f"{s['goodput']['p5']:.1%}"),
+        ("failures (mean)", lambda s: f"{s['failures']['mean']:,.1f}"),
+        ("YOCO ratio", lambda s: f"{s['yoco_ratio']:.1%}"),
+        ("GPU-hours wasted p50", lambda s: f"{s['wasted_gpu_hours']['p50']:,.0f}"),
+        ("spare GPU-hours p50", lambda s: f"{s['spare_gpu_hours']['p50']:,.0f}"),
+        ("$ wasted p50 (incl. spares)", lambda s: f"${s['wasted_usd']['p50']:,.0f}"),
+        ("$ wasted p95", lambda s: f"${s['wasted_usd']['p95']:,.0f}"),
+        ("waiting for spares (mean h)", lambda s: f"{s['spare_wait_h']['mean']:,.2f}"),
+        ("unfinished trials", lambda s: f"{s['unfinished_trials']}"),
+        ("checkpoint interval (min)", lambda s: f"{s['checkpoint_interval_h'] * 60:,.1f}"),
+    ]
+    if scn.published_min:
+        rows.append(("published (min)", lambda s, n=None: ""))
+    headers = [STRATEGY_LABELS.get(n, n) for n in names]
+    cells = [[fmt(summary[n]) for n in names] for _, fmt in rows]
+    if scn.published_min:
+        cells[-1] = [
+            f"{scn.published_min[n]:,.0f} ({(summary[n]['completion_h']['p50'] * 60 / scn.published_min[n] - 1):+.0%})"
+            if n in scn.published_min
+            else "-"
+            for n in names
+        ]
+    w0 = max(len(r[0]) for r in rows)
+    widths = [max(len(headers[j]), *(len(c[j]) for c in cells)) for j in range(len(names))]
+    lines.append("  ".join([" " * w0] + [headers[j].rjust(widths[j]) for j in range(len(names))]))
+    for (label, _), c in zip(rows, cells):
+        lines.append("  ".join([label.ljust(w0)] + [c[j].rjust(widths[j]) for j in range(len(names))]))
+    if scn.mttf_source == "extrapolated":
+        lines.append("note: MTTF is extrapolated beyond the measured points (1,024 and 16,384 GPUs).")
+    if plot_path:
+        lines.append(f"plot: {plot_path}")
+    return "\n".join(lines)
