@@ -218,6 +218,7 @@ def simulation_dict(result, summary: dict, plot_path: str | None) -> dict:
 
 def format_simulation(result, summary: dict, plot_path: str | None) -> str:
     """Readable per-strategy table of a simulation."""
+    from baton.sim.engine import MAX_SLOWDOWN
     from baton.sim.strategies import STRATEGY_LABELS
 
     scn = result.scenario
@@ -254,11 +255,17 @@ def format_simulation(result, summary: dict, plot_path: str | None) -> str:
     if scn.published_min:
         rows.append(("published (min)", lambda s, n=None: ""))
     headers = [STRATEGY_LABELS.get(n, n) for n in names]
-    cells = [[fmt(summary[n]) for n in names] for _, fmt in rows]
+    def cell(fmt, st: dict) -> str:
+        try:
+            return fmt(st)
+        except TypeError:  # a statistic is None: no trial finished
+            return "n/a"
+
+    cells = [[cell(fmt, summary[n]) for n in names] for _, fmt in rows]
     if scn.published_min:
         cells[-1] = [
             f"{scn.published_min[n]:,.0f} ({(summary[n]['completion_h']['p50'] * 60 / scn.published_min[n] - 1):+.0%})"
-            if n in scn.published_min
+            if n in scn.published_min and summary[n]["completion_h"]
             else "-"
             for n in names
         ]
@@ -267,6 +274,12 @@ def format_simulation(result, summary: dict, plot_path: str | None) -> str:
     lines.append("  ".join([" " * w0] + [headers[j].rjust(widths[j]) for j in range(len(names))]))
     for (label, _), c in zip(rows, cells):
         lines.append("  ".join([label.ljust(w0)] + [c[j].rjust(widths[j]) for j in range(len(names))]))
+    stuck = [STRATEGY_LABELS.get(n, n) for n in names if summary[n]["unfinished_trials"]]
+    if stuck:
+        lines.append(
+            f"note: some trials did not finish within {MAX_SLOWDOWN:g}x the failure-free time under: {', '.join(stuck)} "
+            "(failures arrive faster than the strategy recovers); statistics cover finished trials only."
+        )
     if scn.mttf_source == "extrapolated":
         lines.append("note: MTTF is extrapolated beyond the measured points (1,024 and 16,384 GPUs).")
     if plot_path:

@@ -276,14 +276,16 @@ def summarize(result: SimulationResult) -> dict:
     for name, run in result.runs.items():
         t = run.completion_h
         finished = np.isfinite(t)
-        tf = t[finished] if finished.any() else np.array([np.nan])
+        tf = t[finished]
         wasted = job.gpus * (tf - job.work_h)
         spare = run.spare_gpus * tf
         usd = (wasted + spare) * job.gpu_hour_usd
         goodput = job.work_h / tf
         ev = run.events.sum()
 
-        def pct(a: np.ndarray) -> dict:
+        def pct(a: np.ndarray) -> dict | None:
+            if a.size == 0:  # no trial finished: nothing to take percentiles of
+                return None
             return {
                 "mean": float(np.mean(a)),
                 "p5": float(np.percentile(a, 5)),
@@ -298,9 +300,9 @@ def summarize(result: SimulationResult) -> dict:
             "spare_gpu_hours": pct(spare),
             "wasted_usd": pct(usd),
             "yoco_ratio": float(run.yoco_events.sum() / ev) if ev else 1.0,
-            "failures": pct(run.events[finished] if finished.any() else run.events),
-            "rollback_h": pct(run.rollback_h[finished] if finished.any() else run.rollback_h),
-            "spare_wait_h": pct(run.spare_wait_h[finished] if finished.any() else run.spare_wait_h),
+            "failures": pct(run.events[finished]),
+            "rollback_h": pct(run.rollback_h[finished]),
+            "spare_wait_h": pct(run.spare_wait_h[finished]),
             "unfinished_trials": int((~finished).sum()),
             "checkpoint_interval_h": run.interval_h,
         }
