@@ -1,0 +1,24 @@
+"""baton: keep distributed PyTorch training running through failures by live-migrating ranks.
+
+    import baton
+    job = baton.init()
+    model = job.wrap(MyModel())
+    ...
+
+`import baton` stays light (the CLI imports it); torch loads on first use of init().
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__version__ = "0.1.0"
+__all__ = ["init", "Job", "Step", "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("init", "Job", "Step"):
+        from baton.worker import job
+
+        return getattr(job, name)
+    raise AttributeError(f"module 'baton' has no attribute {name!r}")

@@ -1,9 +1,210 @@
-"""Runtime subcommands (placeholder)."""
+"""Runtime subcommands: run, status, migrate, taint, untaint, events, demo."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from baton.rundir import RunDir, default_dir
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
-    """Register run/status/migrate/taint/untaint/events/demo."""
+    p = sub.add_parser("run", help="run a training script with live migration (replaces torchrun)",
+                       description="Start an embedded orchestrator, N ranks and K warm spares.")
+    p.add_argument("--nproc", "--nproc-per-node", "--nproc_per_node", dest="nproc", type=int, required=True,
+                   help="number of ranks (world size)")
+    p.add_argument("--spares", type=int, default=1, help="warm spares kept ready (default 1)")
+    p.add_argument("--slots", type=int, default=None,
+                   help="slots on this machine (default: ranks + spares + 1, so a taint can be absorbed)")
+    p.add_argument("--run-dir", type=Path, default=None, help="run directory (default ./.baton or $BATON_RUN_DIR)")
+    p.add_argument("--op-timeout", type=float, default=5.0,
+                   help="seconds before a collective is declared failed (a hung peer), default 5")
+    p.add_argument("--heartbeat-timeout", type=float, default=3.0,
+                   help="seconds without a heartbeat before a worker is declared hung, default 3")
+    p.add_argument("--formation-timeout", type=float, default=120.0,
+                   help="seconds to wait for a new process group to form, default 120")
+    p.add_argument("--job-id", default="job")
+    p.add_argument("--quiet", action="store_true", help="do not print events")
+    p.add_argument("script", help="training script")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("status", help="show the job, its ranks, spares, taints and YOCO ratio")
+    _conn_args(p)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("events", help="list failures and migrations (the ledger)")
+    _conn_args(p)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_events)
+
+    p = sub.add_parser("migrate", help="move a rank to a spare at the next agreed step boundary")
+    _conn_args(p)
+    p.add_argument("--rank", type=int, required=True)
+    p.set_defaults(func=cmd_migrate)
+
+    p = sub.add_parser("taint", help="mark a slot bad: move its ranks off, schedule nothing new there")
+    _conn_args(p)
+    p.add_argument("slot", help="slot name, e.g. local/2")
+    p.add_argument("--reason", required=True, help="why (ecc, thermal, maintenance, ...)")
+    p.set_defaults(func=cmd_taint)
+
+    p = sub.add_parser("untaint", help="return a slot to the pool")
+    _conn_args(p)
+    p.add_argument("slot")
+    p.set_defaults(func=cmd_untaint)
+
+    p = sub.add_parser("demo", help="4 ranks + 1 spare on CPU: a planned move, a taint and a kill -9, "
+                                    "checked bit for bit against an uninterrupted run")
+    p.add_argument("--steps", type=int, default=120)
+    p.add_argument("--run-dir", type=Path, default=None)
+    p.set_defaults(func=cmd_demo)
+
+
+def _conn_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", help="orchestrator URL (default: read from the run directory)")
+    p.add_argument("--token", help="job token (default: read from the run directory)")
+    p.add_argument("--run-dir", type=Path, default=None)
+
+
+def _client(args: argparse.Namespace):
+    from baton.control.client import ApiClient
+
+    if args.url and args.token:
+        return ApiClient(args.url, args.token)
+    url, token = RunDir(args.run_dir or default_dir()).read()
+    return ApiClient(args.url or url, args.token or token)
+
+
+def _fail(message: str, code: int = 2) -> int:
+    print(f"baton: error: {message}", file=sys.stderr)
+    return code
+
+
+def _api(args: argparse.Namespace, call) -> Any:
+    from baton.control.client import ApiError
+
+    try:
+        return call(_client(args))
+    except FileNotFoundError as exc:
+        raise SystemExit(_fail(str(exc)))
+    except ApiError as exc:
+        raise SystemExit(_fail(str(exc), 1))
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from baton.launcher import RunOptions, run
+
+    script_args = list(args.script_args)
+    if script_args and script_args[0] == "--":
+        script_args = script_args[1:]
+    opts = RunOptions(script=args.script, script_args=script_args, nproc=args.nproc, spares=args.spares,
+                      slots=args.slots, run_dir=args.run_dir or default_dir(),
+                      op_timeout_s=args.op_timeout, heartbeat_timeout_s=args.heartbeat_timeout,
+                      formation_timeout_s=args.formation_timeout, job_id=args.job_id, quiet=args.quiet)
+    return run(opts)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    data = _api(args, lambda c: c.status())
+    if args.json:
+        print(json.dumps(data, indent=2))
+        return 0
+    for job in data["jobs"]:
+        yoco = "n/a (no events yet)" if job["yoco_ratio"] is None else f"{job['yoco_ratio']:.0%}"
+        print(f"job {job['id']}: {job['state']}, world size {job['world_size']}, "
+              f"generation {job['generation']}, YOCO ratio {yoco}")
+        op = job.get("operation")
+        if op:
+            print(f"  in progress: {op['kind']} move of ranks {op['ranks']} ({op['phase']})"
+                  + (f" - {op['message']}" if op.get("message") else ""))
+        print(f"  {'rank':>4}  {'pid':>7}  {'slot':<10} {'step':>6}  {'state':<18} metrics")
+        for r in job["ranks"]:
+            metrics = " ".join(f"{k}={v:.4g}" for k, v in sorted(r.get("metrics", {}).items()))
+            print(f"  {r['rank']:>4}  {r['pid'] or '-':>7}  {r['slot'] or '-':<10} {r['step']:>6}  "
+                  f"{r['state']:<18} {metrics}")
+        spares = ", ".join(f"{s['slot']} ({s['state']}, pid {s['pid']})" for s in job["spares"]) or "none"
+        print(f"  spares: {spares}")
+        taints = ", ".join(f"{t['slot']} ({t['reason']})" for t in job["taints"]) or "none"
+        print(f"  taints: {taints}")
+    return 0
+
+
+def _events_offline(args: argparse.Namespace) -> dict[str, Any] | None:
+    run_dir = RunDir(args.run_dir or default_dir())
+    if args.url or not run_dir.db.exists():
+        return None
+    from baton.store.sqlite import SqliteStore
+
+    store = SqliteStore(run_dir.db)
+    events = store.events()
+    store.close()
+    done = [e for e in events if e.get("status") != "in-progress"]
+    good = [e for e in done if e.get("resolved_without_rollback") and e.get("steps_lost") == 0]
+    return {"events": events, "yoco_ratio": round(len(good) / len(done), 4) if done else None}
+
+
+def cmd_events(args: argparse.Namespace) -> int:
+    from baton.control.client import ApiError
+
+    data = None
+    try:
+        if not args.url and not RunDir(args.run_dir or default_dir()).endpoint_file.exists():
+            raise ApiError(0, "job not running")
+        data = _client(args).events()
+    except (ApiError, FileNotFoundError) as exc:
+        data = _events_offline(args)  # the job has ended: read its ledger from SQLite
+        if data is None:
+            raise SystemExit(_fail(str(exc), 1 if isinstance(exc, ApiError) else 2))
+    if args.json:
+        print(json.dumps(data, indent=2))
+        return 0
+    print(format_events(data["events"]))
+    yoco = data.get("yoco_ratio")
+    print(f"YOCO ratio: {'n/a' if yoco is None else f'{yoco:.0%}'}")
+    return 0
+
+
+def format_events(events: list[dict[str, Any]]) -> str:
+    head = f"{'id':>3}  {'kind':<12} {'rank':>4}  {'from':<9} {'to':<9} {'step':>5} {'downtime':>9} " \
+           f"{'lost':>4} {'re-run':>6}  {'no rollback':<11} cause"
+    lines = [head]
+    for e in events:
+        down = "-" if e.get("downtime_s") is None else f"{e['downtime_s']:.3f}s"
+        ok = {True: "yes", False: "no", None: "-"}[e.get("resolved_without_rollback")]
+        lines.append(f"{e['id']:>3}  {e['kind']:<12} {e['rank'] if e['rank'] is not None else '-':>4}  "
+                     f"{e.get('from_slot') or '-':<9} {e.get('to_slot') or '-':<9} "
+                     f"{e.get('step') if e.get('step') is not None else '-':>5} {down:>9} "
+                     f"{e.get('steps_lost', 0):>4} {e.get('steps_rerun', 0):>6}  {ok:<11} {e['cause']}")
+    return "\n".join(lines)
+
+
+def cmd_migrate(args: argparse.Namespace) -> int:
+    data = _api(args, lambda c: c.migrate(args.rank))
+    print(f"migrating rank {args.rank} (operation {data['op']})")
+    return 0
+
+
+def cmd_taint(args: argparse.Namespace) -> int:
+    data = _api(args, lambda c: c.taint(args.slot, args.reason))
+    moving = data.get("moving_ranks") or []
+    print(f"tainted {args.slot} ({args.reason})" + (f"; moving ranks {moving}" if moving else ""))
+    if data.get("note"):
+        print(data["note"])
+    return 0
+
+
+def cmd_untaint(args: argparse.Namespace) -> int:
+    _api(args, lambda c: c.untaint(args.slot))
+    print(f"untainted {args.slot}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from baton.demo import main as demo_main
+
+    return demo_main(steps=args.steps, run_dir=args.run_dir)

@@ -305,7 +305,7 @@ class Orchestrator:
         if w.rank is not None:
             self.ranks[w.rank].state = RankState.FAILED
         self._emit("user-error", {"rank": w.rank, "traceback": text})
-        self._end(int(rep.get("exit_code", 1)) or 1)
+        self._end(int(rep.get("exit_code", 1)) or 1, spare_worker=w.id)
 
     def _on_left(self, w: Worker, rep: dict[str, Any]) -> None:
         w.role = WorkerRole.GONE
@@ -318,7 +318,7 @@ class Orchestrator:
                 return
             w.exit_code = returncode
             prev = w.role
-            if prev == WorkerRole.GONE or self.exit_code is not None:
+            if prev in (WorkerRole.GONE, WorkerRole.LEAVING) or self.exit_code is not None:
                 w.role = WorkerRole.GONE
                 self._persist(force=True)
                 return
@@ -653,7 +653,7 @@ class Orchestrator:
         self.store.put_event(ev.id, ev.to_json())
         return ev
 
-    def _end(self, code: int) -> None:
+    def _end(self, code: int, spare_worker: str | None = None) -> None:
         if self.exit_code is not None:
             return
         self.exit_code = code
@@ -662,7 +662,8 @@ class Orchestrator:
                 self.mail.post(w.id, {"type": "stop", "reason": "job ended"})
         if code != 0:
             for w in self.workers.values():
-                if w.role != WorkerRole.GONE and self.scheduler is not None:
+                # The worker that reported the error exits by itself, printing its traceback.
+                if w.role != WorkerRole.GONE and self.scheduler is not None and w.id != spare_worker:
                     self.scheduler.kill(w.id)
         self.done.set()
         self.mail.wake_all()

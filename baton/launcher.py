@@ -1,0 +1,133 @@
+"""`baton run`: the embedded control plane for a single-node job.
+
+One process hosts the rendezvous store (never a rank, so rank 0 can migrate),
+the orchestrator with its SQLite state and HTTP API, and the local scheduler
+that starts N ranks and K warm spares running the user's script. Its exit
+code is the script's.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable
+
+from baton.control.api import ApiServer
+from baton.control.orchestrator import Config, Orchestrator
+from baton.rundir import RunDir
+from baton.schedulers.local import LocalScheduler
+from baton.store.sqlite import SqliteStore
+
+
+@dataclass
+class RunOptions:
+    script: str
+    script_args: list[str]
+    nproc: int
+    spares: int = 1
+    slots: int | None = None
+    run_dir: Path = Path(".baton")
+    op_timeout_s: float = 5.0
+    heartbeat_timeout_s: float = 3.0
+    formation_timeout_s: float = 120.0
+    job_id: str = "job"
+    quiet: bool = False
+    env: dict[str, str] = field(default_factory=dict)
+
+
+class EventPrinter:
+    """Prints the orchestrator's decisions as they happen, like torchrun's agent log."""
+
+    def __init__(self, run_dir: RunDir, quiet: bool):
+        self.quiet = quiet
+        self.log = open(run_dir.path / "events.jsonl", "a", buffering=1)
+
+    def __call__(self, kind: str, data: dict[str, Any]) -> None:
+        self.log.write(json.dumps({"t": time.time(), "kind": kind, **data}) + "\n")
+        if self.quiet or kind in ("spare",):
+            return
+        if kind == "resolved":
+            text = (f"{data['kind']} move of rank {data['rank']} {data['from_slot']} -> {data['to_slot']} "
+                    f"resolved at step {data['step']}: downtime {data['downtime_s']:.3f}s, "
+                    f"steps lost {data['steps_lost']}, re-run {data['steps_rerun']}")
+        elif kind == "user-error":
+            text = f"rank {data.get('rank')} failed with an error in the training script"
+        else:
+            text = f"{kind} " + " ".join(f"{k}={v}" for k, v in data.items())
+        print(f"[baton] {text}", file=sys.stderr, flush=True)
+
+
+def run(opts: RunOptions, listeners: list[Callable[[str, dict[str, Any]], None]] | None = None,
+        started: Callable[[Orchestrator, str, str], None] | None = None) -> int:
+    import torch.distributed as dist
+
+    if opts.nproc < 1:
+        raise SystemExit("baton run: --nproc must be at least 1")
+    if opts.spares < 0:
+        raise SystemExit("baton run: --spares must be >= 0")
+    if not Path(opts.script).is_file():
+        raise SystemExit(f"baton run: script not found: {opts.script}")
+    slots = opts.slots if opts.slots is not None else opts.nproc + opts.spares + 1
+    if slots < opts.nproc + opts.spares:
+        raise SystemExit(f"baton run: --slots {slots} is fewer than ranks + spares ({opts.nproc + opts.spares})")
+    logging.basicConfig(level=os.environ.get("BATON_LOG", "WARNING"))
+
+    run_dir = RunDir(Path(opts.run_dir))
+    token = run_dir.create()
+    db = SqliteStore(run_dir.db)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=opts.formation_timeout_s))
+    config = Config(world_size=opts.nproc, spares=opts.spares, job_id=opts.job_id,
+                    op_timeout_s=opts.op_timeout_s, heartbeat_timeout_s=opts.heartbeat_timeout_s,
+                    formation_timeout_s=opts.formation_timeout_s)
+    orch = Orchestrator(config, db)
+    orch.listeners.append(EventPrinter(run_dir, opts.quiet))
+    orch.listeners.extend(listeners or [])
+    api = ApiServer(orch, token)
+    api.start()
+    run_dir.write_endpoint(api.url)
+
+    env = dict(os.environ)
+    env.update(opts.env)
+    env.update(BATON_URL=api.url, BATON_TOKEN=token, BATON_STORE=f"127.0.0.1:{store.port}",
+               TORCH_DIST_INIT_BARRIER="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port))
+    env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does for several ranks per node
+    sched = LocalScheduler(opts.script, opts.script_args, env, slots, on_exit=orch.worker_exited)
+    orch.scheduler = sched
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        print(f"[baton] received signal {signum}: stopping the job", file=sys.stderr, flush=True)
+        with orch._lock:
+            orch._end(128 + signum)
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)} \
+        if threading.current_thread() is threading.main_thread() else {}
+
+    orch.start()
+    if started is not None:
+        started(orch, api.url, token)
+    try:
+        while not orch.done.wait(0.1):
+            orch.tick()
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+    code = orch.exit_code or 0
+    if orch.failure and code != 0:
+        # Give the failing rank a moment to print its own traceback, then make sure it shows.
+        time.sleep(0.5)
+        print(f"[baton] job failed (exit code {code}). Error from the training script:\n{orch.failure}",
+              file=sys.stderr, flush=True)
+    sched.shutdown(grace_s=5.0 if code == 0 else 2.0)
+    api.stop()
+    db.close()
+    run_dir.endpoint_file.unlink(missing_ok=True)
+    return code

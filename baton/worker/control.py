@@ -1,0 +1,169 @@
+"""The worker's line to the orchestrator, kept off the training hot path.
+
+Two background threads: one long-polls commands, one sends heartbeats and
+queued reports. The main thread only ever looks at local fields under an
+uncontended lock at a step boundary; the one decision that must be atomic with
+the step loop (can this rank still stop before step T?) is taken under that
+same lock by the poller when a pause request arrives.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from typing import Any, Callable
+
+import httpx
+
+log = logging.getLogger("baton.worker")
+
+HEARTBEAT_S = 0.25
+
+
+class OrchestratorGone(RuntimeError):
+    """The control plane cannot be reached: the job is being torn down."""
+
+
+class ControlChannel:
+    def __init__(self, url: str, token: str, worker_id: str):
+        self.worker_id = worker_id
+        headers = {"Authorization": f"Bearer {token}"}
+        self._http = httpx.Client(base_url=url, headers=headers, timeout=30.0)
+        self._poll_http = httpx.Client(base_url=url, headers=headers, timeout=70.0)
+        self.commands: queue.Queue[dict[str, Any]] = queue.Queue()
+        self._outbox: queue.Queue[dict[str, Any]] = queue.Queue()
+        self._seq = 0
+        self._stopped = threading.Event()
+        # Step-loop state shared with the main thread (guarded by `lock`).
+        self.lock = threading.Lock()
+        self.started = -1  # index of the last step this rank began
+        self.pause_at: int | None = None
+        self.pause_op: int | None = None
+        self.abort_generation: int | None = None
+        self.attention = False  # hot-path flag: the boundary must look closer
+        # What the heartbeat carries: latest boundary, metrics, rank-local snapshot.
+        self.heartbeat: dict[str, Any] = {}
+        self.local_snapshot: Callable[[], Any] | None = None
+        self.on_abort: Callable[[], None] | None = None
+
+    # ------------------------------------------------------------------ requests
+    def _post(self, path: str, body: dict[str, Any], client: httpx.Client | None = None) -> dict[str, Any]:
+        client = client or self._http
+        for attempt in range(40):
+            try:
+                resp = client.post(path, json=body)
+            except httpx.TransportError as exc:
+                if attempt == 39 or self._stopped.is_set():
+                    raise OrchestratorGone(f"cannot reach the orchestrator: {exc}") from exc
+                time.sleep(0.25)
+                continue
+            if resp.status_code >= 400:
+                try:
+                    message = resp.json().get("error", resp.text)
+                except ValueError:
+                    message = resp.text
+                if resp.status_code == 410:
+                    raise OrchestratorGone(message)
+                raise RuntimeError(f"orchestrator refused {path}: {message}")
+            return resp.json()
+        raise OrchestratorGone("unreachable")
+
+    def register(self, pid: int, transfer_addr: tuple[str, int]) -> dict[str, Any]:
+        return self._post(f"/v1/workers/{self.worker_id}/register",
+                          {"pid": pid, "transfer_addr": list(transfer_addr)})
+
+    def report(self, kind: str, **fields: Any) -> None:
+        """Queue a report; the reporter thread sends it (never blocks the caller)."""
+        self._outbox.put({"type": kind, **fields})
+
+    def report_now(self, kind: str, **fields: Any) -> dict[str, Any]:
+        return self._post(f"/v1/workers/{self.worker_id}/reports", {"type": kind, **fields})
+
+    # ------------------------------------------------------------------ threads
+    def start(self) -> None:
+        threading.Thread(target=self._poll_loop, name="baton-poll", daemon=True).start()
+        threading.Thread(target=self._report_loop, name="baton-report", daemon=True).start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def flush(self, timeout: float = 5.0) -> None:
+        deadline = time.time() + timeout
+        while not self._outbox.empty() and time.time() < deadline:
+            time.sleep(0.01)
+
+    def _poll_loop(self) -> None:
+        failures = 0
+        while not self._stopped.is_set():
+            try:
+                resp = self._poll_http.get(f"/v1/workers/{self.worker_id}/commands",
+                                           params={"after": self._seq, "timeout": 10})
+                if resp.status_code >= 400:
+                    raise httpx.TransportError(f"HTTP {resp.status_code}: {resp.text[:200]}")
+                failures = 0
+                for cmd in resp.json()["commands"]:
+                    self._seq = max(self._seq, int(cmd["seq"]))
+                    self._handle(cmd)
+            except (httpx.TransportError, ValueError) as exc:
+                failures += 1
+                if failures > 40:
+                    log.error("orchestrator unreachable (%s): exiting", exc)
+                    os._exit(3)
+                time.sleep(0.25)
+
+    def _handle(self, cmd: dict[str, Any]) -> None:
+        kind = cmd.get("type")
+        if kind == "pause":
+            target = int(cmd["at_step"])
+            with self.lock:
+                ok = self.started < target
+                if ok:
+                    self.pause_at, self.pause_op = target, int(cmd["op"])
+                    self.attention = True
+                next_step = self.started + 1
+            self.report("pause_ack", op=cmd["op"], ok=ok, next_step=next_step)
+            self.commands.put({"type": "_wake"})
+            return
+        if kind == "abort":
+            with self.lock:
+                self.abort_generation = int(cmd["generation"])
+                self.attention = True
+            if self.on_abort is not None:
+                self.on_abort()
+        self.commands.put(cmd)
+
+    def _report_loop(self) -> None:
+        last_beat = 0.0
+        while not self._stopped.is_set():
+            try:
+                item = self._outbox.get(timeout=HEARTBEAT_S)
+            except queue.Empty:
+                item = None
+            try:
+                if item is not None:
+                    self._post(f"/v1/workers/{self.worker_id}/reports", item)
+                if time.time() - last_beat >= HEARTBEAT_S:
+                    beat = dict(self.heartbeat)
+                    if self.local_snapshot is not None:
+                        snap = self.local_snapshot()
+                        if snap is not None:
+                            beat["local_state_step"], beat["local_state"] = snap
+                    self._post(f"/v1/workers/{self.worker_id}/reports", {"type": "heartbeat", **beat})
+                    last_beat = time.time()
+            except OrchestratorGone:
+                if not self._stopped.is_set():
+                    log.error("orchestrator gone: exiting")
+                    os._exit(3)
+                return
+            except RuntimeError as exc:
+                log.warning("report refused: %s", exc)
+
+    # ------------------------------------------------------------------ main-thread helpers
+    def wait_command(self, timeout: float | None = None) -> dict[str, Any] | None:
+        try:
+            return self.commands.get(timeout=timeout)
+        except queue.Empty:
+            return None

@@ -1,0 +1,180 @@
+"""The job's live process group: one stable object whose gloo backend is swapped per generation.
+
+`LiveGroup` is registered as torch.distributed's default group, so
+`dist.all_reduce(t)`, `dist.get_rank()` and `group=job.group` all keep working
+across migrations: survivors keep the same Python object while the gloo group
+underneath is rebuilt under a new store prefix with the joiner in the departed
+rank's place. Every collective issued through it is watched: a failure is
+recorded so the step loop can tell a lost peer from a bug in user code.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+
+def solo_group(timeout_s: float = 60.0) -> dist.ProcessGroup:
+    """A world-of-one group for DDP's own bookkeeping collectives (they become local no-ops)."""
+    store = dist.HashStore()
+    pg = dist.ProcessGroup(store, 0, 1)
+    backend = dist.ProcessGroupGloo(store, 0, 1, timedelta(seconds=timeout_s))
+    pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
+    pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+    return pg
+
+
+class CollectiveFailure(RuntimeError):
+    """A collective on the live group failed: a peer died, hung or the group was torn down."""
+
+
+class LiveGroup(dist.ProcessGroup):
+    def __init__(self, rank: int, world_size: int):
+        super().__init__(rank, world_size)
+        self._rank = rank
+        self._world = world_size
+        self._inner: dist.ProcessGroup | None = None
+        self.generation = -1
+        self.failed = threading.Event()  # set when any collective of this generation failed
+        self.last_error: str = ""
+
+    # ---------------------------------------------------------------- generation swap
+    def form(self, store: dist.Store, generation: int, op_timeout_s: float,
+             formation_timeout_s: float = 120.0, superseded: Callable[[], bool] = lambda: False) -> None:
+        """Join generation `generation`; returns once every rank has joined.
+
+        Members first meet at a store barrier that is polled, so a formation can be
+        abandoned when the orchestrator supersedes it (another failure), and only then
+        build the gloo group, which by then connects in milliseconds.
+        """
+        prefix = f"baton/gen{generation}/"
+        store.set(f"{prefix}ready/{self._rank}", b"1")
+        keys = [f"{prefix}ready/{r}" for r in range(self._world)]
+        deadline = time.monotonic() + formation_timeout_s
+        while not store.check(keys):
+            if superseded():
+                raise CollectiveFailure(f"formation of generation {generation} superseded")
+            if time.monotonic() > deadline:
+                raise CollectiveFailure(f"generation {generation} did not form in {formation_timeout_s:.0f}s")
+            time.sleep(0.002)
+        prefixed = dist.PrefixStore(prefix, store)
+        backend = dist.ProcessGroupGloo(prefixed, self._rank, self._world, timedelta(seconds=op_timeout_s))
+        self._inner = backend
+        self.generation = generation
+        self.failed.clear()
+        self.last_error = ""
+
+    def drop(self) -> None:
+        """Forget the current generation's backend (after a failure or before re-forming)."""
+        self._inner = None
+
+    def note_failure(self, exc: BaseException | str) -> None:
+        self.last_error = str(exc)[:500]
+        self.failed.set()
+
+    # ---------------------------------------------------------------- ProcessGroup API
+    def getBackendName(self) -> str:  # noqa: N802 (torch's name)
+        return "baton"
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._world
+
+    def _backend(self) -> dist.ProcessGroup:
+        if self._inner is None or self.failed.is_set():
+            err = CollectiveFailure(f"baton live group has no healthy generation ({self.last_error})")
+            self.failed.set()
+            raise err
+        return self._inner
+
+    def _watch(self, work: dist.Work) -> dist.Work:
+        fut = work.get_future()
+
+        def check(f: torch.futures.Future) -> None:
+            try:
+                f.value()
+            except Exception as exc:  # noqa: BLE001 - any error here means the group is broken
+                self.note_failure(exc)
+
+        fut.add_done_callback(check)
+        return work
+
+    def allreduce(self, tensors, opts=None):  # type: ignore[override]
+        opts = opts if opts is not None else dist.AllreduceOptions()
+        return self._watch(self._backend().allreduce(tensors, opts))
+
+    def allreduce_coalesced(self, tensors, opts=None):  # type: ignore[override]
+        opts = opts if opts is not None else dist.AllreduceCoalescedOptions()
+        return self._watch(self._backend().allreduce_coalesced(tensors, opts))
+
+    def broadcast(self, tensors, opts=None):  # type: ignore[override]
+        opts = opts if opts is not None else dist.BroadcastOptions()
+        return self._watch(self._backend().broadcast(tensors, opts))
+
+    def allgather(self, output_tensors, input_tensors, opts=None):  # type: ignore[override]
+        opts = opts if opts is not None else dist.AllgatherOptions()
+        return self._watch(self._backend().allgather(output_tensors, input_tensors, opts))
+
+    def _allgather_base(self, output, input, opts=None):  # type: ignore[override]
+        opts = opts if opts is not None else dist.AllgatherOptions()
+        return self._watch(self._backend()._allgather_base(output, input, opts))
+
+    def reduce_scatter(self, output_tensors, input_tensors, opts=None):  # type: ignore[override]
+        opts = opts if opts is not None else dist.ReduceScatterOptions()
+        return self._watch(self._backend().reduce_scatter(output_tensors, input_tensors, opts))
+
+    def gather(self, output_tensors, input_tensors, opts=None):  # type: ignore[override]
+        opts = opts if opts is not None else dist.GatherOptions()
+        return self._watch(self._backend().gather(output_tensors, input_tensors, opts))
+
+    def scatter(self, output_tensors, input_tensors, opts=None):  # type: ignore[override]
+        opts = opts if opts is not None else dist.ScatterOptions()
+        return self._watch(self._backend().scatter(output_tensors, input_tensors, opts))
+
+    def reduce(self, tensors, opts=None):  # type: ignore[override]
+        opts = opts if opts is not None else dist.ReduceOptions()
+        return self._watch(self._backend().reduce(tensors, opts))
+
+    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):  # type: ignore[override]
+        opts = opts if opts is not None else dist.AllToAllOptions()
+        return self._watch(self._backend().alltoall_base(output, input, output_split_sizes,
+                                                         input_split_sizes, opts))
+
+    def barrier(self, opts=None):  # type: ignore[override]
+        opts = opts if opts is not None else dist.BarrierOptions()
+        return self._watch(self._backend().barrier(opts))
+
+    def send(self, tensors, dst, tag=0):  # type: ignore[override]
+        return self._watch(self._backend().send(tensors, dst, tag))
+
+    def recv(self, tensors, src, tag=0):  # type: ignore[override]
+        return self._watch(self._backend().recv(tensors, src, tag))
+
+
+_BACKEND_NAME = "baton"
+
+
+def install_as_world(live: LiveGroup, store: dist.Store) -> None:
+    """Make `live` torch.distributed's default group, so plain dist.* calls use it."""
+    if _BACKEND_NAME.upper() not in dist.Backend._plugins:
+        dist.Backend.register_backend(_BACKEND_NAME, _create_live, devices=["cpu"])
+    _PENDING[0] = live
+    dist.init_process_group(_BACKEND_NAME, store=dist.PrefixStore("baton/world/", store),
+                            rank=live.rank(), world_size=live.size())
+    _PENDING[0] = None
+
+
+_PENDING: list[LiveGroup | None] = [None]
+
+
+def _create_live(store, rank, size, timeout):  # noqa: ANN001 - torch's plugin signature
+    live = _PENDING[0]
+    assert live is not None, "the baton backend is created by baton.init() only"
+    return live
