@@ -209,3 +209,14 @@ def test_sim_does_not_import_torch():
     code = "import sys, baton.sim.cli, baton.sim.engine, baton.sim.plot; print('torch' in sys.modules)"
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.stdout.strip() == "False"
+
+
+def test_replica_group_heal_integrals():
+    from baton.sim.engine import _healthy_gain, _time_to_reach
+
+    t_up = np.array([0.0, 0.0])
+    until = np.array([[1.0, -np.inf], [1.0, 2.0]])  # trial 1: both groups down, healing at 1 h and 2 h
+    gain = _healthy_gain(t_up, np.array([2.0, 2.0]), until, 2)
+    assert gain == pytest.approx([1.5, 0.5])
+    t = _time_to_reach(t_up, np.array([1.0, 1.0]), until, 2)
+    assert t == pytest.approx([1.5, 2.5])
