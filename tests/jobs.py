@@ -1,0 +1,123 @@
+"""Test helper: run a real `baton run` job in a subprocess and poke it like a user would."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from baton.control.client import ApiClient
+from baton.rundir import RunDir
+
+REPO = Path(__file__).resolve().parent.parent
+TRAIN = REPO / "baton" / "examples" / "train.py"
+
+
+class Job:
+    def __init__(self, tmp: Path, nproc: int = 3, spares: int = 1, steps: int = 40,
+                 script_args: list[str] | None = None, run_args: list[str] | None = None,
+                 env: dict[str, str] | None = None, name: str = "job"):
+        self.dir = tmp / name
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.out = self.dir / "final.pt"
+        self.run_dir = self.dir / "run"
+        cmd = [sys.executable, "-m", "baton.cli", "run", "--nproc", str(nproc), "--spares", str(spares),
+               "--run-dir", str(self.run_dir), *(run_args or []), str(TRAIN),
+               "--steps", str(steps), "--out", str(self.out), *(script_args or [])]
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.stdout = open(self.dir / "stdout.log", "w")
+        self.stderr_path = self.dir / "stderr.log"
+        self.stderr = open(self.stderr_path, "w")
+        self.proc = subprocess.Popen(cmd, cwd=self.dir, env=full_env, stdout=self.stdout, stderr=self.stderr,
+                                     start_new_session=True)
+        self._client: ApiClient | None = None
+
+    @property
+    def client(self) -> ApiClient:
+        if self._client is None:
+            deadline = time.time() + 60
+            while True:
+                try:
+                    url, token = RunDir(self.run_dir).read()
+                    self._client = ApiClient(url, token)
+                    break
+                except FileNotFoundError:
+                    if time.time() > deadline or self.proc.poll() is not None:
+                        raise AssertionError(f"job never came up:\n{self.log()}")
+                    time.sleep(0.1)
+        return self._client
+
+    def status(self) -> dict[str, Any]:
+        return self.client.status()["jobs"][0]
+
+    def wait_until(self, predicate, timeout: float = 60.0, what: str = "condition") -> dict[str, Any]:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"job exited ({self.proc.returncode}) while waiting for {what}:\n{self.log()}")
+            try:
+                st = self.status()
+            except Exception:  # noqa: BLE001 - the API may be momentarily busy
+                time.sleep(0.1)
+                continue
+            if predicate(st):
+                return st
+            time.sleep(0.05)
+        raise AssertionError(f"timed out waiting for {what}:\n{self.log()}")
+
+    def wait_step(self, step: int, timeout: float = 60.0) -> dict[str, Any]:
+        return self.wait_until(lambda st: st["state"] == "running" and min(r["step"] for r in st["ranks"]) >= step,
+                               timeout, f"step {step}")
+
+    def rank_pid(self, rank: int) -> int:
+        return next(r["pid"] for r in self.status()["ranks"] if r["rank"] == rank)
+
+    def signal_rank(self, rank: int, sig: int) -> int:
+        pid = self.rank_pid(rank)
+        os.kill(pid, sig)
+        return pid
+
+    def wait(self, timeout: float = 120.0) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+            raise AssertionError(f"job did not finish in {timeout}s:\n{self.log()}")
+        finally:
+            self.stdout.close()
+            self.stderr.close()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def log(self) -> str:
+        self.stderr.flush()
+        return self.stderr_path.read_text()[-6000:]
+
+    def events(self) -> list[dict[str, Any]]:
+        out = subprocess.run([sys.executable, "-m", "baton.cli", "events", "--json", "--run-dir",
+                              str(self.run_dir)], capture_output=True, text=True, cwd=self.dir, timeout=60)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)["events"]
+
+    def params(self) -> dict[str, torch.Tensor]:
+        return torch.load(self.out)
+
+    def all_rank_params(self, nproc: int) -> list[dict[str, torch.Tensor]]:
+        return [torch.load(f"{self.out}.rank{r}") for r in range(nproc)]
+
+
+def bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(
+        a[k].dtype == b[k].dtype and torch.equal(a[k].view(torch.uint8) if a[k].dim() else a[k], b[k].view(torch.uint8) if b[k].dim() else b[k])
+        for k in a)

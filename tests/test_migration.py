@@ -1,0 +1,111 @@
+"""End to end: a deterministic 3-rank CPU job survives each kind of failure with final
+parameters bit-for-bit equal to an uninterrupted run, and the ledger says how."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from tests.jobs import Job, bitwise_equal
+
+NPROC = 3
+STEPS = 40
+# A little sleep per step keeps the job alive long enough to act on it, on 2 noisy cores.
+ARGS = ["--step-sleep", "0.03"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    job = Job(tmp_path_factory.mktemp("ref"), nproc=NPROC, spares=0, steps=STEPS, script_args=ARGS)
+    assert job.wait() == 0, job.log()
+    params = job.params()
+    for other in job.all_rank_params(NPROC):
+        assert bitwise_equal(params, other), "replicas diverged in the reference run"
+    return params
+
+
+def _check(job: Job, reference, kind: str, rerun_max: int) -> list[dict]:
+    assert job.wait() == 0, job.log()
+    assert bitwise_equal(job.params(), reference), f"final parameters differ after {kind}:\n{job.log()}"
+    for other in job.all_rank_params(NPROC):
+        assert bitwise_equal(other, reference)
+    events = job.events()
+    assert events, "no event recorded"
+    for ev in events:
+        assert ev["kind"] == kind, ev
+        assert ev["status"] == "resolved", ev
+        assert ev["steps_lost"] == 0, ev
+        assert ev["steps_rerun"] <= rerun_max, ev
+        assert ev["resolved_without_rollback"] is True
+        assert ev["downtime_s"] is not None and ev["downtime_s"] >= 0
+        assert ev["to_slot"] and ev["from_slot"] and ev["to_slot"] != ev["from_slot"]
+    return events
+
+
+def test_planned_migration_is_bitwise_identical(tmp_path, reference):
+    job = Job(tmp_path, nproc=NPROC, spares=1, steps=STEPS, script_args=ARGS)
+    try:
+        job.wait_step(5)
+        job.client.migrate(1)
+        events = _check(job, reference, "planned", rerun_max=0)
+        assert events[0]["rank"] == 1
+    finally:
+        job.kill()
+
+
+def test_taint_moves_rank_off_slot(tmp_path, reference):
+    job = Job(tmp_path, nproc=NPROC, spares=1, steps=STEPS, script_args=ARGS)
+    try:
+        st = job.wait_step(5)
+        slot = next(r["slot"] for r in st["ranks"] if r["rank"] == 2)
+        job.client.taint(slot, "ecc")
+        st = job.wait_until(lambda s: all(r["slot"] != slot for r in s["ranks"]), what="rank 2 moved off")
+        assert st["taints"] == [{"slot": slot, "reason": "ecc", "since": st["taints"][0]["since"]}]
+        # Nothing new is scheduled on the tainted slot.
+        assert all(s["slot"] != slot for s in st["spares"])
+        job.client.untaint(slot)
+        assert job.status()["taints"] == []
+        events = _check(job, reference, "pre-emptive", rerun_max=0)
+        assert events[0]["from_slot"] == slot and "ecc" in events[0]["cause"]
+    finally:
+        job.kill()
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_kill_9_recovers_from_replicas(tmp_path, reference, rank):
+    job = Job(tmp_path, nproc=NPROC, spares=1, steps=STEPS, script_args=ARGS)
+    try:
+        job.wait_step(8)
+        job.signal_rank(rank, signal.SIGKILL)
+        events = _check(job, reference, "unplanned", rerun_max=1)
+        assert events[0]["rank"] == rank
+    finally:
+        job.kill()
+
+
+def test_sigstop_hang_is_detected_and_replaced(tmp_path, reference):
+    job = Job(tmp_path, nproc=NPROC, spares=1, steps=STEPS, script_args=ARGS,
+              run_args=["--op-timeout", "2", "--heartbeat-timeout", "2"])
+    try:
+        job.wait_step(8)
+        pid = job.signal_rank(1, signal.SIGSTOP)
+        events = _check(job, reference, "unplanned", rerun_max=1)
+        assert events[0]["rank"] == 1 and "hung" in events[0]["cause"]
+    finally:
+        job.kill()
+
+
+def test_two_ranks_lost_in_the_same_step(tmp_path, reference):
+    job = Job(tmp_path, nproc=NPROC, spares=2, steps=STEPS, script_args=ARGS)
+    try:
+        job.wait_until(lambda s: len([x for x in s["spares"] if x["state"] == "spare"]) == 2
+                       and min(r["step"] for r in s["ranks"]) >= 8, what="two spares ready")
+        pids = [job.rank_pid(0), job.rank_pid(2)]
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        events = _check(job, reference, "unplanned", rerun_max=1)
+        assert sorted(e["rank"] for e in events) == [0, 2]
+    finally:
+        job.kill()
