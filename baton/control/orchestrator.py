@@ -631,6 +631,8 @@ class Orchestrator:
         """Keep `spares` warm spares, each on a healthy slot nobody else uses."""
         if self.scheduler is None or self.exit_code is not None:
             return
+        if self.op is not None and self.op.phase != "spares":
+            return  # a move is running: do not steal CPU/IO from it; refill right after
         live = [w for w in self.workers.values() if w.role != WorkerRole.GONE]
         spares = [w for w in live if w.role in (WorkerRole.SPARE, WorkerRole.STARTING) and w.intended_rank is None]
         missing = self.config.spares - len(spares)

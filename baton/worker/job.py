@@ -239,6 +239,7 @@ class Job:
     def _paused(self, index: int, op: int | None) -> int:
         ctl = self._ctl
         ctl.report("paused", op=op, step=index)
+        log.info("paused at %s", index)
         while True:
             with ctl.lock:
                 if ctl.abort_generation is not None:
@@ -250,7 +251,9 @@ class Job:
                 continue
             if cmd["type"] == "form":
                 gen = int(cmd["generation"])
+                log.info("form %s received", gen)
                 self._form(gen)
+                log.info("formed %s", gen)
                 with ctl.lock:
                     ctl.pause_at = ctl.pause_op = None
                     ctl.attention = ctl.abort_generation is not None
@@ -324,12 +327,16 @@ class Job:
 
     def _join(self) -> None:
         """A spare became this rank: fetch the rank's state, load it, join the group."""
+        log.info("joiner ready for state")
         while True:
             cmd = self._wait_for("form")
+            log.info("form %s received", cmd["generation"])
             gen, target = int(cmd["generation"]), int(cmd["step"])
             try:
                 state, nbytes, secs = self._fetch(cmd["fetch_from"], gen)
+                log.info("fetched %d bytes in %.4fs", nbytes, secs)
                 self._load(state, local=bool(cmd.get("full_state")))
+                log.info("state loaded")
                 if not cmd.get("full_state") and cmd.get("local_state"):
                     local = statecap.decode(cmd["local_state"])
                     statecap.restore_rng(local["rng"])
@@ -339,6 +346,7 @@ class Job:
                 self.group.drop()
                 continue
             self._start_index = target
+            log.info("formed generation %s", gen)
             with self._ctl.lock:
                 self._ctl.abort_generation = None
                 self._ctl.attention = False
@@ -442,12 +450,16 @@ def init() -> Job:
     missing = [k for k in (ENV_URL, ENV_TOKEN, ENV_WORKER, ENV_STORE) if not os.environ.get(k)]
     if missing:
         raise RuntimeError("baton.init() must run under `baton run` (missing " + ", ".join(missing) + ")")
+    if os.environ.get("BATON_LOG"):
+        logging.basicConfig(level=os.environ["BATON_LOG"],
+                            format=f"%(created).3f [{os.environ.get(ENV_WORKER)}] %(name)s: %(message)s")
     token = os.environ[ENV_TOKEN]
     ctl = ControlChannel(os.environ[ENV_URL], token, os.environ[ENV_WORKER])
     server = TransferServer(token)
     config = ctl.register(os.getpid(), server.address)
     ctl.start()
     _install_excepthook(ctl)
+    _warm_up()
     cmd = None
     while cmd is None:
         got = ctl.wait_command(1.0)
@@ -457,6 +469,7 @@ def init() -> Job:
             _exit_quietly(0)
         if got["type"] == "assign":
             cmd = got
+            log.info("assigned rank %s (joiner=%s)", got["rank"], got["joiner"])
     host, port = os.environ[ENV_STORE].rsplit(":", 1)
     store = dist.TCPStore(host, int(port), is_master=False,
                           timeout=timedelta(seconds=float(config.get("formation_timeout_s", 120))))
@@ -464,6 +477,21 @@ def init() -> Job:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world))
     return Job(ctl, server, store, rank, world, int(cmd["generation"]), bool(cmd["joiner"]), config, token)
+
+
+def _warm_up() -> None:
+    """Pay torch's lazy first-use costs now, while waiting, not on a migration's critical path.
+
+    The first DistributedDataParallel construction imports torch._dynamo (~1.3 s here);
+    the first optimizer step and backward have smaller one-off costs of their own.
+    """
+    t0 = time.perf_counter()
+    model = torch.nn.Linear(4, 1)
+    ddp = DistributedDataParallel(model, process_group=solo_group(), init_sync=False)
+    opt = torch.optim.AdamW(ddp.parameters())
+    ddp(torch.zeros(2, 4)).sum().backward()
+    opt.step()
+    log.info("warm-up took %.2fs", time.perf_counter() - t0)
 
 
 def _install_excepthook(ctl: ControlChannel) -> None:
