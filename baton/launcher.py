@@ -124,7 +124,7 @@ def run(opts: RunOptions, listeners: list[Callable[[str, dict[str, Any]], None]]
     if orch.failure and code != 0:
         # Give the failing rank a moment to print its own traceback, then make sure it shows.
         time.sleep(0.5)
-        print(f"[baton] job failed (exit code {code}). Error from the training script:\n{orch.failure}",
+        print(f"[baton] job failed (exit code {code}):\n{orch.failure}",
               file=sys.stderr, flush=True)
     sched.shutdown(grace_s=5.0 if code == 0 else 2.0)
     api.stop()

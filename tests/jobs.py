@@ -101,7 +101,8 @@ class Job:
             self.proc.wait()
 
     def log(self) -> str:
-        self.stderr.flush()
+        if not self.stderr.closed:
+            self.stderr.flush()
         return self.stderr_path.read_text()[-6000:]
 
     def events(self) -> list[dict[str, Any]]:

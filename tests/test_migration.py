@@ -3,6 +3,7 @@ parameters bit-for-bit equal to an uninterrupted run, and the ledger says how.""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 
@@ -26,7 +27,7 @@ def reference(tmp_path_factory):
     return params
 
 
-def _check(job: Job, reference, kind: str, rerun_max: int) -> list[dict]:
+def _check(job: Job, reference, kind: str, rerun_max: int, same_slot_ok: bool = False) -> list[dict]:
     assert job.wait() == 0, job.log()
     assert bitwise_equal(job.params(), reference), f"final parameters differ after {kind}:\n{job.log()}"
     for other in job.all_rank_params(NPROC):
@@ -40,7 +41,8 @@ def _check(job: Job, reference, kind: str, rerun_max: int) -> list[dict]:
         assert ev["steps_rerun"] <= rerun_max, ev
         assert ev["resolved_without_rollback"] is True
         assert ev["downtime_s"] is not None and ev["downtime_s"] >= 0
-        assert ev["to_slot"] and ev["from_slot"] and ev["to_slot"] != ev["from_slot"]
+        assert ev["to_slot"] and ev["from_slot"]
+        assert same_slot_ok or ev["to_slot"] != ev["from_slot"]
     return events
 
 
@@ -107,5 +109,25 @@ def test_two_ranks_lost_in_the_same_step(tmp_path, reference):
             os.kill(pid, signal.SIGKILL)
         events = _check(job, reference, "unplanned", rerun_max=1)
         assert sorted(e["rank"] for e in events) == [0, 2]
+    finally:
+        job.kill()
+
+
+def test_no_spare_pauses_with_a_message_then_resumes(tmp_path, reference):
+    """The only spare's slot is tainted, then a rank dies: the job waits (it does not crash)
+    until a new spare has started on a free slot, then recovers bit for bit."""
+    job = Job(tmp_path, nproc=NPROC, spares=1, steps=STEPS, script_args=ARGS, run_args=["--slots", "4"])
+    try:
+        st = job.wait_step(5)
+        spare_slot = st["spares"][0]["slot"]
+        job.client.taint(spare_slot, "maintenance")
+        job.wait_until(lambda s: not s["spares"], what="spare stopped")
+        job.signal_rank(1, signal.SIGKILL)
+        _check(job, reference, "unplanned", rerun_max=1, same_slot_ok=True)
+        kinds = [json.loads(line) for line in (job.run_dir / "events.jsonl").read_text().splitlines()]
+        waiting = [e for e in kinds if e["kind"] == "waiting-for-spare"]
+        assert waiting and "no spare is available" in waiting[0]["message"]
+        order = [e["kind"] for e in kinds]
+        assert order.index("waiting-for-spare") < order.index("resolved")
     finally:
         job.kill()

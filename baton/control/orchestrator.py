@@ -59,7 +59,7 @@ class Scheduler(Protocol):
 
     def start(self, worker_id: str, slot: str) -> int: ...
 
-    def kill(self, worker_id: str) -> None: ...
+    def kill(self, worker_id: str, dump_stacks: bool = False) -> None: ...
 
 
 @dataclass
@@ -156,10 +156,15 @@ class Orchestrator:
         with self._lock:
             if self.exit_code is not None:
                 return
+            training = self._training()
             for w in list(self.workers.values()):
-                if w.role in (WorkerRole.RANK, WorkerRole.SPARE, WorkerRole.LEAVING) and (
-                    now - w.last_seen > self.config.heartbeat_timeout_s
-                ):
+                if w.role not in (WorkerRole.RANK, WorkerRole.SPARE, WorkerRole.LEAVING):
+                    continue
+                # Ranks that are stepping get the tight timeout; a worker still importing or
+                # warming up (or an idle spare) may legitimately starve its heartbeat thread.
+                limit = self.config.heartbeat_timeout_s if training and w.role == WorkerRole.RANK \
+                    else max(30.0, 10 * self.config.heartbeat_timeout_s)
+                if now - w.last_seen > limit:
                     self._worker_lost(w, f"no heartbeat for {now - w.last_seen:.1f}s (hung)")
             op = self.op
             if op and op.phase == "collect" and op.collect_deadline and now > op.collect_deadline:
@@ -187,6 +192,10 @@ class Orchestrator:
                 w.rank = w.intended_rank
                 self.ranks[w.rank].worker = w.id
                 self._maybe_start_generation0()
+            elif not self.slots[w.slot].healthy:
+                # The slot was tainted while this spare was starting: keep nothing there.
+                w.role = WorkerRole.GONE
+                self.mail.post(w.id, {"type": "stop", "reason": f"slot {w.slot} is tainted"})
             else:
                 self._emit("spare", {"worker": w.id, "slot": w.slot})
                 self._on_spare_available()
@@ -307,6 +316,14 @@ class Orchestrator:
         self._emit("user-error", {"rank": w.rank, "traceback": text})
         self._end(int(rep.get("exit_code", 1)) or 1, spare_worker=w.id)
 
+    def _on_ready(self, w: Worker, rep: dict[str, Any]) -> None:
+        """The rank entered its step loop: from here on it is recoverable."""
+        if w.rank is not None:
+            self.ranks[w.rank].ready = True
+
+    def _training(self) -> bool:
+        return all(i.ready for i in self.ranks.values())
+
     def _on_left(self, w: Worker, rep: dict[str, Any]) -> None:
         w.role = WorkerRole.GONE
 
@@ -341,13 +358,21 @@ class Orchestrator:
         role, rank = w.role, w.rank
         w.role = WorkerRole.GONE
         if self.scheduler is not None:
-            self.scheduler.kill(w.id)
+            self.scheduler.kill(w.id, dump_stacks="hung" in cause)
         self._emit("worker-lost", {"worker": w.id, "slot": w.slot, "rank": rank, "cause": cause})
         if rank is None or role not in (WorkerRole.RANK,):
             return
         if self.ranks[rank].worker != w.id:
             return  # a joiner that never took over, or already replaced
         self.ranks[rank].state = RankState.FAILED
+        if not self._training():
+            # Before every rank reached its step loop there is no consistent state to hand
+            # over (the initial broadcast may be half done): fail clearly instead of guessing.
+            self.failure = (f"rank {rank} was lost during startup ({cause}), before training began; "
+                            "nothing to migrate yet: start the job again")
+            self._emit("fatal", {"message": self.failure})
+            self._end(1)
+            return
         self._open_recovery(cause=cause, dead_rank=rank, dead_worker=w)
 
     # ------------------------------------------------------------------ CLI / API requests

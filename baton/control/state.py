@@ -73,6 +73,7 @@ class RankInfo:
     # Used to rebuild a dead rank's private state; model/optimizer come from replicas.
     local_state: dict[str, Any] | None = None
     local_state_step: int | None = None
+    ready: bool = False  # reached its step loop (joiners count as ready)
 
 
 @dataclass

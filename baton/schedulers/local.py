@@ -42,14 +42,23 @@ class LocalScheduler:
             self._procs[worker_id] = proc
         return proc.pid
 
-    def kill(self, worker_id: str) -> None:
+    def kill(self, worker_id: str, dump_stacks: bool = False) -> None:
         with self._lock:
             proc = self._procs.get(worker_id)
-        if proc is not None and proc.poll() is None:
+        if proc is None or proc.poll() is not None:
+            return
+        if dump_stacks:
+            # Let a hung-but-running process print where it is stuck (baton.init() registers
+            # faulthandler on SIGUSR1); a SIGSTOPped one cannot, and is killed right away.
             try:
-                os.kill(proc.pid, signal.SIGKILL)  # also ends a SIGSTOPped (hung) process
+                os.kill(proc.pid, signal.SIGUSR1)
+                time.sleep(0.2)
             except ProcessLookupError:
-                pass
+                return
+        try:
+            os.kill(proc.pid, signal.SIGKILL)  # also ends a SIGSTOPped (hung) process
+        except ProcessLookupError:
+            pass
 
     def pid(self, worker_id: str) -> int | None:
         with self._lock:

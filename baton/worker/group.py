@@ -39,6 +39,10 @@ class LiveGroup(dist.ProcessGroup):
         self._rank = rank
         self._world = world_size
         self._inner: dist.ProcessGroup | None = None
+        # Backends of past generations are never destroyed: ~ProcessGroupGloo joins its
+        # threads with the GIL held and can deadlock against a callback waiting for the GIL.
+        # Each one holds a few idle threads and closed sockets, a bounded cost per migration.
+        self._retired: list[dist.ProcessGroup] = []
         self.generation = -1
         self.failed = threading.Event()  # set when any collective of this generation failed
         self.last_error: str = ""
@@ -64,13 +68,16 @@ class LiveGroup(dist.ProcessGroup):
             time.sleep(0.002)
         prefixed = dist.PrefixStore(prefix, store)
         backend = dist.ProcessGroupGloo(prefixed, self._rank, self._world, timedelta(seconds=op_timeout_s))
+        self.drop()
         self._inner = backend
         self.generation = generation
         self.failed.clear()
         self.last_error = ""
 
     def drop(self) -> None:
-        """Forget the current generation's backend (after a failure or before re-forming)."""
+        """Retire the current generation's backend (after a failure or before re-forming)."""
+        if self._inner is not None:
+            self._retired.append(self._inner)
         self._inner = None
 
     def note_failure(self, exc: BaseException | str) -> None:

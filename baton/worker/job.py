@@ -11,8 +11,10 @@ other exception is the user's own bug and ends the job with its traceback.
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
+import signal
 import sys
 import time
 import traceback
@@ -143,6 +145,8 @@ class Job:
         """Yield steps up to `total`; a joiner starts at the step its rank was on."""
         if self._joiner:
             self._join()
+        else:
+            self._ctl.report("ready")
         index = self._start_index
         ctl = self._ctl
         last = time.perf_counter()
@@ -453,10 +457,13 @@ def init() -> Job:
     if os.environ.get("BATON_LOG"):
         logging.basicConfig(level=os.environ["BATON_LOG"],
                             format=f"%(created).3f [{os.environ.get(ENV_WORKER)}] %(name)s: %(message)s")
+    # A worker declared hung gets SIGUSR1 before SIGKILL: its stacks land in its stderr.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     token = os.environ[ENV_TOKEN]
     ctl = ControlChannel(os.environ[ENV_URL], token, os.environ[ENV_WORKER])
     server = TransferServer(token)
     config = ctl.register(os.getpid(), server.address)
+    ctl.report_now("heartbeat")  # first report synchronously: its lazy imports happen now, not later
     ctl.start()
     _install_excepthook(ctl)
     _warm_up()
@@ -491,7 +498,13 @@ def _warm_up() -> None:
     opt = torch.optim.AdamW(ddp.parameters())
     ddp(torch.zeros(2, 4)).sum().backward()
     opt.step()
+    # Kept alive on purpose: destroying a gloo group joins its threads while holding the
+    # GIL, which can deadlock against a pending future callback that needs the GIL.
+    _KEEP_ALIVE.append((ddp, opt))
     log.info("warm-up took %.2fs", time.perf_counter() - t0)
+
+
+_KEEP_ALIVE: list[Any] = []
 
 
 def _install_excepthook(ctl: ControlChannel) -> None:

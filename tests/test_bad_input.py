@@ -1,0 +1,108 @@
+"""Bad input gets a clear error and changes nothing; a user's bug ends the job with its traceback."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from tests.jobs import Job
+
+ARGS = ["--step-sleep", "0.05"]
+
+
+def _cli(job: Job, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "baton.cli", *args, "--run-dir", str(job.run_dir)],
+                          capture_output=True, text=True, cwd=job.dir, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def running(tmp_path_factory):
+    job = Job(tmp_path_factory.mktemp("bad"), nproc=2, spares=1, steps=100000, script_args=ARGS)
+    job.wait_step(2)
+    yield job
+    job.kill()
+
+
+def test_token_file_is_private(running):
+    assert (running.run_dir / "token").stat().st_mode & 0o777 == 0o600
+
+
+def test_unauthenticated_and_malformed_requests_are_refused(running):
+    url = running.client.url
+    before = running.status()
+    cases = [
+        ("get", "/v1/status", None, {}),
+        ("post", "/v1/migrate", {"rank": 0}, {"Authorization": "Bearer wrong"}),
+    ]
+    for method, path, body, headers in cases:
+        r = httpx.request(method, url + path, json=body, headers=headers)
+        assert r.status_code == 401, r.text
+        assert "token" in r.json()["error"]
+    token = (running.run_dir / "token").read_text()
+    auth = {"Authorization": f"Bearer {token}"}
+    malformed = [
+        ("/v1/migrate", {"rank": "zero"}),
+        ("/v1/migrate", {"rank": -1}),
+        ("/v1/migrate", {}),
+        ("/v1/migrate", {"rank": 0, "extra": 1}),
+        ("/v1/taint", {"slot": "local/0"}),
+        ("/v1/taint", {"slot": "", "reason": "x"}),
+    ]
+    for path, body in malformed:
+        r = httpx.post(url + path, json=body, headers=auth)
+        assert 400 <= r.status_code < 500, (path, body, r.status_code)
+        assert r.json()["error"], r.text
+    r = httpx.post(url + "/v1/migrate", content=b"{not json", headers={**auth, "content-type": "application/json"})
+    assert 400 <= r.status_code < 500 and "error" in r.json()
+    r = httpx.post(url + "/v1/workers/w99/reports", json={"type": "heartbeat"}, headers=auth)
+    assert r.status_code == 404 and "unknown worker" in r.json()["error"]
+    r = httpx.post(url + "/v1/workers/w0/reports", json={"type": "bogus"}, headers=auth)
+    assert r.status_code == 400 and "unknown report type" in r.json()["error"]
+    after = running.status()
+    assert [(r["rank"], r["pid"], r["slot"]) for r in after["ranks"]] == \
+        [(r["rank"], r["pid"], r["slot"]) for r in before["ranks"]]
+    assert after["taints"] == [] and after["operation"] is None
+    assert running.events() == []
+
+
+def test_cli_errors_are_clear(running):
+    out = _cli(running, "migrate", "--rank", "99")
+    assert out.returncode != 0
+    assert "unknown rank 99" in out.stderr and "0..1" in out.stderr
+    out = _cli(running, "taint", "no/such", "--reason", "ecc")
+    assert out.returncode != 0
+    assert "unknown slot 'no/such'" in out.stderr and "local/0" in out.stderr
+    out = _cli(running, "untaint", "no/such")
+    assert out.returncode != 0 and "unknown slot" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "baton.cli", "status", "--run-dir", str(running.dir / "nope")],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "no running job found" in out.stderr
+    assert running.events() == []
+
+
+def test_status_json_shape(running):
+    out = _cli(running, "status", "--json")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    job = data["jobs"][0]
+    for key in ("id", "world_size", "ranks", "spares", "taints", "yoco_ratio"):
+        assert key in job
+    assert job["world_size"] == 2
+    for r in job["ranks"]:
+        assert set(["rank", "pid", "slot", "step", "state"]) <= set(r)
+    assert len(job["spares"]) == 1
+
+
+def test_user_bug_ends_the_job_with_its_traceback(tmp_path):
+    job = Job(tmp_path, nproc=3, spares=1, steps=40, script_args=["--bug-at-step", "5"])
+    code = job.wait(timeout=120)
+    assert code == 1, job.log()
+    log = job.log()
+    assert "ValueError: user bug at step 5" in log
+    assert "Traceback" in log and "train.py" in log
+    # It is not treated as a hardware failure: nothing was migrated.
+    assert job.events() == []

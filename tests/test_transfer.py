@@ -1,0 +1,119 @@
+"""The state stream: checksummed chunks, striping over sources, corrupt chunks re-sent, never loaded."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+
+from baton.transfer import FlatState, TransferError, TransferServer, fetch_state
+from baton.transfer.protocol import plan_chunks
+from baton.worker import statecap
+from tests.jobs import Job, bitwise_equal
+
+
+def _state() -> FlatState:
+    g = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(300_000, generator=g), torch.arange(7), torch.ones(5, dtype=torch.bfloat16),
+               torch.empty(0), torch.randn(3, 4, generator=g).t().contiguous()]
+    return FlatState(meta=b"skeleton", tensors=tensors)
+
+
+def test_chunk_plan_covers_every_byte():
+    sizes = [10, 0, 25, 3, 64]
+    chunks = plan_chunks(sizes, 16)
+    assert all(sum(p.length for p in c) <= 16 for c in chunks)
+    covered = {}
+    for c in chunks:
+        for p in c:
+            covered.setdefault(p.segment, 0)
+            covered[p.segment] += p.length
+    assert covered == {0: 10, 2: 25, 3: 3, 4: 64}
+
+
+def test_corrupt_chunks_are_detected_and_resent(monkeypatch):
+    monkeypatch.setenv("BATON_FAULT_CORRUPT_CHUNKS", "0,2")
+    server = TransferServer("secret", chunk_bytes=64 << 10)
+    monkeypatch.delenv("BATON_FAULT_CORRUPT_CHUNKS")
+    state = _state()
+    server.publish(1, state)
+    out, stats = fetch_state([server.address], 1, "secret")
+    assert stats.corrupt_chunks == 2 and stats.resent_chunks == 2
+    assert out.meta == state.meta
+    assert all(torch.equal(a, b) for a, b in zip(state.tensors, out.tensors))
+    server.close()
+
+
+def test_striping_over_several_sources_and_a_dead_one():
+    state = _state()
+    servers = [TransferServer("secret", chunk_bytes=32 << 10) for _ in range(3)]
+    for s in servers:
+        s.publish(4, state)
+    dead = ("127.0.0.1", 1)  # nothing listens there: the fetch carries on with the others
+    out, stats = fetch_state([servers[0].address, dead, servers[1].address, servers[2].address], 4, "secret")
+    assert stats.sources == 3
+    assert sum(1 for v in stats.per_source.values() if v > 0) >= 2
+    assert all(torch.equal(a, b) for a, b in zip(state.tensors, out.tensors))
+    for s in servers:
+        s.close()
+
+
+def test_wrong_token_and_wrong_generation_are_refused():
+    server = TransferServer("secret", publish_wait_s=0.5)
+    server.publish(2, _state())
+    with pytest.raises(TransferError, match="authentication failed"):
+        fetch_state([server.address], 2, "not-the-token")
+    with pytest.raises(TransferError, match="no state published"):
+        fetch_state([server.address], 3, "secret")
+    server.close()
+
+
+def test_persistently_corrupt_chunk_is_never_loaded(monkeypatch):
+    server = TransferServer("secret", chunk_bytes=64 << 10)
+    server._corrupt_once = set()
+
+    original = server._send_chunk
+
+    def always_corrupt(conn, index, chunks, views):
+        server._corrupt_once.add(1)
+        return original(conn, index, chunks, views)
+
+    server._send_chunk = always_corrupt
+    server.publish(1, _state())
+    with pytest.raises(TransferError, match="checksum"):
+        fetch_state([server.address], 1, "secret")
+    server.close()
+
+
+def test_nested_state_round_trips_bitwise():
+    model = torch.nn.Linear(5, 3)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 5)).sum().backward()
+    opt.step()
+    state = {"replicated": {"model": model.state_dict(), "optimizer": opt.state_dict()},
+             "local": {"rng": statecap.capture_rng(), "data": {"epoch": 1, "index": 3}}}
+    back = statecap.unpack(statecap.pack(state))
+    assert bitwise_equal(back["replicated"]["model"], state["replicated"]["model"])
+    assert back["replicated"]["optimizer"]["param_groups"] == state["replicated"]["optimizer"]["param_groups"]
+    assert back["local"]["data"] == {"epoch": 1, "index": 3}
+
+
+def test_corrupted_chunk_during_a_real_migration_is_resent(tmp_path):
+    """A planned move where the leaver corrupts a chunk on the wire: the joiner re-fetches it
+    and the run still ends bit for bit equal to an uninterrupted one."""
+    args = ["--step-sleep", "0.03", "--width", "256"]
+    ref = Job(tmp_path, nproc=2, spares=0, steps=30, script_args=args, name="ref")
+    assert ref.wait() == 0, ref.log()
+    job = Job(tmp_path, nproc=2, spares=1, steps=30, script_args=args, name="corrupt",
+              env={"BATON_FAULT_CORRUPT_CHUNKS": "0"})
+    try:
+        job.wait_step(5)
+        job.client.migrate(0)
+        assert job.wait() == 0, job.log()
+        assert "corrupted chunk 0" in job.log()
+        assert bitwise_equal(job.params(), ref.params())
+        assert job.events()[0]["status"] == "resolved"
+    finally:
+        job.kill()
