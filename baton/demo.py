@@ -80,9 +80,8 @@ class Progress:
         with open(self.events_file) as f:
             f.seek(self.offset)
             for line in f:
-                ev = json.loads(line)
-                kind = ev.pop("kind")
-                ev.pop("t", None)
+                row = json.loads(line)
+                kind, ev = row["event"], row["data"]
                 if kind == "resolved":
                     print(f"  >> {ev['kind']} move of rank {ev['rank']} resolved at step {ev['step']}: "
                           f"{ev['from_slot']} -> {ev['to_slot']}, downtime {ev['downtime_s']:.3f}s, "

@@ -51,7 +51,7 @@ class EventPrinter:
         self.log = open(run_dir.path / "events.jsonl", "a", buffering=1)
 
     def __call__(self, kind: str, data: dict[str, Any]) -> None:
-        self.log.write(json.dumps({"t": time.time(), "kind": kind, **data}) + "\n")
+        self.log.write(json.dumps({"t": time.time(), "event": kind, "data": data}) + "\n")
         if self.quiet or kind in ("spare",):
             return
         if kind == "resolved":

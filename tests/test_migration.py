@@ -125,9 +125,9 @@ def test_no_spare_pauses_with_a_message_then_resumes(tmp_path, reference):
         job.signal_rank(1, signal.SIGKILL)
         _check(job, reference, "unplanned", rerun_max=1, same_slot_ok=True)
         kinds = [json.loads(line) for line in (job.run_dir / "events.jsonl").read_text().splitlines()]
-        waiting = [e for e in kinds if e["kind"] == "waiting-for-spare"]
+        waiting = [e["data"] for e in kinds if e["event"] == "waiting-for-spare"]
         assert waiting and "no spare is available" in waiting[0]["message"]
-        order = [e["kind"] for e in kinds]
+        order = [e["event"] for e in kinds]
         assert order.index("waiting-for-spare") < order.index("resolved")
     finally:
         job.kill()
