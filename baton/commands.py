@@ -60,7 +60,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("demo", help="4 ranks + 1 spare on CPU: a planned move, a taint and a kill -9, "
                                     "checked bit for bit against an uninterrupted run")
-    p.add_argument("--steps", type=int, default=120)
+    p.add_argument("--steps", type=int, default=300)
     p.add_argument("--run-dir", type=Path, default=None)
     p.set_defaults(func=cmd_demo)
 

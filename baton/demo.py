@@ -102,7 +102,7 @@ def _wait_step(client: ApiClient, progress: Progress, proc: subprocess.Popen, st
         time.sleep(0.1)
 
 
-def main(steps: int = 120, run_dir: Path | None = None) -> int:
+def main(steps: int = 300, run_dir: Path | None = None) -> int:
     import torch
 
     base = Path(run_dir) if run_dir else Path(tempfile.mkdtemp(prefix="baton-demo-"))
@@ -125,15 +125,13 @@ def main(steps: int = 120, run_dir: Path | None = None) -> int:
     client = _client(live_run, proc)
     progress = Progress(live_run)
     try:
-        _wait_step(client, progress, proc, steps // 5)
+        _wait_step(client, progress, proc, 15)
         print("  -> baton migrate --rank 1   (planned: maintenance)", flush=True)
         client.migrate(1)
-        _wait_step(client, progress, proc, 2 * steps // 5)
         job = _wait_spare(client, progress, proc)
         slot = next(r["slot"] for r in job["ranks"] if r["rank"] == 2)
         print(f"  -> baton taint {slot} --reason ecc   (pre-emptive: ECC errors rising)", flush=True)
         client.taint(slot, "ecc")
-        _wait_step(client, progress, proc, 3 * steps // 5)
         job = _wait_spare(client, progress, proc)
         pid = next(r["pid"] for r in job["ranks"] if r["rank"] == 0)
         print(f"  -> kill -9 {pid}   (unplanned: rank 0's process dies mid-step)", flush=True)

@@ -10,6 +10,8 @@ recorded so the step loop can tell a lost peer from a bug in user code.
 
 from __future__ import annotations
 
+import os
+import socket
 import threading
 import time
 from datetime import timedelta
@@ -43,6 +45,9 @@ class LiveGroup(dist.ProcessGroup):
         # threads with the GIL held and can deadlock against a callback waiting for the GIL.
         # Each one holds a few idle threads and closed sockets, a bounded cost per migration.
         self._retired: list[dist.ProcessGroup] = []
+        self._transport_fds: list[int] = []
+        self.known_local_ports: set[int] = set()  # e.g. this worker's transfer server
+        self.known_remote_ports: set[int] = set()  # e.g. the orchestrator API and the store
         self.generation = -1
         self.failed = threading.Event()  # set when any collective of this generation failed
         self.last_error: str = ""
@@ -67,12 +72,51 @@ class LiveGroup(dist.ProcessGroup):
                 raise CollectiveFailure(f"generation {generation} did not form in {formation_timeout_s:.0f}s")
             time.sleep(0.002)
         prefixed = dist.PrefixStore(prefix, store)
+        before = _socket_fds()
         backend = dist.ProcessGroupGloo(prefixed, self._rank, self._world, timedelta(seconds=op_timeout_s))
         self.drop()
         self._inner = backend
+        self._transport_fds = [fd for fd in _socket_fds() - before if not self._is_known_socket(fd)]
         self.generation = generation
         self.failed.clear()
         self.last_error = ""
+
+    def break_transport(self) -> None:
+        """Make every collective blocked on this generation fail now, here and at the peers.
+
+        gloo cannot cancel an operation in flight (abort() and shutdown() leave it waiting
+        until its timeout), and in a ring a survivor may wait on a live neighbour for the
+        full timeout after another rank died. Shutting down the generation's sockets
+        (not closing them: gloo still owns the descriptors) turns that wait into an
+        immediate "connection closed" on every rank of the ring.
+        """
+        for fd in self._transport_fds:
+            try:
+                sock = socket.socket(fileno=os.dup(fd))
+            except OSError:
+                continue
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            finally:
+                sock.close()
+        self._transport_fds = []
+
+    def _is_known_socket(self, fd: int) -> bool:
+        """Sockets that are not gloo's: the control plane's, the store's, state transfers'."""
+        try:
+            with socket.socket(fileno=os.dup(fd)) as sock:
+                if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET, socket.AF_INET6):
+                    return True
+                local_port = sock.getsockname()[1]
+                try:
+                    remote_port = sock.getpeername()[1]
+                except OSError:
+                    return True  # a listening socket
+        except OSError:
+            return True
+        return local_port in self.known_local_ports or remote_port in self.known_remote_ports
 
     def drop(self) -> None:
         """Retire the current generation's backend (after a failure or before re-forming)."""
@@ -82,7 +126,10 @@ class LiveGroup(dist.ProcessGroup):
 
     def note_failure(self, exc: BaseException | str) -> None:
         self.last_error = str(exc)[:500]
+        first = not self.failed.is_set()
         self.failed.set()
+        if first:
+            self.break_transport()
 
     # ---------------------------------------------------------------- ProcessGroup API
     def getBackendName(self) -> str:  # noqa: N802 (torch's name)
@@ -166,6 +213,21 @@ class LiveGroup(dist.ProcessGroup):
 
 
 _BACKEND_NAME = "baton"
+
+
+def _socket_fds() -> set[int]:
+    fds = set()
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return fds  # not Linux: collectives still fail at their timeout
+    for name in names:
+        try:
+            if os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                fds.add(int(name))
+        except OSError:
+            pass
+    return fds
 
 
 def install_as_world(live: LiveGroup, store: dist.Store) -> None:

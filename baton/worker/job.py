@@ -92,6 +92,8 @@ class Job:
         self._metrics: dict[str, float] = {}
         self._boundary_rng: tuple[int, dict[str, Any]] | None = None
         self._finished = False
+        self.group.known_local_ports.add(server.address[1])
+        self.group.known_remote_ports.update(_ports_of(os.environ.get(ENV_URL, ""), os.environ.get(ENV_STORE, "")))
         install_as_world(self.group, store)
         ctl.local_snapshot = self._encoded_snapshot
         ctl.on_abort = lambda: self.group.note_failure("a peer was lost (orchestrator abort)")
@@ -439,6 +441,14 @@ def _reset_after_failure(ddp: DistributedDataParallel) -> None:
         p.grad = None
 
 
+def _ports_of(url: str, store: str) -> set[int]:
+    ports = set()
+    for text in (url.rsplit(":", 1)[-1].split("/")[0], store.rsplit(":", 1)[-1]):
+        if text.isdigit():
+            ports.add(int(text))
+    return ports
+
+
 def _exit_quietly(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
@@ -462,11 +472,11 @@ def init() -> Job:
     token = os.environ[ENV_TOKEN]
     ctl = ControlChannel(os.environ[ENV_URL], token, os.environ[ENV_WORKER])
     server = TransferServer(token)
+    _install_excepthook(ctl)
+    _warm_up()  # before registering: a registered spare is a warm spare
     config = ctl.register(os.getpid(), server.address)
     ctl.report_now("heartbeat")  # first report synchronously: its lazy imports happen now, not later
     ctl.start()
-    _install_excepthook(ctl)
-    _warm_up()
     cmd = None
     while cmd is None:
         got = ctl.wait_command(1.0)
