@@ -88,7 +88,9 @@ def test_kill_9_recovers_from_replicas(tmp_path, reference, rank):
 
 
 def test_sigstop_hang_is_detected_and_replaced(tmp_path, reference):
-    job = Job(tmp_path, nproc=NPROC, spares=1, steps=STEPS, script_args=ARGS,
+    # The script also all_reduces its loss on job.group inside the step: user collectives
+    # blocked on the frozen peer are absorbed like DDP's own.
+    job = Job(tmp_path, nproc=NPROC, spares=1, steps=STEPS, script_args=ARGS + ["--user-allreduce"],
               run_args=["--op-timeout", "2", "--heartbeat-timeout", "2"])
     try:
         job.wait_step(8)
