@@ -7,6 +7,7 @@ Rank 0 writes per-step wall times (after warm-up) to --out as JSON.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import time
@@ -23,6 +24,14 @@ def build_model(params_m: float, width: int = 1024) -> torch.nn.Module:
         layers += [torch.nn.ReLU(), torch.nn.Linear(width, width)]
     layers += [torch.nn.ReLU(), torch.nn.Linear(width, 1)]
     return torch.nn.Sequential(*layers)
+
+
+def _cycle(loader):
+    epoch = 0
+    while True:
+        loader.sampler.set_epoch(epoch)
+        yield from loader
+        epoch += 1
 
 
 def main() -> None:
@@ -49,7 +58,7 @@ def main() -> None:
     torch.manual_seed(0)
     model = build_model(args.params_m)
     g = torch.Generator().manual_seed(1)
-    n = args.batch * world * (args.steps + 5)
+    n = args.batch * world * 64  # a fixed-size set; the loader cycles through epochs
     data = TensorDataset(torch.randn(n, 64, generator=g), torch.randn(n, 1, generator=g))
     loader = DataLoader(data, batch_size=args.batch, drop_last=True,
                         sampler=DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=3))
@@ -61,22 +70,19 @@ def main() -> None:
     else:
         model = torch.nn.parallel.DistributedDataParallel(model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        loop = ((i, None, b) for i, b in zip(range(args.steps), loader))
+        loop = ((i, None, b) for i, b in zip(range(args.steps), _cycle(loader)))
 
     times = []
     last = time.perf_counter()
     for index, step, batch in loop:
-        if step is not None:
-            step.__enter__()
-        x, y = batch
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        if args.step_sleep:
-            time.sleep(args.step_sleep)
-        if step is not None:
-            step.__exit__(None, None, None)
+        with step if step is not None else contextlib.nullcontext():
+            x, y = batch
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            if args.step_sleep:
+                time.sleep(args.step_sleep)
         now = time.perf_counter()
         if index >= args.warmup:
             times.append(now - last)

@@ -118,7 +118,7 @@ class Job:
                 raise TypeError(f"job.wrap() sets {key} itself")
         if not self._joiner:
             self._broadcast_from_rank0(model)
-        ddp = DistributedDataParallel(model, process_group=solo_group(), init_sync=False, **ddp_kwargs)
+        ddp = _LiveDDP(model, process_group=solo_group(), init_sync=False, **ddp_kwargs)
         ddp.register_comm_hook(self, _allreduce_hook)
         _fix_bucket_layout(ddp)
         buffers = [b for b in model.buffers()]
@@ -412,10 +412,28 @@ class Job:
                 _exit_quietly(0)
 
 
+class _LiveDDP(DistributedDataParallel):
+    """DistributedDataParallel that lists its parameters to the reducer last-layer first.
+
+    baton fixes the bucket layout at construction (see _fix_bucket_layout) from the
+    reducer's parameter order. Listing parameters in reverse puts the last layers, whose
+    gradients are ready first, in the first bucket: communication overlaps the backward
+    pass as it does with DDP's own rebuilt buckets.
+    """
+
+    def _build_params_for_reducer(self):  # noqa: ANN202 - torch's private hook point
+        params, expect_sparse = super()._build_params_for_reducer()
+        return list(reversed(params)), list(reversed(expect_sparse))
+
+
 def _allreduce_hook(job, bucket):  # DDP inspects real annotations; see below
-    world = job.world_size
-    fut = job.group.allreduce([bucket.buffer()]).get_future()
-    return fut.then(lambda f: f.value()[0].div_(world))
+    buffer = bucket.buffer()
+    buffer.div_(job.world_size)  # average as DDP's default hook does: divide, then sum
+    return job.group.allreduce([buffer]).get_future().then(_first)
+
+
+def _first(fut):
+    return fut.value()[0]
 
 
 _allreduce_hook.__annotations__ = {"bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}
