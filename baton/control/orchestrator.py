@@ -245,6 +245,8 @@ class Orchestrator:
             if rep.get("local_state") is not None:
                 info.local_state = rep["local_state"]
                 info.local_state_step = rep.get("local_state_step")
+            elif isinstance(rep.get("local_state_step"), int) and info.local_state is not None:
+                info.local_state_step = rep["local_state_step"]  # unchanged RNG, newer step
             if isinstance(rep.get("step_time"), (int, float)):
                 info.metrics["step_time"] = float(rep["step_time"])
 

@@ -20,7 +20,7 @@ import httpx
 
 log = logging.getLogger("baton.worker")
 
-HEARTBEAT_S = 0.25
+HEARTBEAT_S = float(os.environ.get("BATON_HEARTBEAT_S", "0.75"))
 
 
 class OrchestratorGone(RuntimeError):
@@ -148,7 +148,7 @@ class ControlChannel:
                 if time.time() - last_beat >= HEARTBEAT_S:
                     beat = dict(self.heartbeat)
                     if self.local_snapshot is not None:
-                        snap = self.local_snapshot()
+                        snap = self.local_snapshot()  # None when unchanged since the last beat
                         if snap is not None:
                             beat["local_state_step"], beat["local_state"] = snap
                     self._post(f"/v1/workers/{self.worker_id}/reports", {"type": "heartbeat", **beat})

@@ -91,6 +91,8 @@ class Job:
         self._step_times: list[float] = []
         self._metrics: dict[str, float] = {}
         self._boundary_rng: tuple[int, dict[str, Any]] | None = None
+        self._sent_rng: dict[str, Any] | None = None
+        self._sent_rng_step: int | None = None
         self._finished = False
         self.group.known_local_ports.add(server.address[1])
         self.group.known_remote_ports.update(_ports_of(os.environ.get(ENV_URL, ""), os.environ.get(ENV_STORE, "")))
@@ -202,10 +204,19 @@ class Job:
         self._boundary_rng = (index, statecap.capture_rng())
 
     def _encoded_snapshot(self) -> tuple[int, str] | None:
+        """The rank-local snapshot for the next heartbeat; None when the RNG streams did not
+        move since the last one sent (the common case: no dropout), to keep heartbeats small."""
         snap = self._boundary_rng
         if snap is None:
             return None
-        return snap[0], statecap.encode({"rng": snap[1]})
+        step, rng = snap
+        if self._sent_rng is not None and statecap.same_rng(self._sent_rng, rng):
+            if self._sent_rng_step != step:
+                self._ctl.heartbeat["local_state_step"] = step  # still valid at this step
+                self._sent_rng_step = step
+            return None
+        self._sent_rng, self._sent_rng_step = rng, step
+        return step, statecap.encode({"rng": rng})
 
     def _on_optimizer_step(self, *_: Any) -> None:
         self._optimizer_stepped = True

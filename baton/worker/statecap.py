@@ -82,6 +82,15 @@ def capture_rng() -> dict[str, Any]:
     return state
 
 
+def same_rng(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    if not torch.equal(a["torch"], b["torch"]) or a["python"] != b["python"]:
+        return False
+    if "numpy" in a and "numpy" in b:
+        na, nb = a["numpy"], b["numpy"]
+        return na[0] == nb[0] and bool((na[1] == nb[1]).all()) and na[2:] == nb[2:]
+    return True
+
+
 def restore_rng(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
