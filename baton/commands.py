@@ -143,7 +143,7 @@ def _events_offline(args: argparse.Namespace) -> dict[str, Any] | None:
     store = SqliteStore(run_dir.db)
     events = store.events()
     store.close()
-    done = [e for e in events if e.get("status") != "in-progress"]
+    done = [e for e in events if e.get("status") in ("resolved", "failed")]
     good = [e for e in done if e.get("resolved_without_rollback") and e.get("steps_lost") == 0]
     return {"events": events, "yoco_ratio": round(len(good) / len(done), 4) if done else None}
 

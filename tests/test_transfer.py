@@ -104,9 +104,9 @@ def test_corrupted_chunk_during_a_real_migration_is_resent(tmp_path):
     """A planned move where the leaver corrupts a chunk on the wire: the joiner re-fetches it
     and the run still ends bit for bit equal to an uninterrupted one."""
     args = ["--step-sleep", "0.03", "--width", "256"]
-    ref = Job(tmp_path, nproc=2, spares=0, steps=30, script_args=args, name="ref")
+    ref = Job(tmp_path, nproc=2, spares=0, steps=80, script_args=args, name="ref")
     assert ref.wait() == 0, ref.log()
-    job = Job(tmp_path, nproc=2, spares=1, steps=30, script_args=args, name="corrupt",
+    job = Job(tmp_path, nproc=2, spares=1, steps=80, script_args=args, name="corrupt",
               env={"BATON_FAULT_CORRUPT_CHUNKS": "0"})
     try:
         job.wait_step(5)

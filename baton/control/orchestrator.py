@@ -240,6 +240,7 @@ class Orchestrator:
                 return
             if isinstance(rep.get("step"), int):
                 info.step = rep["step"]
+                info.step_at = time.time()
             if isinstance(rep.get("metrics"), dict):
                 info.metrics = rep["metrics"]
             if rep.get("local_state") is not None:
@@ -307,6 +308,15 @@ class Orchestrator:
             self.ranks[w.rank].state = RankState.FINISHED
             self.ranks[w.rank].step = int(rep.get("step", self.ranks[w.rank].step))
         if all(i.state == RankState.FINISHED for i in self.ranks.values()):
+            op = self.op
+            if op is not None:
+                # The job reached its last step before the agreed boundary: nothing to move.
+                for move in op.moves.values():
+                    ev = self.events[move.event_id - 1]
+                    ev.status, ev.note = "cancelled", "the job finished before the agreed step boundary"
+                    self.store.put_event(ev.id, ev.to_json())
+                self._emit("cancelled", {"op": op.id, "reason": "job finished first"})
+                self.op = None
             self._emit("finished", {})
             self._end(0)
 
@@ -451,17 +461,22 @@ class Orchestrator:
         return op
 
     def _estimate_target(self) -> int:
-        """Pick a boundary ahead of the fastest rank, allowing for report and command latency."""
+        """Pick a boundary just ahead of where the fastest rank is now.
+
+        Step reports arrive with heartbeats, so each is extrapolated by its age at the
+        rank's step rate, plus ~50 ms for the pause to reach the ranks. Aiming short is
+        safe (a rank already past answers so and the target moves); aiming long only
+        costs steps of waiting for the move to start.
+        """
         now = time.time()
-        best = 0
+        best = 0.0
         for info in self.ranks.values():
-            best = max(best, info.step)
-        step_time = max((i.metrics.get("step_time", 0.0) for i in self.ranks.values()), default=0.0)
-        ahead = 2
-        if step_time > 0:
-            ahead += int(math.ceil(0.3 / step_time))  # heartbeat staleness + delivery
-        del now
-        return best + min(ahead, 50)
+            step_time = info.metrics.get("step_time", 0.0)
+            guess = float(info.step)
+            if step_time > 0 and info.step_at:
+                guess += (now - info.step_at + 0.05) / step_time
+            best = max(best, guess)
+        return int(math.ceil(best)) + 1
 
     def _advance_agree(self) -> None:
         op = self.op
@@ -726,7 +741,7 @@ class Orchestrator:
 
     # ------------------------------------------------------------------ views
     def yoco_ratio(self) -> float | None:
-        done = [e for e in self.events if e.status != "in-progress"]
+        done = [e for e in self.events if e.status in ("resolved", "failed")]
         if not done:
             return None
         good = [e for e in done if e.resolved_without_rollback and e.steps_lost == 0]

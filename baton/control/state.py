@@ -68,6 +68,7 @@ class RankInfo:
     worker: str | None = None
     state: RankState = RankState.STARTING
     step: int = 0  # index of the next step this rank will run
+    step_at: float = 0.0  # when `step` was reported
     metrics: dict[str, float] = field(default_factory=dict)
     # Last rank-local snapshot (RNG, data position), reported at step boundaries.
     # Used to rebuild a dead rank's private state; model/optimizer come from replicas.

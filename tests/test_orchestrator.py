@@ -1,0 +1,115 @@
+"""The orchestrator's decisions, driven directly: the boundary protocol and refusals.
+
+The scheduler here only records what it is asked to do; the end-to-end tests run the
+real local scheduler with real processes.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from baton.control.orchestrator import Config, Orchestrator, RequestError
+from baton.store.sqlite import SqliteStore
+
+
+class RecordingScheduler:
+    def __init__(self, n: int):
+        self.n = n
+        self.started: list[tuple[str, str]] = []
+        self.killed: list[str] = []
+
+    def slots(self) -> list[str]:
+        return [f"local/{i}" for i in range(self.n)]
+
+    def start(self, worker_id: str, slot: str) -> int:
+        self.started.append((worker_id, slot))
+        return 1000 + len(self.started)
+
+    def kill(self, worker_id: str, dump_stacks: bool = False) -> None:
+        self.killed.append(worker_id)
+
+
+def _running(tmp_path, world=2, spares=1) -> tuple[Orchestrator, RecordingScheduler]:
+    sched = RecordingScheduler(world + spares + 1)
+    orch = Orchestrator(Config(world_size=world, spares=spares), SqliteStore(tmp_path / "s.db"), sched)
+    orch.start()
+    for wid, _ in list(sched.started):
+        orch.register(wid, 1, ["127.0.0.1", 1])
+    for r in range(world):
+        orch.report(f"w{r}", {"type": "ready"})
+        orch.report(f"w{r}", {"type": "heartbeat", "step": 10})
+    return orch, sched
+
+
+def _commands(orch: Orchestrator, wid: str) -> list[dict]:
+    return orch.mail.wait(wid, 0, 0)
+
+
+def test_boundary_is_retargeted_when_a_rank_is_past_it(tmp_path):
+    orch, _ = _running(tmp_path)
+    op = orch.request_migration(0)["op"]
+    target = orch.op.target_step
+    # rank 0 accepts; rank 1 was already past the target
+    orch.report("w0", {"type": "pause_ack", "op": op, "ok": True, "next_step": target})
+    orch.report("w1", {"type": "pause_ack", "op": op, "ok": False, "next_step": target + 3})
+    assert orch.op.target_step == target + 5
+    pauses = [c for c in _commands(orch, "w0") if c["type"] == "pause"]
+    assert [p["at_step"] for p in pauses] == [target, target + 5]
+    for w in ("w0", "w1"):
+        orch.report(w, {"type": "pause_ack", "op": op, "ok": True, "next_step": target + 4})
+    assert orch.op.phase == "pausing"
+    for w in ("w0", "w1"):
+        orch.report(w, {"type": "paused", "op": op, "step": target + 5})
+    assert orch.op.phase == "forming"
+    assert any(c["type"] == "publish" and c["leave"] for c in _commands(orch, "w0"))
+    spare_form = [c for c in _commands(orch, "w2") if c["type"] == "form"]
+    assert spare_form and spare_form[0]["fetch_from"] == [("127.0.0.1", 1)]
+
+
+def test_a_move_is_cancelled_when_the_job_finishes_first(tmp_path):
+    orch, _ = _running(tmp_path)
+    orch.request_migration(1)
+    for w in ("w0", "w1"):
+        orch.report(w, {"type": "finished", "step": 11})
+    assert orch.exit_code == 0
+    ev = orch.event_list()[0]
+    assert ev["status"] == "cancelled" and "finished" in ev["note"]
+    assert orch.yoco_ratio() is None  # a cancelled move is not a failure
+
+
+def test_refusals_change_nothing(tmp_path):
+    orch, sched = _running(tmp_path)
+    with pytest.raises(RequestError, match="unknown rank 7") as e:
+        orch.request_migration(7)
+    assert e.value.status == 404
+    with pytest.raises(RequestError, match="unknown slot 'x/1'"):
+        orch.taint("x/1", "ecc")
+    orch.request_migration(0)
+    with pytest.raises(RequestError, match="already in progress") as e:
+        orch.request_migration(1)
+    assert e.value.status == 409
+    assert len(orch.event_list()) == 1
+
+
+def test_no_spare_for_a_planned_move_is_a_clear_conflict(tmp_path):
+    orch, _ = _running(tmp_path, spares=0)
+    with pytest.raises(RequestError, match="no spare available") as e:
+        orch.request_migration(0)
+    assert e.value.status == 409 and orch.op is None
+
+
+def test_a_lost_rank_during_startup_fails_clearly(tmp_path):
+    sched = RecordingScheduler(3)
+    orch = Orchestrator(Config(world_size=2, spares=1), SqliteStore(tmp_path / "s.db"), sched)
+    orch.start()
+    for wid, _ in list(sched.started):
+        orch.register(wid, 1, ["127.0.0.1", 1])
+    orch.worker_exited("w1", -9)
+    assert orch.exit_code == 1 and "during startup" in orch.failure
+
+
+def test_state_is_persisted_after_transitions(tmp_path):
+    orch, _ = _running(tmp_path)
+    orch.taint("local/3", "thermal")
+    rows = SqliteStore(tmp_path / "s.db").all("slot")
+    assert rows["local/3"]["taint"] == "thermal"
