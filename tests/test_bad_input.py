@@ -106,3 +106,20 @@ def test_user_bug_ends_the_job_with_its_traceback(tmp_path):
     assert "Traceback" in log and "train.py" in log
     # It is not treated as a hardware failure: nothing was migrated.
     assert job.events() == []
+
+
+def test_exit_code_is_the_scripts(tmp_path):
+    script = tmp_path / "exits.py"
+    script.write_text("import sys, baton\njob = baton.init()\nsys.exit(3 if job.rank == 0 else 0)\n")
+    out = subprocess.run([sys.executable, "-m", "baton.cli", "run", "--nproc", "2", "--spares", "0",
+                          "--run-dir", str(tmp_path / "run"), str(script)],
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 3, out.stderr
+
+
+def test_script_outside_baton_run_gets_a_clear_error(tmp_path):
+    script = tmp_path / "plain.py"
+    script.write_text("import baton\nbaton.init()\n")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                         env={k: v for k, v in __import__("os").environ.items() if not k.startswith("BATON_")})
+    assert out.returncode != 0 and "must run under `baton run`" in out.stderr

@@ -330,9 +330,7 @@ class Job:
                     if target != boundary:
                         self._feed.seek(state["local"]["data"])
                     boundary = target
-                with ctl.lock:
-                    ctl.abort_generation = None
-                    ctl.attention = False
+                self._clear_abort(gen)
                 self._form(gen)
             except Exception as exc:  # noqa: BLE001 - another failure while recovering
                 log.warning("recovery of generation %s failed (%s); waiting for the next plan", gen, exc)
@@ -364,12 +362,18 @@ class Job:
                 continue
             self._start_index = target
             log.info("formed generation %s", gen)
-            with self._ctl.lock:
-                self._ctl.abort_generation = None
-                self._ctl.attention = False
+            self._clear_abort(gen)
             self._ctl.report("formed", generation=gen, step=target, bytes=nbytes, seconds=secs)
             self._joiner = False
             return
+
+    def _clear_abort(self, generation: int) -> None:
+        """Forget aborts this generation answers; a newer one (a second failure) stays set,
+        so forming `generation` is abandoned at once instead of waiting for its timeout."""
+        with self._ctl.lock:
+            if self._ctl.abort_generation is not None and self._ctl.abort_generation <= generation:
+                self._ctl.abort_generation = None
+            self._ctl.attention = self._ctl.abort_generation is not None
 
     # ------------------------------------------------------------------ internals: state
     def _capture(self, boundary: int, full: bool) -> dict[str, Any]:
