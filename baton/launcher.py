@@ -115,7 +115,7 @@ def run(opts: RunOptions, listeners: list[Callable[[str, dict[str, Any]], None]]
     if started is not None:
         started(orch, api.url, token)
     try:
-        while not orch.done.wait(0.1):
+        while not orch.done.wait(0.25):
             orch.tick()
     finally:
         for s, h in previous.items():

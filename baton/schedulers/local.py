@@ -28,8 +28,6 @@ class LocalScheduler:
         self._procs: dict[str, subprocess.Popen] = {}
         self._lock = threading.Lock()
         self._stopped = threading.Event()
-        self._monitor = threading.Thread(target=self._watch, name="baton-local-scheduler", daemon=True)
-        self._monitor.start()
 
     def slots(self) -> list[str]:
         return [f"local/{i}" for i in range(self.num_slots)]
@@ -40,6 +38,9 @@ class LocalScheduler:
                                 start_new_session=True)
         with self._lock:
             self._procs[worker_id] = proc
+        # One waiter per process: a death is reported the instant it happens, at no idle cost.
+        threading.Thread(target=self._wait, args=(worker_id, proc), name=f"baton-wait-{worker_id}",
+                         daemon=True).start()
         return proc.pid
 
     def kill(self, worker_id: str, dump_stacks: bool = False) -> None:
@@ -69,18 +70,12 @@ class LocalScheduler:
         with self._lock:
             return [w for w, p in self._procs.items() if p.poll() is None]
 
-    def _watch(self) -> None:
-        while not self._stopped.is_set():
-            with self._lock:
-                items = list(self._procs.items())
-            for wid, proc in items:
-                code = proc.poll()
-                if code is not None:
-                    with self._lock:
-                        self._procs.pop(wid, None)
-                    if self.on_exit is not None:
-                        self.on_exit(wid, code)
-            time.sleep(0.02)
+    def _wait(self, worker_id: str, proc: subprocess.Popen) -> None:
+        code = proc.wait()
+        with self._lock:
+            self._procs.pop(worker_id, None)
+        if self.on_exit is not None and not self._stopped.is_set():
+            self.on_exit(worker_id, code)
 
     def shutdown(self, grace_s: float = 5.0) -> None:
         """Ask every remaining worker to stop (SIGTERM), then kill what is left."""
