@@ -71,6 +71,9 @@ def test_a_move_is_cancelled_when_the_job_finishes_first(tmp_path):
     orch.request_migration(1)
     for w in ("w0", "w1"):
         orch.report(w, {"type": "finished", "step": 11})
+    assert orch.exit_code is None  # ranks may still run code after finish(): wait for them
+    orch.worker_exited("w0", 0)
+    orch.worker_exited("w1", 0)
     assert orch.exit_code == 0
     ev = orch.event_list()[0]
     assert ev["status"] == "cancelled" and "finished" in ev["note"]

@@ -120,8 +120,9 @@ class ApiServer:
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
         self.host, self.port = self.sock.getsockname()[:2]
+        self.orch = orch
         config = uvicorn.Config(create_app(orch, token), log_level="warning", access_log=False,
-                                timeout_keep_alive=75)
+                                timeout_keep_alive=75, timeout_graceful_shutdown=2)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self._serve, name="baton-api", daemon=True)
 
@@ -150,5 +151,6 @@ class ApiServer:
             time.sleep(0.01)
 
     def stop(self) -> None:
+        self.orch.mail.close()  # long-polls return now instead of at their timeout
         self.server.should_exit = True
         self.thread.join(timeout=5)

@@ -16,6 +16,7 @@ class Mailboxes:
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._boxes: dict[str, list[dict[str, Any]]] = {}
+        self._closed = False
 
     def post(self, worker_id: str, command: dict[str, Any]) -> None:
         with self._cond:
@@ -31,10 +32,12 @@ class Mailboxes:
                 if len(box) > after:
                     return box[after:]
                 remaining = deadline - time.monotonic()
-                if remaining <= 0:
+                if remaining <= 0 or self._closed:
                     return []
                 self._cond.wait(remaining)
 
-    def wake_all(self) -> None:
+    def close(self) -> None:
+        """Release every waiting poll now (the job is over and the API is shutting down)."""
         with self._cond:
+            self._closed = True
             self._cond.notify_all()

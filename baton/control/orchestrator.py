@@ -119,6 +119,7 @@ class Orchestrator:
         self._op_ids = 0
         self._worker_ids = 0
         self.exit_code: int | None = None  # set when the job is over
+        self._training_done = False  # every rank reported finished
         self.failure: str | None = None  # user error text that ended the job
         self.done = threading.Event()
         self._last_persist = 0.0
@@ -307,7 +308,8 @@ class Orchestrator:
         if w.rank is not None and self.ranks[w.rank].worker == w.id:
             self.ranks[w.rank].state = RankState.FINISHED
             self.ranks[w.rank].step = int(rep.get("step", self.ranks[w.rank].step))
-        if all(i.state == RankState.FINISHED for i in self.ranks.values()):
+        if all(i.state == RankState.FINISHED for i in self.ranks.values()) and not self._training_done:
+            self._training_done = True
             op = self.op
             if op is not None:
                 # The job reached its last step before the agreed boundary: nothing to move.
@@ -318,6 +320,21 @@ class Orchestrator:
                 self._emit("cancelled", {"op": op.id, "reason": "job finished first"})
                 self.op = None
             self._emit("finished", {})
+            # Spares are no longer needed; ranks may still run code after job.finish()
+            # (saving a checkpoint, say): the job ends when their processes exit.
+            for spare in self.workers.values():
+                if spare.role in (WorkerRole.SPARE, WorkerRole.STARTING):
+                    spare.role = WorkerRole.GONE
+                    self.mail.post(spare.id, {"type": "stop", "reason": "training finished"})
+                    if self.scheduler is not None and spare.pid is None:
+                        self.scheduler.kill(spare.id)
+        self._maybe_end_after_finish()
+
+    def _maybe_end_after_finish(self) -> None:
+        if not self._training_done:
+            return
+        rank_workers = {i.worker for i in self.ranks.values()}
+        if all(self.workers[w].role == WorkerRole.GONE for w in rank_workers if w):
             self._end(0)
 
     def _on_user_error(self, w: Worker, rep: dict[str, Any]) -> None:
@@ -357,7 +374,9 @@ class Orchestrator:
                 self._emit("user-error", {"rank": w.rank, "exit_code": returncode})
                 w.role = WorkerRole.GONE
                 self._end(returncode)
-            elif returncode == 0 and prev == WorkerRole.RANK and w.rank is not None:
+            elif prev == WorkerRole.RANK and w.rank is not None and (
+                    returncode == 0 or self.ranks[w.rank].state == RankState.FINISHED):
+                # A clean exit (or any end after the rank reported finished) is completion.
                 w.role = WorkerRole.GONE
                 self._on_finished(w, {"step": self.ranks[w.rank].step})
             else:
@@ -710,7 +729,6 @@ class Orchestrator:
                 if w.role != WorkerRole.GONE and self.scheduler is not None and w.id != spare_worker:
                     self.scheduler.kill(w.id)
         self.done.set()
-        self.mail.wake_all()
 
     def _check_running(self) -> None:
         if self.exit_code is not None:

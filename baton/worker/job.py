@@ -11,6 +11,7 @@ other exception is the user's own bug and ends the job with its traceback.
 
 from __future__ import annotations
 
+import atexit
 import faulthandler
 import logging
 import os
@@ -190,6 +191,9 @@ class Job:
         self._ctl.flush()
         self._ctl.stop()
         self._server.close()
+        # Interpreter teardown would destroy gloo groups with the GIL held, which can hang;
+        # once the script is done, leave without it (after the script's own atexit work).
+        atexit.register(_exit_now)
 
     # ------------------------------------------------------------------ internals: steady state
     def _note_boundary(self, index: int, step_time: float) -> None:
@@ -550,10 +554,21 @@ def _warm_up() -> None:
 _KEEP_ALIVE: list[Any] = []
 
 
+_EXIT_CODE = [0]
+
+
+def _exit_now() -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(_EXIT_CODE[0])
+
+
 def _install_excepthook(ctl: ControlChannel) -> None:
     previous = sys.excepthook
 
     def hook(exc_type, exc, tb):  # noqa: ANN001
+        _EXIT_CODE[0] = 1
         if not issubclass(exc_type, KeyboardInterrupt):
             try:
                 text = "".join(traceback.format_exception(exc_type, exc, tb))
