@@ -133,3 +133,23 @@ def test_no_spare_pauses_with_a_message_then_resumes(tmp_path, reference):
         assert order.index("waiting-for-spare") < order.index("resolved")
     finally:
         job.kill()
+
+
+def test_leaver_killed_during_a_planned_move(tmp_path, reference):
+    """kill -9 of the leaving rank while its planned move is under way: the move is
+    superseded, the spare already chosen takes the rank with state from the survivors."""
+    job = Job(tmp_path, nproc=NPROC, spares=1, steps=STEPS, script_args=["--step-sleep", "0.3"])
+    try:
+        job.wait_step(4)
+        pid = job.rank_pid(1)
+        job.client.migrate(1)
+        os.kill(pid, signal.SIGKILL)
+        assert job.wait() == 0, job.log()
+        assert bitwise_equal(job.params(), reference), job.log()
+        events = job.events()
+        assert [e["kind"] for e in events] == ["planned", "unplanned"], events
+        assert events[0]["status"] == "failed" and "superseded" in events[0]["note"]
+        assert events[1]["status"] == "resolved" and events[1]["rank"] == 1
+        assert events[1]["steps_lost"] == 0
+    finally:
+        job.kill()

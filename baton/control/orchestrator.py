@@ -538,20 +538,25 @@ class Orchestrator:
     # ------------------------------------------------------------------ unplanned
     def _open_recovery(self, cause: str, dead_rank: int | None = None, dead_worker: Worker | None = None) -> None:
         op = self.op
+        carried: dict[int, str] = {}  # rank -> joiner that can take it over in the recovery
         if op is not None and op.kind != EventKind.UNPLANNED:
             # A failure in the middle of a planned move: fold everything into one recovery.
             self._emit("note", {"message": f"failure during {op.kind.value} migration: recovering instead"})
-            for move in op.moves.values():
+            for rank, move in op.moves.items():
                 ev = self.events[move.event_id - 1]
-                ev.status, ev.note = "failed", "superseded by an unplanned failure"
-                if move.to_worker and self.workers[move.to_worker].role == WorkerRole.RANK:
-                    # The joiner never took over: it goes back to being usable as a spare
-                    # holder for the same rank in the recovery below.
-                    pass
-                if move.from_worker:
-                    leaver = self.workers[move.from_worker]
-                    if leaver.role == WorkerRole.LEAVING:
-                        leaver.role = WorkerRole.RANK
+                ev.status, ev.note = "failed", "superseded by an unplanned failure during the move"
+                self.store.put_event(ev.id, ev.to_json())
+                joiner = self.workers.get(move.to_worker or "")
+                if joiner is None or joiner.role != WorkerRole.RANK:
+                    continue
+                if move.from_worker == (dead_worker.id if dead_worker else None):
+                    carried[rank] = joiner.id  # the leaver died: its joiner takes the rank over
+                else:
+                    # The leaver lives on as a survivor; the joiner (already running the
+                    # script as that rank) cannot serve another rank: stop it, free the slot.
+                    joiner.role = WorkerRole.GONE
+                    if self.scheduler is not None:
+                        self.scheduler.kill(joiner.id)
             op = None
             self.op = None
         if op is None:
@@ -568,7 +573,8 @@ class Orchestrator:
         if dead_rank is not None and dead_rank not in op.moves:
             ev = self._new_event(EventKind.UNPLANNED, cause, dead_rank, dead_worker.slot if dead_worker else None)
             op.moves[dead_rank] = Move(rank=dead_rank, event_id=ev.id,
-                                       from_worker=dead_worker.id if dead_worker else None)
+                                       from_worker=dead_worker.id if dead_worker else None,
+                                       to_worker=carried.get(dead_rank))
             op.boundaries.pop(dead_rank, None)
             if op.phase in ("forming", "spares"):
                 # Lost someone while forming: everyone goes back to collecting.

@@ -282,22 +282,25 @@ class Job:
                 return index
             if cmd["type"] == "publish":
                 self._publish(int(cmd["generation"]), index, full=True)
-                if cmd.get("leave"):
-                    self._leave()
+                if cmd.get("leave") and not self._leave():
+                    # The move was superseded by a failure elsewhere: stay, as a survivor.
+                    self._server.retract()
+                    return self._recover(index, None)
             if cmd["type"] == "abort":
                 return self._recover(index, None)
 
-    def _leave(self) -> None:
-        """This rank moved to a spare: wait until the orchestrator confirms, then exit."""
+    def _leave(self) -> bool:
+        """This rank moved to a spare: wait until the orchestrator confirms, then exit.
+
+        Returns False (without exiting) when the move is called off by a failure elsewhere."""
         ctl = self._ctl
-        deadline = time.time() + self._formation_timeout + 60
-        while time.time() < deadline:
+        while True:
             cmd = ctl.wait_command(0.5)
             if cmd is not None and cmd["type"] in ("release", "stop"):
                 break
-            if cmd is not None and cmd["type"] == "abort":
-                # The handover failed; the orchestrator will recover the rank elsewhere.
-                break
+            with ctl.lock:
+                if ctl.abort_generation is not None:
+                    return False
         ctl.report("left")
         ctl.flush()
         sys.stdout.flush()
