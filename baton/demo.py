@@ -67,7 +67,7 @@ class Progress:
         loss = job["ranks"][0].get("metrics", {}).get("loss")
         now = time.time()
         if step != self.last_step and now - self.last_print > 0.5:
-            slots = " ".join(f"r{r['rank']}@{r['slot']}" for r in job["ranks"])
+            slots = " ".join(f"r{r['rank']}@{r['slot'] or '-'}" for r in job["ranks"])
             loss_txt = f"loss {loss:.4f}" if loss is not None else "loss -"
             print(f"  step {step:>4}  {loss_txt}  [{job['state']}]  {slots}", flush=True)
             self.last_step, self.last_print = step, now
