@@ -138,14 +138,13 @@ def _events_offline(args: argparse.Namespace) -> dict[str, Any] | None:
     run_dir = RunDir(args.run_dir or default_dir())
     if args.url or not run_dir.db.exists():
         return None
+    from baton.control.state import yoco_ratio
     from baton.store.sqlite import SqliteStore
 
     store = SqliteStore(run_dir.db)
     events = store.events()
     store.close()
-    done = [e for e in events if e.get("status") in ("resolved", "failed")]
-    good = [e for e in done if e.get("resolved_without_rollback") and e.get("steps_lost") == 0]
-    return {"events": events, "yoco_ratio": round(len(good) / len(done), 4) if done else None}
+    return {"events": events, "yoco_ratio": yoco_ratio(events)}
 
 
 def cmd_events(args: argparse.Namespace) -> int:

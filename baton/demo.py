@@ -19,6 +19,7 @@ from typing import Any
 
 from baton.commands import format_events
 from baton.control.client import ApiClient
+from baton.control.state import yoco_ratio
 from baton.rundir import RunDir
 
 TRAIN = Path(__file__).parent / "examples" / "train.py"
@@ -162,8 +163,9 @@ def main(steps: int = 300, run_dir: Path | None = None) -> int:
     resolved = all(e["status"] == "resolved" and e["steps_lost"] == 0 for e in events)
     print(f"\nfinal parameters equal to the uninterrupted reference run: "
           f"{'YES, bit for bit' if equal else 'NO'} ({len(ref_params)} tensors, {n:,} parameters)")
+    yoco = yoco_ratio(events)
     print(f"every failure resolved without rollback: {'yes' if resolved else 'no'}  "
-          f"(YOCO ratio {sum(1 for e in events if e['status'] == 'resolved') / max(1, len(events)):.0%})")
+          f"(YOCO ratio {'n/a' if yoco is None else f'{yoco:.0%}'})")
     return 0 if equal and resolved and len(events) == 3 else 1
 
 

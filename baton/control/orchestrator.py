@@ -35,6 +35,7 @@ from baton.control.state import (
     Worker,
     WorkerRole,
     to_json,
+    yoco_ratio,
 )
 from baton.store.sqlite import SqliteStore
 
@@ -765,11 +766,7 @@ class Orchestrator:
 
     # ------------------------------------------------------------------ views
     def yoco_ratio(self) -> float | None:
-        done = [e for e in self.events if e.status in ("resolved", "failed")]
-        if not done:
-            return None
-        good = [e for e in done if e.resolved_without_rollback and e.steps_lost == 0]
-        return round(len(good) / len(done), 4)
+        return yoco_ratio([e.to_json() for e in self.events])
 
     def status(self) -> dict[str, Any]:
         with self._lock:

@@ -103,6 +103,18 @@ class Event:
         return out
 
 
+def yoco_ratio(events: list[dict[str, Any]]) -> float | None:
+    """Share of failure events resolved with no lost progress; None before any has ended.
+
+    Moves still in progress or cancelled (the job finished first) are not failures to count.
+    """
+    done = [e for e in events if e.get("status") in ("resolved", "failed")]
+    if not done:
+        return None
+    good = [e for e in done if e.get("resolved_without_rollback") and e.get("steps_lost") == 0]
+    return round(len(good) / len(done), 4)
+
+
 def to_json(obj: Any) -> Any:
     """Dataclass -> JSON-safe dict, with enums as their values."""
     if dataclasses.is_dataclass(obj):

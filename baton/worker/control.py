@@ -148,9 +148,11 @@ class ControlChannel:
                 if time.time() - last_beat >= HEARTBEAT_S:
                     beat = dict(self.heartbeat)
                     if self.local_snapshot is not None:
-                        snap = self.local_snapshot()  # None when unchanged since the last beat
+                        snap = self.local_snapshot()
                         if snap is not None:
-                            beat["local_state_step"], beat["local_state"] = snap
+                            beat["local_state_step"] = snap[0]
+                            if snap[1] is not None:  # None: unchanged since the last beat
+                                beat["local_state"] = snap[1]
                     self._post(f"/v1/workers/{self.worker_id}/reports", {"type": "heartbeat", **beat})
                     last_beat = time.time()
             except OrchestratorGone:

@@ -71,7 +71,7 @@ class Job:
     """The handle a training script holds: its rank, the live group, and the step loop."""
 
     def __init__(self, ctl: ControlChannel, server: TransferServer, store: dist.Store, rank: int,
-                 world_size: int, generation: int, joiner: bool, config: dict[str, Any], token: str):
+                 world_size: int, joiner: bool, config: dict[str, Any], token: str):
         self.rank = rank
         self.world_size = world_size
         self.group = LiveGroup(rank, world_size)
@@ -93,7 +93,6 @@ class Job:
         self._metrics: dict[str, float] = {}
         self._boundary_rng: tuple[int, dict[str, Any]] | None = None
         self._sent_rng: dict[str, Any] | None = None
-        self._sent_rng_step: int | None = None
         self._finished = False
         self.group.known_local_ports.add(server.address[1])
         self.group.known_remote_ports.update(_ports_of(os.environ.get(ENV_URL, ""), os.environ.get(ENV_STORE, "")))
@@ -207,19 +206,17 @@ class Job:
         # in the next step. It reaches the orchestrator with the next heartbeat.
         self._boundary_rng = (index, statecap.capture_rng())
 
-    def _encoded_snapshot(self) -> tuple[int, str] | None:
-        """The rank-local snapshot for the next heartbeat; None when the RNG streams did not
-        move since the last one sent (the common case: no dropout), to keep heartbeats small."""
+    def _encoded_snapshot(self) -> tuple[int, str | None] | None:
+        """(step, encoded rank-local snapshot) for the next heartbeat. The encoding is None when
+        the RNG streams did not move since the last one sent (the common case: no dropout):
+        the orchestrator's copy is then still valid at `step`, and heartbeats stay small."""
         snap = self._boundary_rng
         if snap is None:
             return None
         step, rng = snap
         if self._sent_rng is not None and statecap.same_rng(self._sent_rng, rng):
-            if self._sent_rng_step != step:
-                self._ctl.heartbeat["local_state_step"] = step  # still valid at this step
-                self._sent_rng_step = step
-            return None
-        self._sent_rng, self._sent_rng_step = rng, step
+            return step, None
+        self._sent_rng = rng
         return step, statecap.encode({"rng": rng})
 
     def _on_optimizer_step(self, *_: Any) -> None:
@@ -333,9 +330,7 @@ class Job:
                     self._publish(gen, boundary, full=False)
                 if cmd.get("fetch_from"):
                     state, nbytes, secs = self._fetch(cmd["fetch_from"], gen)
-                    self._load(state, local=False)
-                    if target != boundary:
-                        self._feed.seek(state["local"]["data"])
+                    self._load(state, local=False)  # also moves the data feed to `target`
                     boundary = target
                 self._clear_abort(gen)
                 self._form(gen)
@@ -533,7 +528,7 @@ def init() -> Job:
     rank, world = int(cmd["rank"]), int(cmd["world_size"])
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world))
-    return Job(ctl, server, store, rank, world, int(cmd["generation"]), bool(cmd["joiner"]), config, token)
+    return Job(ctl, server, store, rank, world, bool(cmd["joiner"]), config, token)
 
 
 def _warm_up() -> None:
