@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -39,6 +38,8 @@ T_PROCESS_START = time.time()
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+
+from common import free_port  # noqa: E402 - bench/ is on the path just above
 
 
 # ----------------------------------------------------------------------------- workload
@@ -155,10 +156,6 @@ def workload(argv: list[str]) -> None:
 
 
 # ----------------------------------------------------------------------------- driver
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _read_events(path: Path) -> list[dict]:
@@ -184,7 +181,7 @@ def run_once(run_dir: Path, *, nproc: int, steps: int, ckpt_every: int, params_m
            # c10d rendezvous: a fresh round per restart (static rendezvous reuses the store, and the
            # restarted ranks then dial the dead ranks' gloo addresses)
            "--max-restarts", str(max_restarts), "--rdzv-backend", "c10d",
-           "--rdzv-endpoint", f"127.0.0.1:{_free_port()}",
+           "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
            str(Path(__file__).resolve()), "--run-dir", str(run_dir), "--steps", str(steps),
            "--ckpt-every", str(ckpt_every), "--params-m", str(params_m), "--step-sleep", str(step_sleep),
            *(["--fixed-buckets"] if fixed_buckets else [])]
@@ -225,7 +222,6 @@ def run_once(run_dir: Path, *, nproc: int, steps: int, ckpt_every: int, params_m
     ok = proc.returncode == 0 and any(e["ev"] == "done" for e in events)
     executed = sum(1 for e in events if e["ev"] == "step")
     saves = [e["save_s"] for e in events if e["ev"] == "save"]
-    resumes = [e for e in events if e["ev"] == "resume"]
     step_times = [b["t"] - a["t"] for a, b in zip(events, events[1:])
                   if a["ev"] == "step" and b["ev"] == "step" and a["attempt"] == b["attempt"]]
     per_failure = []

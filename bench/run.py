@@ -29,6 +29,8 @@ import time
 from multiprocessing import get_context
 from pathlib import Path
 
+from common import free_port  # bench/ is on the path: run as `python bench/run.py`
+
 REPO = Path(__file__).resolve().parent.parent
 WORKLOAD = REPO / "bench" / "workload.py"
 PY = sys.executable
@@ -45,7 +47,7 @@ def _run_workload(mode: str, params_m: float, nproc: int, steps: int, tmp: Path)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     if mode == "ddp":
         cmd = [PY, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-               str(_free_port()), str(WORKLOAD), *args]
+               str(free_port()), str(WORKLOAD), *args]
     else:
         cmd = [PY, "-m", "baton.cli", "run", "--nproc", str(nproc), "--spares", "0", "--quiet",
                "--run-dir", str(tmp / f"run-{time.time_ns()}"), str(WORKLOAD), *args]
@@ -247,10 +249,6 @@ def main() -> int:
     return 0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -32,13 +31,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from common import cycle, free_port  # noqa: E402 - bench/ is on the path just above
 
-def _cycle(loader):
-    epoch = 0
-    while True:
-        loader.sampler.set_epoch(epoch)
-        yield from loader
-        epoch += 1
+
 
 
 def workload(argv: list[str]) -> None:
@@ -86,7 +81,7 @@ def workload(argv: list[str]) -> None:
 
     times = []
     last = time.perf_counter()
-    for i, (x, y) in zip(range(args.steps), _cycle(loader)):
+    for i, (x, y) in zip(range(args.steps), cycle(loader)):
         opt.zero_grad()  # starts the quorum
         loss = torch.nn.functional.mse_loss(ddp(x), y)
         loss.backward()
@@ -103,10 +98,6 @@ def workload(argv: list[str]) -> None:
 
 
 # ----------------------------------------------------------------------------- driver
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _median_range(xs: list[float]) -> dict:
@@ -114,7 +105,7 @@ def _median_range(xs: list[float]) -> dict:
 
 
 def run_torchft(nproc: int, params_m: float, steps: int, tmp: Path, timeout: float = 600) -> dict:
-    lh_port = _free_port()
+    lh_port = free_port()
     lighthouse = Path(sys.executable).parent / "torchft_lighthouse"
     lh = subprocess.Popen([str(lighthouse), "--min_replicas", str(nproc), "--quorum_tick_ms", "100",
                            "--join_timeout_ms", "10000", "--bind", f"[::]:{lh_port}"],
@@ -127,7 +118,7 @@ def run_torchft(nproc: int, params_m: float, steps: int, tmp: Path, timeout: flo
             env = {**os.environ, "OMP_NUM_THREADS": "1", "REPLICA_GROUP_ID": str(r),
                    "NUM_REPLICA_GROUPS": str(nproc), "TORCHFT_LIGHTHOUSE": f"http://127.0.0.1:{lh_port}"}
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port",
-                   str(_free_port()), str(Path(__file__).resolve()), "--params-m", str(params_m),
+                   str(free_port()), str(Path(__file__).resolve()), "--params-m", str(params_m),
                    "--steps", str(steps), "--out", str(out)]
             procs.append(subprocess.Popen(cmd, env=env, stdout=open(tmp / f"replica{r}.log", "a"),
                                           stderr=subprocess.STDOUT, start_new_session=True))
@@ -147,7 +138,7 @@ def run_torchft(nproc: int, params_m: float, steps: int, tmp: Path, timeout: flo
 def run_ddp(nproc: int, params_m: float, steps: int, tmp: Path) -> dict:
     out = tmp / f"ddp-{time.time_ns()}.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-           str(_free_port()), str(HERE / "workload.py"), "--mode", "ddp", "--params-m", str(params_m),
+           str(free_port()), str(HERE / "workload.py"), "--mode", "ddp", "--params-m", str(params_m),
            "--steps", str(steps), "--out", str(out)]
     subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
                    stderr=subprocess.DEVNULL, timeout=600)

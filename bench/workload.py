@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from common import cycle  # bench/ is on the path: this file runs as a script
+
 
 def build_model(params_m: float, width: int = 1024) -> torch.nn.Module:
     depth = max(1, round(params_m * 1e6 / (width * width + width)))
@@ -26,12 +28,6 @@ def build_model(params_m: float, width: int = 1024) -> torch.nn.Module:
     return torch.nn.Sequential(*layers)
 
 
-def _cycle(loader):
-    epoch = 0
-    while True:
-        loader.sampler.set_epoch(epoch)
-        yield from loader
-        epoch += 1
 
 
 def main() -> None:
@@ -70,7 +66,7 @@ def main() -> None:
     else:
         model = torch.nn.parallel.DistributedDataParallel(model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        loop = ((i, None, b) for i, b in zip(range(args.steps), _cycle(loader)))
+        loop = ((i, None, b) for i, b in zip(range(args.steps), cycle(loader)))
 
     times = []
     last = time.perf_counter()
