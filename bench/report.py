@@ -1,0 +1,957 @@
+"""Turn one benchmark results file into the public page docs/benchmarks.md and its plots.
+
+    python bench/report.py                                  # the newest bench/results/bench-*.json
+    python bench/report.py bench/results/bench-<ts>.json    # a given results file
+    python bench/report.py RESULTS --repo /tmp/somewhere    # write <repo>/docs/... elsewhere
+
+The harness (bench/run.py) calls `write_report(result, results_path, repo)` at the end of
+`make bench`; `headline_rows(result)` gives the few (label, value) pairs for the README.
+
+Every figure on the page is printed as median (min-max) with n; comparisons are ratios
+taken within the same results file. Verdicts are derived from the numbers (a ratio whose
+range straddles the goal is reported as "not demonstrated"), and the caveats are derived
+from the machine, the preset and what is missing or skipped in the file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+PAGE = Path("docs") / "benchmarks.md"
+IMG_DIR = Path("docs") / "img"
+IMAGES = {"overhead": "bench-overhead.png", "failures": "bench-failures.png", "downtime": "bench-downtime.png"}
+OVERHEAD_GOAL = 1.01  # baton / plain DDP steady-state step time
+DOWNTIME_SLOPE_GOAL = 1.5  # downtime vs raw TCP copy of the same bytes, fit slope
+DASH = "–"  # en dash for ranges
+NONE = "—"  # em dash for "no value"
+LABELS = {"ddp": "plain DDP", "baton": "baton", "torchft": "TorchFT"}
+COLORS = {"ddp": "#7f8c8d", "baton": "#27ae60", "torchft": "#2980b9", "ckpt": "#c0392b"}
+SECTIONS = (("overhead", "1. Steady-state overhead"), ("failures", "2. Failures: time lost per failure"),
+            ("downtime", "3. Migration downtime vs state size"), ("gpu", "4. GPU state capture"))
+
+
+# ----------------------------------------------------------------------------- small helpers
+def _section(result: dict, name: str) -> tuple[dict | None, str | None]:
+    """(data, None) for a measured section, else (None, why it is not there)."""
+    sec = result.get(name)
+    if sec is None:
+        return None, "absent from the results file"
+    if not isinstance(sec, dict):
+        return None, f"unreadable in the results file ({type(sec).__name__})"
+    if "skipped" in sec:
+        return None, f"skipped: {sec['skipped']}"
+    return sec, None
+
+
+def _is_mr(x: Any) -> bool:
+    return isinstance(x, dict) and isinstance(x.get("median"), (int, float))
+
+
+def _decimals(x: float) -> int:
+    """Decimals for about three significant digits (never scientific notation)."""
+    a = abs(x)
+    if a == 0 or a >= 100:
+        return 0
+    return max(0, 2 - int(math.floor(math.log10(a))))
+
+
+def _num(x: float, dec: int | None = None) -> str:
+    return f"{x:,.{_decimals(x) if dec is None else dec}f}"
+
+
+def _time_unit(values: list[float]) -> tuple[str, float]:
+    """'ms' when every value is under a second, else 's' (one unit per column)."""
+    vals = [abs(v) for v in values if v is not None]
+    return ("ms", 1e3) if vals and max(vals) < 1.0 else ("s", 1.0)
+
+
+def _mr(mr: Any, unit: str = "", scale: float = 1.0, with_n: bool = False, rng: bool = True) -> str:
+    """'57.1 ms (52.0–61.9)' for a median/min/max/n dict; NONE when absent."""
+    if not _is_mr(mr):
+        return NONE
+    med = mr["median"] * scale
+    vals = [mr.get(k) for k in ("median", "min", "max") if isinstance(mr.get(k), (int, float))]
+    dec = 0 if all(float(v * scale).is_integer() for v in vals) else _decimals(med)
+    sp = " " if unit and unit not in ("×", "%") else ""
+    out = f"{_num(med, dec)}{sp}{unit}"
+    if rng and isinstance(mr.get("min"), (int, float)) and isinstance(mr.get("max"), (int, float)):
+        out += f" ({_num(mr['min'] * scale, dec)}{DASH}{_num(mr['max'] * scale, dec)})"
+    if with_n and mr.get("n") is not None:
+        out += f", n={mr['n']}"
+    return out
+
+
+def _mr_time(mr: Any, unit_scale: tuple[str, float], with_n: bool = False) -> str:
+    return _mr(mr, unit_scale[0], unit_scale[1], with_n)
+
+
+def _ratio(mr: Any, with_n: bool = False) -> str:
+    if not _is_mr(mr):
+        return NONE
+    out = f"{mr['median']:.2f}×"
+    if isinstance(mr.get("min"), (int, float)) and isinstance(mr.get("max"), (int, float)):
+        out += f" ({mr['min']:.2f}{DASH}{mr['max']:.2f})"
+    if with_n and mr.get("n") is not None:
+        out += f", n={mr['n']}"
+    return out
+
+
+def _secs(x: float | None) -> str:
+    """One duration, in ms under a second."""
+    if x is None:
+        return NONE
+    unit, scale = _time_unit([x])
+    return f"{_num(x * scale)} {unit}"
+
+
+def _secs_pair(a: float | None, b: float | None) -> str:
+    """'4.84 s / 0.34 s': two durations in the unit of the larger one."""
+    if a is None or b is None:
+        return f"{_secs(a)} / {_secs(b)}"
+    unit, scale = _time_unit([a, b])
+    return f"{_num(a * scale)} {unit} / {_num(b * scale)} {unit}"
+
+
+def _bytes(b: float | None) -> str:
+    if b is None:
+        return NONE
+    for unit, div in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if b >= div:
+            return f"{b / div:.4g} {unit}"
+    return f"{b:.0f} B"
+
+
+def _params(p: int | None) -> str:
+    if p is None:
+        return "?"
+    if p >= 1e9:
+        return f"{p / 1e9:.1f}B"
+    if p >= 1e5:
+        return f"{p / 1e6:.1f}M"
+    return f"{p / 1e3:.0f}k"
+
+
+def _med(mr: Any) -> float | None:
+    return mr["median"] if _is_mr(mr) else None
+
+
+def _n_note(mrs: list[Any]) -> tuple[str, bool]:
+    """('n = 5 runs per figure', False) when every n agrees, else ('', True): print n per cell."""
+    ns = {m.get("n") for m in mrs if _is_mr(m)}
+    if len(ns) == 1:
+        n = ns.pop()
+        return (f"n = {n}" if n is not None else ""), False
+    return "", bool(ns)
+
+
+def _min_n(obj: Any) -> int | None:
+    """Smallest n of any median/min/max/n figure inside obj."""
+    found: list[int] = []
+
+    def walk(o: Any) -> None:
+        if isinstance(o, dict):
+            if _is_mr(o) and isinstance(o.get("n"), int):
+                found.append(o["n"])
+            for v in o.values():
+                walk(v)
+        elif isinstance(o, list):
+            for v in o:
+                walk(v)
+
+    walk(obj)
+    return min(found) if found else None
+
+
+def _overlap(a: Any, b: Any) -> bool:
+    """Whether the min–max ranges of two figures overlap."""
+    if not (_is_mr(a) and _is_mr(b)):
+        return False
+    lo_a, hi_a = a.get("min", a["median"]), a.get("max", a["median"])
+    lo_b, hi_b = b.get("min", b["median"]), b.get("max", b["median"])
+    return lo_a <= hi_b and lo_b <= hi_a
+
+
+def _rel(path: Path, start: Path) -> str:
+    """path relative to start, with forward slashes; absolute when on another drive/tree."""
+    try:
+        return Path(os.path.relpath(path, start)).as_posix()
+    except ValueError:
+        return path.as_posix()
+
+
+def _display_path(results_path: Path, repo: Path) -> str:
+    try:
+        return results_path.resolve().relative_to(repo.resolve()).as_posix()
+    except ValueError:
+        return results_path.as_posix()
+
+
+def _contender_color(key: str) -> str:
+    return COLORS["ckpt"] if key.startswith("ckpt") else COLORS.get(key, "#8e44ad")
+
+
+def _failure_contenders(sec: dict) -> list[dict]:
+    return [c for c in sec.get("contenders") or [] if isinstance(c, dict)]
+
+
+def _find(contenders: list[dict], key: str) -> dict | None:
+    return next((c for c in contenders if c.get("key") == key), None)
+
+
+def _short_name(c: dict) -> str:
+    key = c.get("key", "")
+    if key.startswith("ckpt-k"):
+        return f"checkpoint-restart K={key[len('ckpt-k'):]}"
+    return LABELS.get(key, c.get("name") or key)
+
+
+def _reference_ddp(contenders: list[dict]) -> dict | None:
+    """Plain DDP run without kills: the failure-free reference of the failures section."""
+    c = _find(contenders, "ddp")
+    return c if c is not None and not c.get("failures") else None
+
+
+# ----------------------------------------------------------------------------- verdicts
+def _overhead_verdict(who: str, r: Any) -> str:
+    """One sentence on a contender/plain DDP ratio against the 1% goal, from its range."""
+    if not _is_mr(r):
+        return f"{who}: no ratio in the results."
+    med, lo, hi = r["median"], r.get("min", r["median"]), r.get("max", r["median"])
+    head = f"{who} / plain DDP = {_ratio(r, with_n=True)}: "
+    if hi <= OVERHEAD_GOAL:
+        return head + "within the 1% goal in every round."
+    if lo > OVERHEAD_GOAL:
+        return head + ("slower than plain DDP by more than 1% in every round; "
+                       "the 1% goal is missed at this size.")
+    if lo >= 1.0:
+        return head + (f"never faster than plain DDP, median overhead {100 * (med - 1):.1f}%; "
+                       f"the 1% goal is not demonstrated at this noise level.")
+    out = head + ("the spread between rounds is wider than the 1% being tested, so the 1% goal is not "
+                  "demonstrated at this noise level; neither is an overhead.")
+    if med < 1.0:
+        out += " A median below 1.00 is noise: baton runs the same DDP plus a control plane."
+    return out
+
+
+def _plain_ratio_sentence(who: str, r: Any) -> str:
+    if not _is_mr(r):
+        return f"{who}: no ratio in the results."
+    lo, hi = r.get("min", r["median"]), r.get("max", r["median"])
+    out = f"{who} / plain DDP = {_ratio(r, with_n=True)}"
+    if lo > 1.0:
+        out += ": slower than plain DDP in every round."
+    elif hi < 1.0:
+        out += ": faster than plain DDP in every round."
+    else:
+        out += ": the range includes 1.00."
+    return out
+
+
+# ----------------------------------------------------------------------------- headline rows
+def headline_rows(result: dict) -> list[tuple[str, str]]:
+    """4–6 short (label, value) pairs for the README's results table (fewer when sections are missing)."""
+    cands: list[tuple[int, int, str, str]] = []  # (priority, order on the page, label, value)
+
+    ov, _ = _section(result, "overhead")
+    if ov:
+        sizes = [s for s in ov.get("sizes") or [] if isinstance(s, dict)]
+        nproc = ov.get("nproc")
+        ranks = f", {nproc} ranks" if nproc else ""
+        for i, s in enumerate(sizes[:1] + sizes[1:][-1:]):
+            r = (s.get("ratio_vs_ddp") or {}).get("baton")
+            if _is_mr(r):
+                cands.append((1 if i == 0 else 5, 10 + i,
+                              f"steady-state step time, baton / plain DDP ({_params(s.get('params'))} params{ranks})",
+                              _ratio(r, with_n=True)))
+        for s in sizes[:1]:
+            r = (s.get("ratio_vs_ddp") or {}).get("torchft")
+            if _is_mr(r):
+                cands.append((6, 12, f"steady-state step time, TorchFT / plain DDP ({_params(s.get('params'))} params)",
+                              _ratio(r, with_n=True)))
+
+    fa, _ = _section(result, "failures")
+    if fa:
+        cs = _failure_contenders(fa)
+        bat = _find(cs, "baton")
+        ck = _find(cs, f"ckpt-k{fa.get('young_daly_k')}")
+        if bat and _is_mr(bat.get("lost_per_failure_s")):
+            b = bat["lost_per_failure_s"]
+            n = f", n={b['n']}" if b.get("n") is not None else ""
+            if ck and _is_mr(ck.get("lost_per_failure_s")):
+                c = ck["lost_per_failure_s"]
+                cands.append((2, 20, f"time lost per failure: {_short_name(ck)} / baton",
+                              f"{_secs_pair(c['median'], b['median'])} (medians{n})"))
+            else:
+                cands.append((2, 20, "time lost per failure, baton", _mr(b, "s", with_n=True)))
+
+    dt, _ = _section(result, "downtime")
+    if dt:
+        sizes = [s for s in dt.get("sizes") or [] if isinstance(s, dict) and s.get("state_bytes")]
+        if sizes:
+            big = max(sizes, key=lambda s: s["state_bytes"])
+            size = _bytes(big["state_bytes"])
+            p, u, t = _med(big.get("planned_s")), _med(big.get("unplanned_s")), _med(big.get("raw_tcp_s"))
+            if p is not None:
+                val = f"{_secs_pair(p, t)} = {p / t:.1f}×" if t else _secs(p)
+                cands.append((3, 30, f"planned move of {size}: downtime / raw TCP copy", val))
+            if u is not None:
+                val = _mr_time(big.get("unplanned_s"), _time_unit([u]))
+                if t:
+                    val += f", {u / t:.1f}× raw TCP"
+                cands.append((4, 31, f"unplanned recovery of {size}: kill -9 → all ranks running", val))
+
+    gpu, _ = _section(result, "gpu")
+    if gpu and _is_mr(gpu.get("capture_gbs")):
+        val = _mr(gpu["capture_gbs"], "GB/s")
+        frac = _gpu_capture_frac(gpu)
+        if frac is not None:
+            val += f", {100 * frac:.0f}% of raw D2H"
+        cands.append((7, 40, f"GPU state capture ({gpu.get('device', '?')})", val))
+
+    keep = sorted(cands)[:6]
+    return [(label, value) for _, _, label, value in sorted(keep, key=lambda c: c[1])]
+
+
+# ----------------------------------------------------------------------------- page sections
+def _header(result: dict, results_path: Path, repo: Path, page_dir: Path) -> list[str]:
+    shown = _display_path(results_path, repo)
+    link = _rel(results_path.resolve(), page_dir.resolve())
+    m = result.get("machine") or {}
+    dur = result.get("duration_s")
+    lines = [
+        "# Benchmarks",
+        "",
+        f"<!-- Generated by bench/report.py from {shown}. Do not edit by hand. -->",
+        f"*Generated by `bench/report.py` from [`{shown}`]({link}) — do not edit by hand; "
+        f"rerun `make bench` or `python bench/report.py {shown}`.*",
+        "",
+        f"Measured **{result.get('date', 'date unknown')}**, preset `{result.get('preset', '?')}`"
+        + (f", {dur / 60:.1f} min for the whole harness." if isinstance(dur, (int, float)) else "."),
+        "",
+        "| machine | |",
+        "|---|---|",
+        f"| CPUs | {m.get('cpus', '?')}" + (f" ({m['cpu_model']})" if m.get("cpu_model") else "") + " |",
+        f"| memory | {m['memory_gib']:.1f} GiB |" if isinstance(m.get("memory_gib"), (int, float))
+        else "| memory | ? |",
+        f"| platform | `{m.get('platform', '?')}` |",
+        f"| Python | {m.get('python', '?')} |",
+        f"| torch | {m.get('torch', '?')} |",
+        f"| torchft | {m.get('torchft') or 'not installed'} |",
+        "",
+        "Commands, exactly as run:",
+        "",
+        "```bash",
+        *(result.get("commands") or ([result["command"]] if result.get("command") else ["(not recorded)"])),
+        "```",
+        "",
+        "How to read the figures: every figure is the **median**, with the **min–max** over the runs in "
+        "brackets and **n** the number of runs behind it; min–max is the observed range, not a "
+        "confidence interval. Every comparison is a ratio between figures measured in this same "
+        "results file: step-time ratios are taken per round (the contenders of a round run back to "
+        "back) and then summarised; other ratios are ratios of the medians. Nothing here is compared "
+        "with another run or another machine.",
+        "",
+    ]
+    return lines
+
+
+def _summary(result: dict) -> list[str]:
+    rows = headline_rows(result)
+    if not rows:
+        return []
+    out = ["## Summary", "", "| what | result |", "|---|---|"]
+    out += [f"| {label} | {value} |" for label, value in rows]
+    return out + ["", "Details, definitions and the losing cases are in the sections below.", ""]
+
+
+def _reproduce() -> list[str]:
+    return [
+        "## How to reproduce",
+        "",
+        "```bash",
+        "make bench                     # quick preset; writes bench/results/bench-<timestamp>.json and this page",
+        "python bench/run.py --full     # full preset: more runs and sizes",
+        "python bench/report.py [bench/results/bench-<timestamp>.json]   # regenerate this page only",
+        "```",
+        "",
+        "The TorchFT contender runs from its own virtualenv (`bench/peers/setup.sh`); without it the "
+        "TorchFT rows are missing and the caveats below say so. The GPU section needs a CUDA device.",
+        "",
+    ]
+
+
+def _overhead_md(sec: dict, img: str | None) -> list[str]:
+    sizes = [s for s in sec.get("sizes") or [] if isinstance(s, dict)]
+    nproc, steps, warmup, runs = sec.get("nproc"), sec.get("steps"), sec.get("warmup"), sec.get("runs")
+    out = [
+        "**What is measured.** The same model, synthetic data and world size "
+        f"({nproc} ranks, one process each, gloo over loopback) trained for {steps} steps under each "
+        "launcher: plain `DistributedDataParallel` under `torchrun` (the baseline), baton "
+        "(`baton run`, `job.wrap` + `job.steps`, no spares) and TorchFT (its DDP wrapper, replica "
+        f"groups of one rank, lighthouse). The first {warmup} steps are left out; a run's figure is "
+        f"its median step time, and each cell is the median over {runs} runs with min–max. The "
+        "contenders run in rounds, back to back, and each ratio is contender / plain DDP within one "
+        "round, so a slow period of the machine affects both sides of the ratio; the ratio columns "
+        "are the median (min–max) over rounds, not the ratio of the step-time medians.",
+        "",
+    ]
+    if not sizes:
+        return out + ["No model sizes in the results.", ""]
+    keys = [k for k in ("ddp", "baton", "torchft") if any(k in (s.get("step_s") or {}) for s in sizes)]
+    keys += sorted({k for s in sizes for k in (s.get("step_s") or {})} - set(keys))
+    rkeys = [k for k in keys if k != "ddp" and any(k in (s.get("ratio_vs_ddp") or {}) for s in sizes)]
+    all_mrs = [m for s in sizes for m in [*(s.get("step_s") or {}).values(), *(s.get("ratio_vs_ddp") or {}).values()]]
+    note, per_cell = _n_note(all_mrs)
+    unit = _time_unit([_med(m) for s in sizes for m in (s.get("step_s") or {}).values() if _is_mr(m)])
+    out += [
+        f"Step time per launcher and ratio to plain DDP{f' ({note} per figure)' if note else ''}:",
+        "",
+        "| params | " + " | ".join(f"{LABELS.get(k, k)} step" for k in keys) + " | "
+        + " | ".join(f"{LABELS.get(k, k)} / plain DDP" for k in rkeys) + " |",
+        "|---:|" + "---:|" * (len(keys) + len(rkeys)),
+    ]
+    for s in sizes:
+        st, rt = s.get("step_s") or {}, s.get("ratio_vs_ddp") or {}
+        out.append(f"| {_params(s.get('params'))} | "
+                   + " | ".join(_mr_time(st.get(k), unit, per_cell) for k in keys) + " | "
+                   + " | ".join(_ratio(rt.get(k), per_cell) for k in rkeys) + " |")
+    out += [""]
+    for s in sizes:
+        rt = s.get("ratio_vs_ddp") or {}
+        label = f"{_params(s.get('params'))} params"
+        out.append(f"- {label}: " + _overhead_verdict("baton", rt.get("baton")))
+        if "torchft" in rt:
+            out.append(f"- {label}: " + _plain_ratio_sentence("TorchFT", rt.get("torchft")))
+        for k in rkeys:
+            if k not in ("baton", "torchft") and k in rt:
+                out.append(f"- {label}: " + _plain_ratio_sentence(LABELS.get(k, k), rt.get(k)))
+    out.append("")
+    if img:
+        out += [f"![steady-state step time per launcher and model size](img/{img})", ""]
+    return out
+
+
+def _failures_md(sec: dict, img: str | None) -> list[str]:
+    cs = _failure_contenders(sec)
+    kill_at = sec.get("kill_at") or []
+    ykey = f"ckpt-k{sec.get('young_daly_k')}"
+    save_s, mtbf_s, step_s = sec.get("save_s"), sec.get("mtbf_s"), sec.get("step_s")
+    young = ""
+    if all(isinstance(x, (int, float)) and x > 0 for x in (save_s, mtbf_s, step_s)):
+        tau = math.sqrt(2 * save_s * mtbf_s)
+        young = (f" (Young: √(2 · {_secs(save_s)} · {_secs(mtbf_s)}) = {_secs(tau)} = "
+                 f"{tau / step_s:.1f} steps of {_secs(step_s)})")
+    sleep = sec.get("step_sleep")
+    out = [
+        f"**What is measured.** One job — {sec.get('nproc')} ranks, {_params(sec.get('params'))} params, "
+        f"{sec.get('steps')} steps" + (f", each step padded with {_secs(sleep)} of sleep" if sleep else "")
+        + f" — run to completion under each contender while rank {sec.get('kill_rank')} is killed with "
+        f"`kill -9` at step{'s' if len(kill_at) != 1 else ''} {', '.join(str(k) for k in kill_at) or '?'}, "
+        f"{sec.get('runs')} rounds. Plain DDP under `torchrun` has no recovery, so it runs without kills "
+        "and is the failure-free reference. Checkpoint-restart is `torchrun --max-restarts` with "
+        "`torch.save` every K steps, resuming from the last checkpoint: "
+        f"K = {sec.get('young_daly_k')} is the Young/Daly interval for the measured save cost "
+        f"δ = {_secs(save_s)}, the mean time between this schedule's kills M = {_secs(mtbf_s)} and the "
+        f"measured step time{young}; K = {sec.get('other_k')} is shown for comparison. "
+        "**total** is the wall time of the whole job including process start-up; **train** is first "
+        "step to last step; **lost per failure** is (train − plain DDP's failure-free train in the same "
+        "round) / kills, so it also contains the contender's steady-state overhead over the whole job; "
+        "**stall** is kill → surviving rank 0 makes progress again; **params equal** "
+        "says whether the final parameters are bitwise equal to the same contender's own run without "
+        "kills.",
+        "",
+    ]
+    if not cs:
+        return out + ["No contenders in the results.", ""]
+    cols = [("total_s", "total job time"), ("train_s", "train time"), ("lost_per_failure_s", "lost per failure"),
+            ("stall_s", "stall after kill"), ("steps_recomputed", "steps recomputed"),
+            ("samples_dropped_frac", "batches dropped")]
+    cols = [(k, h) for k, h in cols if any(_is_mr(c.get(k)) for c in cs)]
+    note, per_cell = _n_note([c.get(k) for c in cs for k, _ in cols])
+    units = {k: _time_unit([_med(c.get(k)) for c in cs]) for k, _ in cols if k.endswith("_s")}
+    out += [f"Per contender{f' ({note} per figure)' if note else ''}:", "",
+            "| contender | kills per run | " + " | ".join(h for _, h in cols) + " | params equal |",
+            "|---|---:|" + "---:|" * len(cols) + "---|"]
+    for c in cs:
+        cells = []
+        for k, _ in cols:
+            v = c.get(k)
+            if k in units:
+                cells.append(_mr_time(v, units[k], per_cell))
+            elif k == "samples_dropped_frac":
+                cells.append(_mr(v, "%", 100.0, per_cell))
+            else:
+                cells.append(_mr(v, "", 1.0, per_cell))
+        pm = c.get("params_match")
+        pm_s = NONE if pm is None else ("yes" if pm else "**no**")
+        out.append(f"| {c.get('name') or c.get('key')} | {c.get('failures', '?')} | " + " | ".join(cells)
+                   + f" | {pm_s} |")
+    out.append("")
+
+    # comparisons, from the data
+    bullets: list[str] = []
+    ref = _reference_ddp(cs)
+    bat = _find(cs, "baton")
+    b_lost = bat.get("lost_per_failure_s") if bat else None
+    for c in cs:
+        if c is bat or not c.get("failures"):
+            continue
+        c_lost = c.get("lost_per_failure_s")
+        if not (_is_mr(c_lost) and _is_mr(b_lost)):
+            continue
+        cm, bm = c_lost["median"], b_lost["median"]
+        s = (f"Time lost per failure, {_short_name(c)} vs baton: {_mr(c_lost, 's')} vs {_mr(b_lost, 's')}")
+        if bm >= cm:
+            s += f": baton lost as much or more time per failure than {_short_name(c)} here."
+        elif bm > 0:
+            s += f": {_short_name(c)} lost {cm / bm:.1f}× as much as baton (ratio of medians)."
+        else:
+            s += f": baton's median is {_secs(bm)}, at or below the failure-free reference, i.e. within noise."
+        if _overlap(c_lost, b_lost):
+            s += " The ranges overlap, so this difference is not established by these runs."
+        bullets.append(s)
+    for c in cs:
+        if not c.get("failures") or not _is_mr(c.get("lost_per_failure_s")):
+            continue
+        lf = c["lost_per_failure_s"]
+        if lf.get("min", lf["median"]) < 0:
+            bullets.append(f"{_short_name(c)}: some rounds lost a negative amount of time per failure "
+                           f"(min {_secs(lf['min'])}): the kills cost less than the run-to-run noise of "
+                           "the failure-free reference.")
+    if ref and _is_mr(ref.get("total_s")):
+        r = ref["total_s"]
+        for c in cs:
+            if c is ref or not _is_mr(c.get("total_s")):
+                continue
+            t = c["total_s"]
+            bullets.append(f"Whole job, {_short_name(c)} with {c.get('failures', '?')} kills: {_mr(t, 's')}, "
+                           f"{t['median'] / r['median']:.2f}× the {_mr(r, 's')} of plain DDP without kills.")
+    for c in cs:
+        d = c.get("samples_dropped_frac")
+        if _is_mr(d) and d["median"] > 0:
+            bullets.append(f"{_short_name(c)} did not commit {_mr(d, '%', 100.0)} of its batches: it ran the "
+                           "same number of steps on fewer samples, so its times are not a like-for-like "
+                           "comparison with contenders that drop nothing.")
+    for c in cs:
+        if c.get("params_match") is False:
+            bullets.append(f"{_short_name(c)}: final parameters are **not** bitwise equal to "
+                           f"{c.get('reference') or 'its failure-free run'}.")
+    matched = [_short_name(c) for c in cs if c.get("params_match") is True]
+    if matched:
+        bullets.append("Final parameters bitwise equal to the contender's own failure-free run: "
+                       + ", ".join(matched) + ".")
+    if _find(cs, ykey) is None and sec.get("young_daly_k") is not None:
+        bullets.append(f"No checkpoint-restart result at the Young/Daly K = {sec.get('young_daly_k')}.")
+    if bat is None:
+        bullets.append("**baton has no result in this section.**")
+    out += [f"- {b}" for b in bullets] + ([""] if bullets else [])
+
+    notes = [(c.get("name") or c.get("key"), c.get("reference"), c.get("notes")) for c in cs]
+    notes = [(n, r, t) for n, r, t in notes if t or (r and r not in ("-", NONE))]
+    if notes:
+        out += ["Notes per contender:", ""]
+        for n, r, t in notes:
+            bits = [t] if t else []
+            if r and r not in ("-", NONE):
+                bits.append(f"parameters compared with {r}")
+            out.append(f"- {n}: " + "; ".join(bits) + ".")
+        out.append("")
+    if img:
+        out += [f"![total job time per contender](img/{img})", ""]
+    return out
+
+
+def _fit_sentence(kind: str, fit: Any) -> str:
+    if not isinstance(fit, dict) or not isinstance(fit.get("slope"), (int, float)):
+        return f"{kind}: no fit (needs two or more sizes)."
+    slope, c = fit["slope"], fit.get("intercept_s") or 0.0
+    s = f"{kind} downtime ≈ **{slope:.2f}** × raw TCP copy time {'+' if c >= 0 else '−'} {_secs(abs(c))}: "
+    if slope <= DOWNTIME_SLOPE_GOAL:
+        s += f"slope under the {DOWNTIME_SLOPE_GOAL}× aim."
+    else:
+        s += (f"slope **above** the {DOWNTIME_SLOPE_GOAL}× aim: a move costs more than "
+              f"{DOWNTIME_SLOPE_GOAL} raw copies of its state.")
+    if c < 0:
+        s += " (A negative constant is a fitting artefact of a few points, not a negative cost.)"
+    return s
+
+
+def _downtime_md(sec: dict, img: str | None) -> list[str]:
+    sizes = sorted((s for s in sec.get("sizes") or [] if isinstance(s, dict)), key=lambda s: s.get("state_bytes") or 0)
+    out = [
+        f"**What is measured.** A baton job of {sec.get('nproc')} ranks and {sec.get('spares')} warm spare"
+        f"{'s' if sec.get('spares') != 1 else ''}, whose state (fp32 model + AdamW moments) is grown "
+        f"step by step in size; at each size the harness makes {sec.get('moves')} planned moves "
+        "(`baton migrate`) and as many unplanned recoveries (`kill -9` of a rank). **planned** is the "
+        "ledger's downtime: first rank paused → every rank in the next process-group generation; "
+        "**unplanned** is `kill -9` → every rank in the next generation (the ledger's own figure, "
+        "from failure detection, beside it); **transfer** is the joiner's state fetch inside a planned "
+        "move. **raw TCP / raw shm** copy the same number of bytes between two plain processes over "
+        "loopback TCP / shared memory in the same run, right after the job: the floor for moving that "
+        "state over that medium. The fit is a least-squares line through the medians, downtime = "
+        f"slope × raw TCP copy time + constant; the aim is a slope under {DOWNTIME_SLOPE_GOAL} with a small constant.",
+        "",
+    ]
+    if not sizes:
+        return out + ["No state sizes in the results.", ""]
+    keys = [("planned_s", "planned"), ("unplanned_s", "unplanned"), ("unplanned_ledger_s", "unplanned (ledger)"),
+            ("transfer_s", "transfer"), ("raw_tcp_s", "raw TCP"), ("raw_shm_s", "raw shm")]
+    keys = [(k, h) for k, h in keys if any(_is_mr(s.get(k)) for s in sizes)]
+    note, per_cell = _n_note([s.get(k) for s in sizes for k, _ in keys])
+    units = {k: _time_unit([_med(s.get(k)) for s in sizes]) for k, _ in keys}
+    out += [f"Downtime and raw copies per state size{f' ({note} per figure)' if note else ''}; the last two "
+            "columns are ratios of medians:", "",
+            "| state | params | " + " | ".join(h for _, h in keys) + " | planned / TCP | unplanned / TCP |",
+            "|---:|---:|" + "---:|" * (len(keys) + 2)]
+    for s in sizes:
+        pt, ut = s.get("planned_over_tcp"), s.get("unplanned_over_tcp")
+        out.append(f"| {_bytes(s.get('state_bytes'))} | {_params(s.get('params'))} | "
+                   + " | ".join(_mr_time(s.get(k), units[k], per_cell) for k, _ in keys)
+                   + f" | {f'{pt:.2f}×' if isinstance(pt, (int, float)) else NONE}"
+                   + f" | {f'{ut:.2f}×' if isinstance(ut, (int, float)) else NONE} |")
+    out.append("")
+    fit = sec.get("fit") or {}
+    bullets = [_fit_sentence("Planned", fit.get("planned")), _fit_sentence("Unplanned", fit.get("unplanned"))]
+    big = sizes[-1]
+    t, shm = _med(big.get("raw_tcp_s")), _med(big.get("raw_shm_s"))
+    if t and shm:
+        bullets.append(f"At {_bytes(big.get('state_bytes'))} a raw shared-memory copy takes {_secs(shm)} against "
+                       f"{_secs(t)} over TCP ({t / shm:.1f}× faster); the ratios and the fit above are "
+                       "against TCP.")
+    small = sizes[0]
+    if len(sizes) > 1 and isinstance(small.get("planned_over_tcp"), (int, float)) and small["planned_over_tcp"] > 3:
+        bullets.append(f"At the smallest size ({_bytes(small.get('state_bytes'))}) planned downtime is "
+                       f"{small['planned_over_tcp']:.1f}× the raw copy: the fixed cost of a move dominates "
+                       "small states.")
+    out += [f"- {b}" for b in bullets] + [""]
+    if img:
+        out += [f"![migration downtime vs state size](img/{img})", ""]
+    return out
+
+
+def _gpu_md(sec: dict) -> list[str]:
+    out = [
+        "**What is measured.** Copying a rank's state from GPU memory to host memory, as a move "
+        "must before it can send it: **raw D2H** is a plain device-to-host copy of the same bytes; "
+        "**capture** is baton's capture of the state; **stream** is capture overlapped with "
+        "sending it on.",
+        "",
+        f"Device: {sec.get('device', '?')}, state {_bytes(sec.get('state_bytes'))}.",
+        "",
+        "| raw D2H | capture | capture | capture / raw (harness) | stream | stream |",
+        "|---:|---:|---:|---:|---:|---:|",
+        f"| {_mr(sec.get('d2h_raw_gbs'), 'GB/s', with_n=True)} | "
+        f"{_mr_time(sec.get('capture_s'), _time_unit([_med(sec.get('capture_s'))]), True)} | "
+        f"{_mr(sec.get('capture_gbs'), 'GB/s')} | "
+        + (f"{sec['capture_over_raw']:.2f}×" if isinstance(sec.get("capture_over_raw"), (int, float)) else NONE)
+        + f" | {_mr_time(sec.get('stream_s'), _time_unit([_med(sec.get('stream_s'))]), True)} | "
+        f"{_mr(sec.get('stream_gbs'), 'GB/s')} |",
+        "",
+    ]
+    frac = _gpu_capture_frac(sec)
+    if frac is not None:
+        out += [f"Capture runs at {100 * frac:.0f}% of the raw device-to-host bandwidth (ratio of medians)"
+                + (": slower than a plain copy." if frac < 1 else "."), ""]
+    return out
+
+
+def _gpu_capture_frac(sec: dict) -> float | None:
+    """capture GB/s over raw D2H GB/s, both medians of this run."""
+    cap, raw = _med(sec.get("capture_gbs")), _med(sec.get("d2h_raw_gbs"))
+    return cap / raw if cap is not None and raw else None
+
+
+def _caveats(result: dict, missing: dict[str, str]) -> list[str]:
+    m = result.get("machine") or {}
+    cav: list[str] = []
+    torch_v = str(m.get("torch") or "")
+    gpu, _ = _section(result, "gpu")
+    if gpu:
+        cav.append(f"Sections 1–3 ran on CPU with gloo; only section 4 used a GPU ({gpu.get('device', '?')}). "
+                   "NCCL is not measured.")
+    else:
+        cav.append(f"CPU only (torch {torch_v or '?'}): training runs on CPU with gloo. Nothing here measures "
+                   "NCCL, GPU memory or a real interconnect.")
+    cpus = m.get("cpus")
+    nprocs = [s.get("nproc") for s in (_section(result, k)[0] for k in ("overhead", "failures", "downtime"))
+              if s and isinstance(s.get("nproc"), int)]
+    if isinstance(cpus, int) and nprocs and cpus <= max(nprocs) + 1:
+        cav.append(f"{cpus} CPU core{'s' if cpus != 1 else ''} for up to {max(nprocs)} ranks plus launcher and "
+                   "control plane (baton's orchestrator and heartbeats, torchrun's agent, TorchFT's "
+                   "lighthouse): the machine is oversubscribed, so step times include scheduling contention "
+                   "and the control plane's CPU time is charged to its contender. Other load on the machine "
+                   "during the run is not controlled.")
+    cav.append("Single host: collectives are gloo over loopback and state moves over loopback TCP. Across "
+               "hosts the absolute times grow with the network; the ratio to a raw copy over the same "
+               "medium is the figure that compares.")
+    n = _min_n({k: result.get(k) for k in ("overhead", "failures", "downtime", "gpu")})
+    if n is not None and n < 5:
+        cav.append(f"Some figures rest on n = {n} runs: their min–max is the range of {n} values.")
+    if result.get("preset") == "quick":
+        cav.append("Quick preset: fewer runs and sizes than `python bench/run.py --full`.")
+    ov, _ = _section(result, "overhead")
+    if ov:
+        sizes = [s for s in ov.get("sizes") or [] if isinstance(s, dict)]
+        no_ft = [s for s in sizes if "torchft" not in (s.get("step_s") or {})]
+        if sizes and no_ft:
+            which = "any size" if len(no_ft) == len(sizes) else ", ".join(_params(s.get("params")) for s in no_ft)
+            cav.append(f"TorchFT has no steady-state figure at {which} (it runs from the peers virtualenv, "
+                       "`bench/peers/setup.sh`; " + ("torchft is not installed on this machine)."
+                                                     if not m.get("torchft") else "see the harness output)."))
+        lows = [_params(s.get("params")) for s in sizes
+                if _is_mr((s.get("ratio_vs_ddp") or {}).get("baton")) and s["ratio_vs_ddp"]["baton"].get("min", 1) < 1]
+        if lows:
+            cav.append(f"baton / plain DDP dips below 1.00 in some rounds ({', '.join(lows)} params). baton "
+                       "runs the same DDP plus a control plane, so those rounds measure noise; read the "
+                       "range, not the median.")
+    fa, _ = _section(result, "failures")
+    if fa:
+        cav.append("Failures are `kill -9` of a local process, and the warm spare is on the same host. "
+                   "Checkpoint-restart restarts processes on the same host with no node replacement, "
+                   f"scheduling or image pull and saves to local disk (δ = {_secs(fa.get('save_s'))}): in a "
+                   "cluster its loss per failure would grow by those times, and baton's by the state "
+                   "transfer over a real network.")
+        if fa.get("step_sleep"):
+            cav.append(f"In section 2 each step sleeps {_secs(fa['step_sleep'])} to stand in for compute, so "
+                       "that the job is long enough for its kills; absolute job times reflect that padding.")
+        cs = _failure_contenders(fa)
+        if not any(c.get("key") == "torchft" for c in cs):
+            cav.append("TorchFT has no result in the failures section.")
+        nulls = [_short_name(c) for c in cs if c.get("failures") and c.get("params_match") is None]
+        if nulls:
+            cav.append("Bitwise parameter equality was not checked for: " + ", ".join(nulls) + ".")
+    for name, title in SECTIONS:
+        if name in missing:
+            cav.append(f"Section {title.split('. ', 1)[0]} ({title.split('. ', 1)[1]}) is {missing[name]}.")
+    if "plots" in missing:
+        cav.append(f"Plots were not drawn: {missing['plots']}.")
+    return ["## Caveats", ""] + [f"- {c}" for c in cav] + [""]
+
+
+# ----------------------------------------------------------------------------- plots
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _err(mrs: list[Any], scale: float = 1.0) -> tuple[list[float], list[list[float]]]:
+    meds, lo, hi = [], [], []
+    for m in mrs:
+        med = m["median"] * scale
+        meds.append(med)
+        lo.append(max(0.0, med - m.get("min", m["median"]) * scale))
+        hi.append(max(0.0, m.get("max", m["median"]) * scale - med))
+    return meds, [lo, hi]
+
+
+def plot_overhead(sec: dict, path: Path) -> Path | None:
+    sizes = [s for s in sec.get("sizes") or []
+             if isinstance(s, dict) and any(_is_mr(v) for v in (s.get("step_s") or {}).values())]
+    if not sizes:
+        return None
+    plt = _plt()
+    fig, axes = plt.subplots(1, len(sizes), figsize=(3.0 * len(sizes) + 1.2, 3.8), dpi=110, squeeze=False)
+    for ax, s in zip(axes[0], sizes):
+        st, rt = s.get("step_s") or {}, s.get("ratio_vs_ddp") or {}
+        keys = [k for k in ("ddp", "baton", "torchft") if _is_mr(st.get(k))]
+        keys += [k for k in st if k not in keys and _is_mr(st.get(k))]
+        meds, yerr = _err([st[k] for k in keys], 1e3)
+        xs = range(len(keys))
+        ax.bar(xs, meds, yerr=yerr, capsize=4, color=[_contender_color(k) for k in keys], width=0.65)
+        top = max(m + e for m, e in zip(meds, yerr[1]))
+        for x, k, med, e in zip(xs, keys, meds, yerr[1]):
+            r = rt.get(k)
+            if _is_mr(r):
+                ax.text(x, med + e + 0.03 * top, f"{r['median']:.2f}×\n({r.get('min', r['median']):.2f}"
+                        f"{DASH}{r.get('max', r['median']):.2f})", ha="center", va="bottom", fontsize=8)
+        ax.set_xticks(list(xs), [LABELS.get(k, k) for k in keys], fontsize=9)
+        ax.set_ylim(0, top * 1.3)
+        ax.set_title(f"{_params(s.get('params'))} params", fontsize=10)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0][0].set_ylabel("step time (ms)")
+    fig.suptitle(f"Steady-state step time, {sec.get('nproc')} ranks: median, min–max bars, ratio to plain DDP",
+                 fontsize=10)
+    return _save(fig, plt, path)
+
+
+def plot_failures(sec: dict, path: Path) -> Path | None:
+    cs = [c for c in _failure_contenders(sec) if _is_mr(c.get("total_s"))]
+    if not cs:
+        return None
+    plt = _plt()
+    ref = _reference_ddp(cs)
+    cs = [c for c in cs if c is not ref] or cs
+    fig, ax = plt.subplots(figsize=(8, 0.55 * len(cs) + 1.6), dpi=110)
+    meds, xerr = _err([c["total_s"] for c in cs])
+    ys = list(range(len(cs)))[::-1]
+    ax.barh(ys, meds, xerr=xerr, capsize=4, color=[_contender_color(c.get("key", "")) for c in cs], height=0.6)
+    right = max(m + e for m, e in zip(meds, xerr[1]))
+    for y, med, e in zip(ys, meds, xerr[1]):
+        ax.text(med + e + 0.01 * right, y, f"{med:.1f} s", va="center", fontsize=8)
+    labels = [f"{c.get('name') or c.get('key')}\n{c.get('failures', '?')} kills" for c in cs]
+    ax.set_yticks(ys, labels, fontsize=8)
+    if ref:
+        r = ref["total_s"]["median"]
+        ax.axvline(r, color="#333", ls="--", lw=1)
+        ax.text(r, len(cs) - 0.45, f" plain DDP, no kills: {r:.1f} s", fontsize=8, va="bottom")
+        right = max(right, r)
+    ax.set_xlim(0, right * 1.18)
+    ax.set_ylim(-0.6, len(cs) - 0.1)
+    ax.set_xlabel("total job time (s), median with min–max")
+    ax.set_title(f"Whole job with kill -9 of rank {sec.get('kill_rank')} at steps "
+                 f"{', '.join(str(k) for k in sec.get('kill_at') or [])} ({sec.get('runs')} rounds)", fontsize=10)
+    ax.grid(axis="x", alpha=0.3)
+    return _save(fig, plt, path)
+
+
+def plot_downtime(sec: dict, path: Path) -> Path | None:
+    sizes = sorted((s for s in sec.get("sizes") or [] if isinstance(s, dict) and (s.get("state_bytes") or 0) > 0),
+                   key=lambda s: s["state_bytes"])
+    series = [("planned_s", "planned move", COLORS["baton"], "o"),
+              ("unplanned_s", "unplanned (kill -9)", "#e67e22", "s"),
+              ("raw_tcp_s", "raw TCP copy", "#34495e", "^"),
+              ("raw_shm_s", "raw shm copy", "#95a5a6", "v")]
+    if not any(_is_mr(s.get(k)) for s in sizes for k, *_ in series):
+        return None
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4.6), dpi=110)
+    for key, label, color, marker in series:
+        pts = [s for s in sizes if _is_mr(s.get(key)) and s[key]["median"] > 0]
+        if not pts:
+            continue
+        meds, yerr = _err([s[key] for s in pts])
+        yerr[0] = [min(lo, m * 0.999) for lo, m in zip(yerr[0], meds)]  # keep the log axis positive
+        ax.errorbar([s["state_bytes"] for s in pts], meds, yerr=yerr, label=label, color=color, marker=marker,
+                    ms=5, capsize=3, lw=1.4)
+    fit = sec.get("fit") or {}
+    for kind, color in (("planned", COLORS["baton"]), ("unplanned", "#e67e22")):
+        f = fit.get(kind)
+        if not (isinstance(f, dict) and isinstance(f.get("slope"), (int, float))):
+            continue
+        pts = [(s["state_bytes"], f["slope"] * s["raw_tcp_s"]["median"] + (f.get("intercept_s") or 0.0))
+               for s in sizes if _is_mr(s.get("raw_tcp_s"))]
+        pts = [(x, y) for x, y in pts if y > 0]
+        if pts:
+            ax.plot(*zip(*pts), ls="--", color=color, lw=1, alpha=0.8,
+                    label=f"fit {kind}: {f['slope']:.2f} × TCP + {_secs(f.get('intercept_s') or 0.0)}")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xticks([s["state_bytes"] for s in sizes], [_bytes(s["state_bytes"]) for s in sizes])
+    ax.minorticks_off()
+    from matplotlib.ticker import FuncFormatter
+
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v * 1e3:g} ms" if v < 1 else f"{v:g} s"))
+    ax.set_xlabel("state size (model + AdamW moments)")
+    ax.set_ylabel("downtime or copy time (median, min–max)")
+    ax.set_title(f"Downtime vs state size, {sec.get('nproc')} ranks + {sec.get('spares')} warm spare", fontsize=10)
+    ax.grid(alpha=0.3, which="both")
+    handles, labels = ax.get_legend_handles_labels()
+    order = sorted(range(len(labels)), key=lambda i: labels[i].startswith("fit"))
+    ax.legend([handles[i] for i in order], [labels[i] for i in order], fontsize=8, loc="upper left")
+    return _save(fig, plt, path)
+
+
+def _save(fig, plt, path: Path) -> Path:
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# ----------------------------------------------------------------------------- the page
+def write_report(result: dict, results_path: Path, repo: Path) -> Path:
+    """Write <repo>/docs/benchmarks.md and <repo>/docs/img/bench-*.png from one results dict; return the page."""
+    repo, results_path = Path(repo), Path(results_path)
+    page = repo / PAGE
+    img_dir = repo / IMG_DIR
+    page.parent.mkdir(parents=True, exist_ok=True)
+    img_dir.mkdir(parents=True, exist_ok=True)
+
+    missing: dict[str, str] = {}
+    secs: dict[str, dict] = {}
+    for name, _ in SECTIONS:
+        sec, why = _section(result, name)
+        if sec is None:
+            missing[name] = why or "absent"
+        else:
+            secs[name] = sec
+
+    images: dict[str, str] = {}
+    plotters = {"overhead": plot_overhead, "failures": plot_failures, "downtime": plot_downtime}
+    if importlib.util.find_spec("matplotlib") is None:
+        missing["plots"] = "matplotlib is not installed"
+    for name, fn in plotters.items():
+        target = img_dir / IMAGES[name]
+        drawn = None
+        if name in secs and "plots" not in missing:
+            drawn = fn(secs[name], target)
+        if drawn is not None:
+            images[name] = IMAGES[name]
+        elif target.exists():
+            target.unlink()  # a figure from an earlier results file must not sit next to this page
+
+    lines = _header(result, results_path, repo, page.parent)
+    lines += _summary(result)
+    lines += _reproduce()
+    for name, title in SECTIONS:
+        lines += [f"## {title}", ""]
+        if name not in secs:
+            why = missing[name]
+            lines += [f"**Skipped** by the harness: {why[len('skipped: '):]}." if why.startswith("skipped: ")
+                      else f"Not measured: this section is {why}.", ""]
+            continue
+        if name == "overhead":
+            lines += _overhead_md(secs[name], images.get(name))
+        elif name == "failures":
+            lines += _failures_md(secs[name], images.get(name))
+        elif name == "downtime":
+            lines += _downtime_md(secs[name], images.get(name))
+        else:
+            lines += _gpu_md(secs[name])
+    lines += _caveats(result, missing)
+    page.write_text("\n".join(lines).rstrip() + "\n")
+    return page
+
+
+def newest_results(repo: Path = REPO) -> Path | None:
+    found = sorted((repo / "bench" / "results").glob("bench-*.json"), key=lambda p: (p.name, p.stat().st_mtime))
+    return found[-1] if found else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    import json
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("results", nargs="?", type=Path, help="results JSON (default: newest bench/results/bench-*.json)")
+    p.add_argument("--repo", type=Path, default=REPO, help="write <repo>/docs/benchmarks.md (default: this repo)")
+    a = p.parse_args(argv)
+    path = a.results or newest_results(REPO)
+    if path is None:
+        print(f"report.py: no bench/results/bench-*.json under {REPO}; run `make bench` first", file=sys.stderr)
+        return 2
+    try:
+        result = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        print(f"report.py: cannot read {path}: {e}", file=sys.stderr)
+        return 2
+    out = write_report(result, Path(path), a.repo)
+    print(f"wrote {out}")
+    for label, value in headline_rows(result):
+        print(f"  {label}: {value}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
