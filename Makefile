@@ -23,7 +23,7 @@ test: setup
 	$(BIN)/python -m pytest -q
 
 bench: setup
-	$(BIN)/python bench/run.py
+	$(BIN)/python bench/run.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) .baton build *.egg-info

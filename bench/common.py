@@ -1,9 +1,12 @@
-"""Small helpers shared by the benchmark drivers and workloads (no torch import here)."""
+"""Small helpers shared by the benchmark sections (no torch import here)."""
 
 from __future__ import annotations
 
 import socket
-from typing import Any, Iterator
+import statistics
+from typing import Callable, Iterable, TypeVar
+
+T = TypeVar("T")
 
 
 def free_port() -> int:
@@ -13,10 +16,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def cycle(loader: Any) -> Iterator[Any]:
-    """Batches of `loader` forever, reshuffling its DistributedSampler each epoch."""
-    epoch = 0
-    while True:
-        loader.sampler.set_epoch(epoch)
-        yield from loader
-        epoch += 1
+def median_range(xs: Iterable[float]) -> dict:
+    """{"median", "min", "max", "n"}: how every figure is reported."""
+    xs = list(xs)
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
+
+
+def interleave(keys: list[str], rounds: int, run: Callable[[str, int], T]) -> list[dict[str, T]]:
+    """Runs every key once per round, rotating the order each round (A B C, B C A, C A B, ...)
+    so no contender always runs first or last on a machine whose speed drifts. Returns one
+    {key: result} per round; ratios are taken within a round."""
+    out = []
+    for i in range(rounds):
+        order = keys[i % len(keys):] + keys[:i % len(keys)]
+        out.append({k: run(k, i) for k in order})
+    return out

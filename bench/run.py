@@ -1,16 +1,21 @@
-"""Benchmarks for the live-migration core, measured side by side in one run.
+"""baton's benchmarks, side by side with what users would run instead, in one run.
 
-    make bench                 # quick preset
-    python bench/run.py --runs 7 --sizes 2,10
+    make bench                          # quick preset (under 20 minutes on 2 cores)
+    .venv/bin/python bench/run.py --full
+    .venv/bin/python bench/run.py --only overhead,failures --rounds 3
 
-1. Steady-state overhead: plain DDP under torchrun vs baton (job.wrap + job.steps),
-   same model, data and world size, runs interleaved A B A B ...; median step time.
-2. Migration downtime for ~100 MB of state (model + AdamW moments): planned
-   (all ranks paused -> all stepping again) and unplanned (kill -9 -> all stepping
-   again, warm spare), next to the raw loopback copy of the same bytes between two
-   processes measured in the same run (TCP into a fresh buffer and into a warm one).
+Sections (each figure: a median over interleaved runs, with min-max):
+  overhead   step time: plain DDP vs baton vs TorchFT, same model/data/world size
+  failures   job time with kill -9 on a fixed schedule: checkpoint-restart (two K),
+             TorchFT, baton with a warm spare; time lost per failure, steps recomputed,
+             final parameters vs the failure-free run
+  downtime   planned/unplanned migration downtime vs state size, next to raw TCP and
+             shared-memory copies of the same bytes
+  gpu        capture of ~10 GB of GPU state to host, when a CUDA device exists
 
-Results go to bench/results/core-<timestamp>.json and a summary is printed.
+Peers (TorchFT) are installed by bench/peers/setup.sh into bench/.peers-venv. Raw
+results go to bench/results/bench-<timestamp>.json; docs/benchmarks.md and its plots
+are regenerated from them (bench/report.py).
 """
 
 from __future__ import annotations
@@ -19,236 +24,146 @@ import argparse
 import json
 import os
 import platform
-import signal
-import socket
-import statistics
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
-from multiprocessing import get_context
 from pathlib import Path
 
-from common import free_port  # bench/ is on the path: run as `python bench/run.py`
+BENCH = Path(__file__).resolve().parent
+REPO = BENCH.parent
+PEERS_PY = BENCH / ".peers-venv" / "bin" / "python"
 
-REPO = Path(__file__).resolve().parent.parent
-WORKLOAD = REPO / "bench" / "workload.py"
-PY = sys.executable
-
-
-def _median_range(xs: list[float]) -> dict:
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
-
-
-# ----------------------------------------------------------------------------- overhead
-def _run_workload(mode: str, params_m: float, nproc: int, steps: int, tmp: Path) -> dict:
-    out = tmp / f"{mode}-{time.time_ns()}.json"
-    args = ["--mode", mode, "--params-m", str(params_m), "--steps", str(steps), "--out", str(out)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    if mode == "ddp":
-        cmd = [PY, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-               str(free_port()), str(WORKLOAD), *args]
-    else:
-        cmd = [PY, "-m", "baton.cli", "run", "--nproc", str(nproc), "--spares", "0", "--quiet",
-               "--run-dir", str(tmp / f"run-{time.time_ns()}"), str(WORKLOAD), *args]
-    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                   timeout=600)
-    return json.loads(out.read_text())
+PRESETS = {
+    "quick": {
+        "overhead": {"sizes_m": [2, 10], "steps": 40, "nproc": 3},
+        "failures": {"params_m": 2, "steps": 60, "nproc": 3, "step_sleep": 0.05, "kill_at": [30], "kill_rank": 1},
+        "downtime": {"sizes_mb": [10, 100, 1000]},
+        "gpu": {"state_gb": 10},
+        "rounds": 5,
+    },
+    "full": {
+        "overhead": {"sizes_m": [2, 10, 50], "steps": 60, "nproc": 3},
+        "failures": {"params_m": 2, "steps": 150, "nproc": 3, "step_sleep": 0.05, "kill_at": [50, 100],
+                     "kill_rank": 1},
+        "downtime": {"sizes_mb": [10, 30, 100, 300, 1000]},
+        "gpu": {"state_gb": 10},
+        "rounds": 7,
+    },
+}
+SECTIONS = ("overhead", "failures", "downtime", "gpu")
 
 
-def bench_overhead(sizes: list[float], runs: int, nproc: int, steps: int, tmp: Path) -> list[dict]:
-    results = []
-    for size in sizes:
-        medians: dict[str, list[float]] = {"ddp": [], "baton": []}
-        ratios = []
-        params = None
-        for i in range(runs):
-            pair = {}
-            for mode in (("ddp", "baton") if i % 2 == 0 else ("baton", "ddp")):
-                r = _run_workload(mode, size, nproc, steps, tmp)
-                params = r["params"]
-                pair[mode] = statistics.median(r["step_times"])
-                medians[mode].append(pair[mode])
-            ratios.append(pair["baton"] / pair["ddp"])
-            print(f"  overhead {size}M params run {i + 1}/{runs}: ddp {pair['ddp'] * 1e3:.2f} ms, "
-                  f"baton {pair['baton'] * 1e3:.2f} ms, ratio {ratios[-1]:.4f}", flush=True)
-        results.append({"params": params, "nproc": nproc, "steps": steps,
-                        "ddp_step_s": _median_range(medians["ddp"]),
-                        "baton_step_s": _median_range(medians["baton"]),
-                        "ratio": _median_range(ratios)})
-    return results
-
-
-# ----------------------------------------------------------------------------- raw copy
-def _receiver(port_q, nbytes: int, warm: bool, result_q) -> None:
-    import numpy as np
-
-    srv = socket.socket()
-    srv.bind(("127.0.0.1", 0))
-    srv.listen(1)
-    port_q.put(srv.getsockname()[1])
-    buf = np.empty(nbytes, dtype=np.uint8)
-    if warm:
-        buf.fill(1)
-    conn, _ = srv.accept()
-    view = memoryview(buf)
-    t0 = None
-    got = 0
-    while got < nbytes:
-        k = conn.recv_into(view[got:], nbytes - got)
-        if t0 is None:
-            t0 = time.perf_counter()
-        got += k
-    conn.sendall(b"k")
-    conn.close()
-    result_q.put(got)
-
-
-def raw_tcp_copy(nbytes: int, warm: bool) -> float:
-    """Seconds to move nbytes between two processes over loopback TCP (sender's view)."""
-    import numpy as np
-
-    ctx = get_context("spawn")
-    port_q, result_q = ctx.Queue(), ctx.Queue()
-    p = ctx.Process(target=_receiver, args=(port_q, nbytes, warm, result_q))
-    p.start()
-    port = port_q.get(timeout=60)
-    data = np.ones(nbytes, dtype=np.uint8)
-    s = socket.create_connection(("127.0.0.1", port))
-    t0 = time.perf_counter()
-    s.sendall(memoryview(data))
-    s.recv(1)
-    dt = time.perf_counter() - t0
-    s.close()
-    result_q.get(timeout=60)
-    p.join()
-    return dt
-
-
-# ----------------------------------------------------------------------------- migration
-def _status(client) -> dict:
-    return client.status()["jobs"][0]
-
-
-def bench_migration(params_m: float, moves: int, tmp: Path) -> dict:
-    from baton.control.client import ApiClient
-    from baton.rundir import RunDir
-
-    run_dir = tmp / "mig-run"
-    cmd = [PY, "-m", "baton.cli", "run", "--nproc", "2", "--spares", "1", "--quiet", "--run-dir", str(run_dir),
-           str(WORKLOAD), "--mode", "baton", "--params-m", str(params_m), "--steps", "100000",
-           "--step-sleep", "0.02"]
-    proc = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
-                            stderr=open(tmp / "mig.log", "w"), start_new_session=True)
-    planned, unplanned, unplanned_from_kill, state_bytes = [], [], [], None
-    try:
-        deadline = time.time() + 120
-        while True:
-            try:
-                client = ApiClient(*RunDir(run_dir).read())
-                break
-            except FileNotFoundError:
-                if time.time() > deadline:
-                    raise
-                time.sleep(0.2)
-
-        def ready() -> dict:
-            t = time.time() + 180
-            while time.time() < t:
-                st = _status(client)
-                if st["operation"] is None and any(s["state"] == "spare" for s in st["spares"]) and \
-                        st["state"] == "running" and min(r["step"] for r in st["ranks"]) >= 3:
-                    return st
-                time.sleep(0.2)
-            raise RuntimeError("job not ready: see " + str(tmp / "mig.log"))
-
-        def last_event(n: int) -> dict:
-            t = time.time() + 180
-            while time.time() < t:
-                evs = client.events()["events"]
-                if len(evs) >= n and evs[n - 1]["status"] == "resolved":
-                    return evs[n - 1]
-                time.sleep(0.1)
-            raise RuntimeError("move did not resolve")
-
-        n = 0
-        for i in range(moves):
-            ready()
-            client.migrate(i % 2)
-            n += 1
-            ev = last_event(n)
-            planned.append(ev["downtime_s"])
-            state_bytes = ev["state_bytes"]
-            print(f"  planned move {i + 1}/{moves}: downtime {ev['downtime_s']:.3f}s "
-                  f"({ev['state_bytes'] / 1e6:.0f} MB, transfer {ev['transfer_s']:.3f}s)", flush=True)
-            st = ready()
-            pid = next(r["pid"] for r in st["ranks"] if r["rank"] == (i + 1) % 2)
-            t_kill = time.time()
-            os.kill(pid, signal.SIGKILL)
-            n += 1
-            ev = last_event(n)
-            unplanned.append(ev["downtime_s"])
-            unplanned_from_kill.append(ev["resumed_at"] - t_kill)
-            print(f"  unplanned recovery {i + 1}/{moves}: kill -> stepping {ev['resumed_at'] - t_kill:.3f}s "
-                  f"(ledger downtime {ev['downtime_s']:.3f}s)", flush=True)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    return {"state_bytes": state_bytes, "planned_downtime_s": _median_range(planned),
-            "unplanned_kill_to_stepping_s": _median_range(unplanned_from_kill),
-            "unplanned_ledger_downtime_s": _median_range(unplanned)}
-
-
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--runs", type=int, default=5, help="interleaved runs per contender (median over them)")
-    p.add_argument("--sizes", default="2,10", help="model sizes for the overhead, millions of params")
-    p.add_argument("--nproc", type=int, default=3)
-    p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--state-mb", type=float, default=100.0, help="state to migrate (model + AdamW)")
-    p.add_argument("--moves", type=int, default=5)
-    p.add_argument("--skip-overhead", action="store_true")
-    args = p.parse_args()
-    tmp = Path(tempfile.mkdtemp(prefix="baton-bench-"))
-    result: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": {
-        "cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
-        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])}
+def machine() -> dict:
     import torch
 
-    result["machine"]["torch"] = torch.__version__
-    if not args.skip_overhead:
-        print("steady-state overhead (plain DDP under torchrun vs baton), interleaved:", flush=True)
-        result["overhead"] = bench_overhead([float(s) for s in args.sizes.split(",")], args.runs, args.nproc,
-                                            args.steps, tmp)
-    params_m = args.state_mb * 1e6 / 4 / 3 / 1e6  # fp32 params + two AdamW moments
-    print(f"migration downtime, ~{args.state_mb:.0f} MB of state, 2 ranks + 1 warm spare:", flush=True)
-    mig = bench_migration(params_m, args.moves, tmp)
-    nbytes = mig["state_bytes"] or int(args.state_mb * 1e6)
-    cold = [raw_tcp_copy(nbytes, warm=False) for _ in range(args.moves)]
-    warm = [raw_tcp_copy(nbytes, warm=True) for _ in range(args.moves)]
-    mig["raw_tcp_copy_cold_s"] = _median_range(cold)
-    mig["raw_tcp_copy_warm_s"] = _median_range(warm)
-    mig["planned_over_raw_cold"] = mig["planned_downtime_s"]["median"] / mig["raw_tcp_copy_cold_s"]["median"]
-    mig["planned_over_raw_warm"] = mig["planned_downtime_s"]["median"] / mig["raw_tcp_copy_warm_s"]["median"]
-    result["migration"] = mig
-    out = REPO / "bench" / "results" / f"core-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    out.write_text(json.dumps(result, indent=2))
-    print("\nsummary")
-    for o in result.get("overhead", []):
-        print(f"  {o['params'] / 1e6:.1f}M params, {o['nproc']} ranks: plain DDP "
-              f"{o['ddp_step_s']['median'] * 1e3:.2f} ms/step, baton {o['baton_step_s']['median'] * 1e3:.2f} ms/step, "
-              f"ratio {o['ratio']['median']:.4f} (min {o['ratio']['min']:.4f}, max {o['ratio']['max']:.4f})")
-    print(f"  state {nbytes / 1e6:.1f} MB: planned downtime {mig['planned_downtime_s']['median']:.3f}s "
-          f"(min {mig['planned_downtime_s']['min']:.3f}, max {mig['planned_downtime_s']['max']:.3f}); "
-          f"raw TCP copy {mig['raw_tcp_copy_cold_s']['median']:.3f}s cold / "
-          f"{mig['raw_tcp_copy_warm_s']['median']:.3f}s warm -> ratio {mig['planned_over_raw_cold']:.1f}x cold, "
-          f"{mig['planned_over_raw_warm']:.1f}x warm")
-    print(f"  unplanned kill -9 -> all stepping: {mig['unplanned_kill_to_stepping_s']['median']:.3f}s "
-          f"(min {mig['unplanned_kill_to_stepping_s']['min']:.3f}, max {mig['unplanned_kill_to_stepping_s']['max']:.3f})")
-    print(f"results: {out}")
-    return 0
+    info = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+            "torch": torch.__version__, "torchft": None, "cpu_model": platform.processor() or None,
+            "memory_gib": None}
+    try:
+        with open("/proc/meminfo") as f:
+            info["memory_gib"] = round(int(f.readline().split()[1]) / 2**20, 1)
+        with open("/proc/cpuinfo") as f:
+            info["cpu_model"] = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")),
+                                     info["cpu_model"])
+    except OSError:
+        pass
+    return info
 
 
+def install_peers() -> tuple[str | None, str | None]:
+    """(peers python, torchft version) or (None, why not)."""
+    r = subprocess.run(["bash", str(BENCH / "peers" / "setup.sh")], capture_output=True, text=True)
+    if r.returncode != 0 or not PEERS_PY.exists():
+        return None, f"bench/peers/setup.sh failed: {(r.stderr or r.stdout).strip()[-300:]}"
+    v = subprocess.run([str(PEERS_PY), "-c", "from importlib.metadata import version; "
+                        "print(version('torchft-nightly'))"], capture_output=True, text=True)
+    return str(PEERS_PY), f"torchft-nightly {v.stdout.strip()}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--full", action="store_true", help="the full preset: 3 model sizes, 2 kills, 5 state sizes")
+    p.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)}")
+    p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (runs per contender); "
+                   "at least 5 for published figures")
+    p.add_argument("--no-report", action="store_true", help="do not regenerate docs/benchmarks.md")
+    args = p.parse_args(argv)
+    sys.path.insert(0, str(BENCH))
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    preset_name = "full" if args.full else "quick"
+    preset = PRESETS[preset_name]
+    rounds = args.rounds or preset["rounds"]
+    only = [s for s in args.only.split(",") if s]
+    unknown = set(only) - set(SECTIONS)
+    if unknown:
+        p.error(f"unknown section(s) {sorted(unknown)}; choose from {', '.join(SECTIONS)}")
+
+    t_start = time.time()
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    out = REPO / "bench" / "results" / f"bench-{stamp}.json"
+    result: dict = {"schema": 1, "preset": preset_name, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+                    "commands": ["make bench" if not args.full else "make bench ARGS=--full",
+                                 " ".join(["python bench/run.py", *(argv if argv is not None else sys.argv[1:])])],
+                    "machine": machine(), "rounds": rounds}
+    py = sys.executable
+    peer_py = None
+    if {"overhead", "failures"} & set(only):
+        print("installing peers (bench/peers/setup.sh) ...", flush=True)
+        peer_py, what = install_peers()
+        result["machine"]["torchft"] = what if peer_py else None
+        if peer_py is None:
+            result["torchft_skipped"] = what
+            print(f"  TorchFT left out: {what}", flush=True)
+    tmp = Path(tempfile.mkdtemp(prefix="baton-bench-"))
+
+    def save() -> None:
+        result["duration_s"] = time.time() - t_start
+        out.write_text(json.dumps(result, indent=2))
+
+    try:
+        for section in only:
+            t0 = time.time()
+            print(f"\n== {section} ({preset_name} preset, {rounds} rounds)", flush=True)
+            try:
+                result[section] = run_section(section, preset, rounds, py, peer_py, tmp / section)
+            except Exception as e:  # one broken section must not lose the others' figures
+                result[section] = {"skipped": f"failed: {type(e).__name__}: {e}"}
+                print(f"  {section} FAILED: {e}", flush=True)
+            print(f"  ({section}: {time.time() - t0:.0f} s)", flush=True)
+            save()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    save()
+    print(f"\nresults: {out.relative_to(REPO)} ({(time.time() - t_start) / 60:.1f} min)")
+    if not args.no_report:
+        from report import write_report
+
+        page = write_report(result, out, REPO)
+        print(f"page:    {page.relative_to(REPO)}")
+    failed = [s for s in only if "failed:" in str(result.get(s, {}).get("skipped", ""))]
+    return 1 if failed else 0
+
+
+def run_section(section: str, preset: dict, rounds: int, py: str, peer_py: str | None, tmp: Path) -> dict:
+    tmp.mkdir(parents=True, exist_ok=True)
+    cfg = preset[section]
+    if section == "overhead":
+        from overhead import bench_overhead
+
+        return bench_overhead(py, peer_py, rounds=rounds, tmp=tmp, **cfg)
+    if section == "failures":
+        from failures import bench_failures
+
+        return bench_failures(py, peer_py, rounds=rounds, tmp=tmp, **cfg)
+    if section == "downtime":
+        from downtime import bench_downtime
+
+        return bench_downtime(cfg["sizes_mb"], rounds, tmp, py)
+    from gpu import bench_gpu
+
+    return bench_gpu(cfg["state_gb"], rounds)
 
 
 if __name__ == "__main__":

@@ -1,22 +1,36 @@
-"""The benchmark workload: one script, two harnesses, same model, data and loop.
+"""The benchmark workload: one script, one model, one data order, three harnesses.
 
-    torchrun --nproc-per-node 3 bench/workload.py --mode ddp   ...   # plain DDP
-    baton run --nproc 3 bench/workload.py --mode baton ...          # job.wrap + job.steps
+    torchrun --nproc-per-node 3 bench/workload.py --mode ddp ...      # plain DDP
+    torchrun --max-restarts 3 ... bench/workload.py --mode ddp --ckpt-every K ...  # checkpoint-restart
+    baton run --nproc 3 --spares 1 bench/workload.py --mode baton ... # job.wrap + job.steps
+    (per replica group) torchrun ... bench/workload.py --mode torchft ...  # TorchFT DDP + lighthouse
 
-Rank 0 writes per-step wall times (after warm-up) to --out as JSON.
+Every mode trains the same MLP on the same batches in the same order (a
+DataLoader over a DistributedSampler, cycled over epochs), so the modes differ
+only in the harness around the step. What the workload leaves in --run-dir:
+
+  progress.jsonl  rank 0 only, one JSON line per event, wall-clock "t" (time.time()):
+                  {"ev": "start", "process_start"} / {"ev": "resume", "step", "load_s"} /
+                  {"ev": "step", "step"} (steps done) / {"ev": "save", "step", "save_s"} / {"ev": "done"}
+  pid.rank<R>     the pid of the process that is rank R now (rewritten by a restart or a spare)
+  ckpt/           checkpoint-restart only: step-<N>.pt, written atomically by rank 0
+  final.pt        rank 0's final parameters
 """
 
+from __future__ import annotations
+
 import argparse
-import contextlib
+import itertools
 import json
 import os
 import time
+from pathlib import Path
 
-import torch
-import torch.distributed as dist
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+T_PROCESS_START = time.time()
 
-from common import cycle  # bench/ is on the path: this file runs as a script
+import torch  # noqa: E402 - T_PROCESS_START must be taken before the slow import
+import torch.distributed as dist  # noqa: E402
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset  # noqa: E402
 
 
 def build_model(params_m: float, width: int = 1024) -> torch.nn.Module:
@@ -28,69 +42,212 @@ def build_model(params_m: float, width: int = 1024) -> torch.nn.Module:
     return torch.nn.Sequential(*layers)
 
 
+def build_loader(world: int, rank: int, batch: int) -> DataLoader:
+    g = torch.Generator().manual_seed(1)
+    n = batch * world * 64  # a fixed-size set; training cycles through epochs
+    data = TensorDataset(torch.randn(n, 64, generator=g), torch.randn(n, 1, generator=g))
+    return DataLoader(data, batch_size=batch, drop_last=True,
+                      sampler=DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=3))
+
+
+def batches_from(loader: DataLoader, step: int):
+    """(step, batch) from `step` on, forever: epoch e reshuffles with set_epoch(e), as a
+    resumed job must, so a restart continues exactly where the failure-free run would be."""
+    per_epoch = len(loader)
+    epoch, skip = divmod(step, per_epoch)
+    while True:
+        loader.sampler.set_epoch(epoch)
+        for batch in itertools.islice(loader, skip, None):
+            yield step, batch
+            step += 1
+        epoch, skip = epoch + 1, 0
+
+
+class Progress:
+    """Rank 0's event log and every rank's pid file, for the drivers that kill and time."""
+
+    def __init__(self, run_dir: str | None, rank: int, **tags):
+        self.dir = Path(run_dir) if run_dir else None
+        self.tags = tags
+        self.log = None
+        if self.dir is not None:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            (self.dir / f"pid.rank{rank}").write_text(str(os.getpid()))
+            if rank == 0:
+                self.log = open(self.dir / "progress.jsonl", "a", buffering=1)
+
+    def emit(self, ev: str, **kw) -> None:
+        if self.log is not None:
+            self.log.write(json.dumps({"ev": ev, "t": time.time(), **self.tags, **kw}) + "\n")
+
+
+def _latest_checkpoint(ckpt_dir: Path) -> Path | None:
+    found = sorted(ckpt_dir.glob("step-*.pt"), key=lambda p: int(p.stem.split("-")[1]))
+    return found[-1] if found else None
+
+
+def _init_ddp_group(attempt: int) -> None:
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # The agent's store outlives restarts and gloo's mesh keys are not per attempt: without a
+        # prefix, restarted ranks dial the dead ranks' addresses (connectFullMesh refused).
+        from datetime import timedelta
+
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=timedelta(seconds=120))
+        dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt_{attempt}", store),
+                                rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    else:
+        dist.init_process_group("gloo")
+
+
+def _step(model, opt, batch, step_sleep: float) -> None:
+    x, y = batch
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+    if step_sleep:
+        time.sleep(step_sleep)
+
+
+def run_ddp(args) -> None:
+    """Plain DDP; with --ckpt-every K, the checkpoint-restart contender (save every K steps,
+    resume from the newest checkpoint after torchrun restarts the job)."""
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    _init_ddp_group(attempt)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    progress = Progress(args.run_dir, rank, attempt=attempt)
+    progress.emit("start", process_start=T_PROCESS_START)
+    torch.manual_seed(0)
+    # DDP rebuilds its buckets after the first step in gradient-ready order, so the first step
+    # after a restart reduces in a different order than the failure-free run did at that step.
+    model = torch.nn.parallel.DistributedDataParallel(build_model(args.params_m))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    loader = build_loader(world, rank, args.batch)
+    start = 0
+    ckpt_dir = Path(args.run_dir or ".") / "ckpt"
+    if args.ckpt_every:
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        latest = _latest_checkpoint(ckpt_dir)
+        if latest is not None:
+            t0 = time.perf_counter()
+            state = torch.load(latest, weights_only=True)
+            model.module.load_state_dict(state["model"])
+            opt.load_state_dict(state["optimizer"])
+            start = state["step"]
+            progress.emit("resume", step=start, load_s=time.perf_counter() - t0)
+    for step, batch in batches_from(loader, start):
+        if step >= args.steps:
+            break
+        _step(model, opt, batch, args.step_sleep)
+        done = step + 1
+        progress.emit("step", step=done)
+        if args.ckpt_every and rank == 0 and done % args.ckpt_every == 0 and done < args.steps:
+            t0 = time.perf_counter()
+            tmp = ckpt_dir / f".step-{done}.pt.tmp"
+            torch.save({"model": model.module.state_dict(), "optimizer": opt.state_dict(), "step": done}, tmp)
+            os.replace(tmp, ckpt_dir / f"step-{done}.pt")
+            progress.emit("save", step=done, save_s=time.perf_counter() - t0)
+    _finish(progress, rank, model.module, args)
+    dist.destroy_process_group()
+
+
+def run_baton(args) -> None:
+    import baton
+
+    job = baton.init()
+    progress = Progress(args.run_dir, job.rank)
+    progress.emit("start", process_start=T_PROCESS_START)
+    torch.manual_seed(0)
+    model = job.wrap(build_model(args.params_m))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    job.track(model=model, optimizer=opt, data=build_loader(job.world_size, job.rank, args.batch))
+    for s in job.steps(args.steps):
+        with s:
+            _step(model, opt, s.batch, args.step_sleep)
+        progress.emit("step", step=s.index + 1)
+    _finish(progress, job.rank, model.module, args)
+    job.finish()
+
+
+def run_torchft(args) -> None:
+    """TorchFT's DDP wrapper and optimizer wrapper; this process is one replica group of one
+    rank. A restarted replica heals model and optimizer from a live one; TorchFT does not
+    heal the data position, so it reads the batch for the manager's current step."""
+    from datetime import timedelta
+
+    from torchft import DistributedDataParallel, Manager, Optimizer, ProcessGroupGloo
+
+    replica, groups = int(os.environ["REPLICA_GROUP_ID"]), int(os.environ["NUM_REPLICA_GROUPS"])
+    progress = Progress(args.run_dir, replica, attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+    progress.emit("start", process_start=T_PROCESS_START)
+    if args.run_dir and progress.tags["attempt"] == 0:
+        _wait_for_pid_files(Path(args.run_dir), groups)
+    torch.manual_seed(0)
+    model = build_model(args.params_m)
+    loader = build_loader(groups, replica, args.batch)
+
+    def load_state_dict(sd):
+        model.load_state_dict(sd["model"])
+        opt.load_state_dict(sd["optim"])
+
+    def state_dict():
+        return {"model": model.state_dict(), "optim": opt.state_dict()}
+
+    manager = Manager(pg=ProcessGroupGloo(timeout=timedelta(seconds=10)), min_replica_size=1,
+                      load_state_dict=load_state_dict, state_dict=state_dict, replica_id=f"bench_{replica}",
+                      timeout=timedelta(seconds=30), init_sync=False)  # all replicas start from seed 0
+    ddp = DistributedDataParallel(manager, model)
+    opt = Optimizer(manager, torch.optim.AdamW(ddp.parameters(), lr=1e-4))
+    feed = batches_from(loader, 0)
+    at = 0
+    while manager.current_step() < args.steps:
+        if manager.current_step() != at:  # healed to a later step: jump the data there
+            at = manager.current_step()
+            feed = batches_from(loader, at)
+        _, batch = next(feed)
+        x, y = batch
+        before = manager.current_step()
+        opt.zero_grad()  # starts the quorum (and healing, for a restarted replica)
+        torch.nn.functional.mse_loss(ddp(x), y).backward()
+        opt.step()  # should_commit: steps only if every participant's allreduce succeeded
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
+        at += 1  # an uncommitted step leaves current_step behind: the same batch is retried
+        progress.emit("step", step=manager.current_step(), committed=manager.current_step() > before,
+                      participants=manager.num_participants(), batches=manager.batches_committed())
+    _finish(progress, replica, model, args)
+    manager.shutdown(wait=False)
+
+
+def _wait_for_pid_files(run_dir: Path, n: int, timeout: float = 120) -> None:
+    """Benchmark plumbing: the first replicas to arrive would otherwise form the first quorum
+    alone (the lighthouse allows one replica fewer) and the late one would heal into the job."""
+    deadline = time.time() + timeout
+    while sum((run_dir / f"pid.rank{r}").exists() for r in range(n)) < n:
+        if time.time() > deadline:
+            raise TimeoutError("replica groups did not all start")
+        time.sleep(0.05)
+
+
+def _finish(progress: Progress, rank: int, model: torch.nn.Module, args) -> None:
+    if rank == 0 and args.run_dir:
+        torch.save(model.state_dict(), Path(args.run_dir) / "final.pt")
+        progress.emit("done", step=args.steps, params=sum(p.numel() for p in model.parameters()))
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--mode", choices=["ddp", "baton"], required=True)
+    p.add_argument("--mode", choices=["ddp", "baton", "torchft"], required=True)
     p.add_argument("--params-m", type=float, default=2.0, help="model size in millions of parameters")
     p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--step-sleep", type=float, default=0.0)
-    p.add_argument("--out", default=None)
+    p.add_argument("--step-sleep", type=float, default=0.0, help="idle seconds per step (a longer step "
+                   "without more CPU: stands in for a GPU step on a 2-core machine)")
+    p.add_argument("--ckpt-every", type=int, default=0, help="ddp: save a checkpoint every K steps, resume")
+    p.add_argument("--run-dir", default=None)
     args = p.parse_args()
     torch.set_num_threads(1)
-
-    if args.mode == "baton":
-        import baton
-
-        job = baton.init()
-        rank, world = job.rank, job.world_size
-    else:
-        dist.init_process_group("gloo")
-        rank, world = dist.get_rank(), dist.get_world_size()
-
-    torch.manual_seed(0)
-    model = build_model(args.params_m)
-    g = torch.Generator().manual_seed(1)
-    n = args.batch * world * 64  # a fixed-size set; the loader cycles through epochs
-    data = TensorDataset(torch.randn(n, 64, generator=g), torch.randn(n, 1, generator=g))
-    loader = DataLoader(data, batch_size=args.batch, drop_last=True,
-                        sampler=DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=3))
-    if args.mode == "baton":
-        model = job.wrap(model)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        job.track(model=model, optimizer=opt, data=loader)
-        loop = ((s.index, s, s.batch) for s in job.steps(args.steps))
-    else:
-        model = torch.nn.parallel.DistributedDataParallel(model)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        loop = ((i, None, b) for i, b in zip(range(args.steps), cycle(loader)))
-
-    times = []
-    last = time.perf_counter()
-    for index, step, batch in loop:
-        with step if step is not None else contextlib.nullcontext():
-            x, y = batch
-            loss = torch.nn.functional.mse_loss(model(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            if args.step_sleep:
-                time.sleep(args.step_sleep)
-        now = time.perf_counter()
-        if index >= args.warmup:
-            times.append(now - last)
-        last = now
-    nparams = sum(p.numel() for p in model.parameters())
-    if rank == 0 and args.out:
-        with open(args.out, "w") as f:
-            json.dump({"mode": args.mode, "params": nparams, "step_times": times, "world": world}, f)
-    if args.mode == "baton":
-        job.finish()
-    else:
-        dist.destroy_process_group()
+    {"ddp": run_ddp, "baton": run_baton, "torchft": run_torchft}[args.mode](args)
 
 
 if __name__ == "__main__":
