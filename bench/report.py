@@ -920,9 +920,37 @@ def write_report(result: dict, results_path: Path, repo: Path) -> Path:
             lines += _downtime_md(secs[name], images.get(name))
         else:
             lines += _gpu_md(secs[name])
+    lines += _torchft_stable_md(repo)
     lines += _caveats(result, missing)
     page.write_text("\n".join(lines).rstrip() + "\n")
     return page
+
+
+def _torchft_stable_md(repo: Path) -> list[str]:
+    """The newest bench/peers/torchft_stable_check.py result: why the harness pins a nightly."""
+    import json
+
+    found = sorted((repo / "bench" / "results").glob("torchft-stable-check-*.json"))
+    if not found:
+        return []
+    check = json.loads(found[-1].read_text())
+    lines = ["## Why TorchFT is pinned to a nightly", "",
+             f"From [`{found[-1].name}`](../bench/results/{found[-1].name}), {check['date']}, "
+             f"`{check['command']}`: {check['setup']}.", "",
+             "| version | survivors finished the job | Gloo error seen by survivors | died on TorchFT's comm-hook assertion |",
+             "|---|---|---|---|"]
+    for version in dict.fromkeys(r["version"] for r in check["runs"]):
+        runs = [r for r in check["runs"] if r["version"] == version]
+        n = len(runs)
+        lines.append(f"| {version} | {sum(r['survivors_finished'] for r in runs)}/{n} "
+                     f"| {sum(r['gloo_error_seen'] for r in runs)}/{n} | {sum(r['comm_hook_assertion'] for r in runs)}/{n} |")
+    lines += ["", "When the kill lands during a gradient allreduce, the survivors' Gloo allreduce fails "
+              "(\"Connection reset by peer\"). torchft 0.2.0's DDP comm hook ignores the failed `work.wait()` and "
+              "then fails `assert fut._fut` (torchft/ddp.py), so `backward()` raises and every surviving replica "
+              "exits; with torchrun restarts all replicas start over from step 0. When the kill lands between "
+              "allreduces, 0.2.0 survives. The nightly rejects that step (`should_commit=false`), continues on the "
+              "remaining replicas and heals the restarted one back in.", ""]
+    return lines
 
 
 def newest_results(repo: Path = REPO) -> Path | None:
