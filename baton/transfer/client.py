@@ -9,8 +9,10 @@ until every chunk has verified.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
+import os
 import socket
 import struct
 import threading
@@ -105,6 +107,7 @@ def fetch_state(sources: list[tuple[str, int]], generation: int, token: str,
     stats = FetchStats(sources=len(conns))
     work: deque[int] = deque(range(len(chunks)))
     attempts = [0] * len(chunks)
+    prefault = _Prefaulter(tensors, chunks)
     lock = threading.Condition()
     in_flight = [0]
     failure: list[str] = []
@@ -120,6 +123,7 @@ def fetch_state(sources: list[tuple[str, int]], generation: int, token: str,
                     return
                 batch = [work.popleft() for _ in range(min(BATCH, len(work)))]
                 in_flight[0] += len(batch)
+            prefault.reached(max(batch))
             done = 0
             try:
                 send_all(src.sock, struct.pack(f"!I{len(batch)}I", len(batch), *batch))
@@ -153,10 +157,12 @@ def fetch_state(sources: list[tuple[str, int]], generation: int, token: str,
                 return
 
     threads = [threading.Thread(target=worker, args=(c,), daemon=True) for c in conns]
+    prefault.start()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    prefault.stop()
     for c in conns:
         c.close()
     if failure:
@@ -166,6 +172,80 @@ def fetch_state(sources: list[tuple[str, int]], generation: int, token: str,
     stats.bytes += len(conns[0].meta)
     stats.seconds = time.perf_counter() - t0
     return FlatState(meta=conns[0].meta, tensors=tensors), stats
+
+
+# madvise(MADV_POPULATE_WRITE) (Linux 5.14+): fault a whole range in with one system call.
+_MADV_POPULATE_WRITE = 23
+_PAGE = 4096
+
+
+def _madvise_fn():
+    if os.uname().sysname != "Linux":
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_madvise = _madvise_fn()
+
+
+class _Prefaulter:
+    """Faults the fresh receive buffers in ahead of the socket, on a thread of its own.
+
+    A first write to fresh memory costs a page fault per 4 KB page, and on the receiving
+    thread those faults cost more than the copy itself (1 GB: ~0.9 s of faults against
+    ~0.1 s of copying, measured here). One madvise(MADV_POPULATE_WRITE) per chunk, in
+    chunk order ahead of the receiver, maps the pages in bulk (~0.45 s per GB, GIL
+    released) while the receiver waits on the socket. Contents are never touched: a range the
+    receiver already wrote is left as it is. Without the call (not Linux, older kernel)
+    the receiver faults the pages in itself, as before.
+    """
+
+    def __init__(self, tensors: list, chunks: list[list[Piece]]):
+        self._ranges: list[list[tuple[int, int]]] = []
+        for pieces in chunks:
+            ranges = []
+            for p in pieces:
+                t = tensors[p.segment]
+                start = t.data_ptr() + p.offset
+                lo = (start + _PAGE - 1) & ~(_PAGE - 1)
+                hi = (start + p.length) & ~(_PAGE - 1)
+                if hi > lo:
+                    ranges.append((lo, hi - lo))
+            self._ranges.append(ranges)
+        self._receiver_at = -1  # highest chunk index a receiver has started on
+        self._stop = False
+        self._thread: threading.Thread | None = None
+
+    def reached(self, index: int) -> None:
+        if index > self._receiver_at:
+            self._receiver_at = index
+
+    def start(self) -> None:
+        if _madvise is not None and sum(len(r) for r in self._ranges) > 0:
+            self._thread = threading.Thread(target=self._run, name="baton-prefault", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop = True
+        if self._thread is not None:
+            self._thread.join()
+
+    def _run(self) -> None:
+        assert _madvise is not None
+        for index, ranges in enumerate(self._ranges):
+            if self._stop:
+                return
+            if index <= self._receiver_at:
+                continue  # the receiver got there first: it faults these pages in itself
+            for addr, length in ranges:
+                if _madvise(addr, length, _MADV_POPULATE_WRITE) != 0:
+                    return  # not supported here: the receiver's writes fault pages in
 
 
 def _receive_chunk(sock: socket.socket, pieces: list[Piece], views: list[memoryview],
