@@ -24,12 +24,11 @@ def bench_overhead(py: str, peer_py: str | None, *, sizes_m: list[float], steps:
         w = Workload(params_m=size, steps=steps, nproc=nproc)
 
         def one(key: str, i: int) -> dict:
-            return run_job(contenders[key], w, tmp / f"overhead-{size}M-{key}-{i}")
+            r = run_job(contenders[key], w, tmp / f"overhead-{size}M-{key}-{i}")
+            print(f"  {size}M params round {i + 1}/{rounds} {key:>8}: {r['step_s'] * 1e3:.1f} ms/step", flush=True)
+            return r
 
         results = interleave(list(contenders), rounds, one)
-        for i, rnd in enumerate(results):
-            print(f"  {size}M params round {i + 1}/{rounds}: " + ", ".join(
-                f"{k} {r['step_s'] * 1e3:.1f} ms" for k, r in rnd.items()), flush=True)
         out.append({
             "params": results[0]["ddp"]["params"],
             "step_s": {k: median_range(rnd[k]["step_s"] for rnd in results) for k in contenders},

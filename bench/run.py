@@ -138,10 +138,11 @@ def main(argv: list[str] | None = None) -> int:
     save()
     print(f"\nresults: {out.relative_to(REPO)} ({(time.time() - t_start) / 60:.1f} min)")
     if not args.no_report:
-        from report import write_report
+        from report import update_readme, write_report
 
         page = write_report(result, out, REPO)
-        print(f"page:    {page.relative_to(REPO)}")
+        print(f"page:    {page.relative_to(REPO)}" + (" (and README.md's headline table)"
+                                                        if update_readme(result, out, REPO) else ""))
     failed = [s for s in only if "failed:" in str(result.get(s, {}).get("skipped", ""))]
     return 1 if failed else 0
 

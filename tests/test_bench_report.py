@@ -93,3 +93,15 @@ def test_missing_sections_still_give_a_page(tmp_path):
     assert "asked to skip" in text
     assert "absent from the results file" in text
     assert not stale.exists()  # a plot from an earlier results file is not left next to the new page
+
+
+def test_readme_headline_table_is_replaced_between_markers(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n\nbefore\n{report.README_BEGIN}\nstale row\n{report.README_END}\nafter\n")
+    assert report.update_readme(_result(), tmp_path / "r.json", tmp_path)
+    text = readme.read_text()
+    assert "stale row" not in text and text.startswith("# x\n\nbefore\n") and text.endswith("after\n")
+    assert "| what | result |" in text and "docs/benchmarks.md" in text
+    assert text.count("baton / plain DDP") == 1
+    (tmp_path / "README.md").write_text("no markers\n")
+    assert not report.update_readme(_result(), tmp_path / "r.json", tmp_path)
