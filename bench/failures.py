@@ -101,14 +101,18 @@ def bench_failures(py: str, peer_py: str | None, *, params_m: float, steps: int,
             "params_match": all(r["params_match"] for r in runs),
             "reference": ("plain DDP failure-free run of the same round" if key == "ddp" or key.startswith("ckpt-")
                           else f"{key}'s own failure-free run"),
-            "notes": _notes(key),
+            "notes": _notes(key) + (f"; its own failure-free run (once, before the rounds): train "
+                                    f"{refs[key]['train_s']:.2f} s, {refs[key]['step_s'] * 1e3:.0f} ms/step"
+                                    if key in refs else ""),
         })
     same_as_ddp = {key: same_params(ref["final"], results[0]["ddp"]["final"]) for key, ref in refs.items()}
     return {"nproc": nproc, "params": cal["params"], "steps": steps, "step_sleep": step_sleep,
             "kill_at": kill_at, "kill_shift_per_round": 1, "kill_rank": kill_rank, "runs": rounds,
             "save_s": cal["save_s"], "step_s": cal["step_s"], "mtbf_s": mtbf_s,
             "young_daly_k": k_opt, "other_k": k_other,
-            "failure_free_equals_plain_ddp": same_as_ddp, "contenders": rows}
+            "failure_free_equals_plain_ddp": same_as_ddp,
+            "own_failure_free": {key: {k: ref[k] for k in ("total_s", "train_s", "step_s")} for key, ref in refs.items()},
+            "contenders": rows}
 
 
 def _notes(key: str) -> str:

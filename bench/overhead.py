@@ -14,14 +14,14 @@ from common import interleave, median_range
 from contenders import Contender, Workload, run_job
 
 
-def bench_overhead(py: str, peer_py: str | None, *, sizes_m: list[float], steps: int, nproc: int, rounds: int,
-                   tmp: Path) -> dict:
+def bench_overhead(py: str, peer_py: str | None, *, sizes_m: list[float], steps: int, warmup: int, nproc: int,
+                   rounds: int, tmp: Path) -> dict:
     contenders = {"ddp": Contender("ddp", py), "baton": Contender("baton", py, spares=1)}
     if peer_py:
         contenders["torchft"] = Contender("torchft", peer_py)
     out = []
     for size in sizes_m:
-        w = Workload(params_m=size, steps=steps, nproc=nproc)
+        w = Workload(params_m=size, steps=steps, nproc=nproc, warmup=warmup)
 
         def one(key: str, i: int) -> dict:
             r = run_job(contenders[key], w, tmp / f"overhead-{size}M-{key}-{i}")
@@ -35,5 +35,5 @@ def bench_overhead(py: str, peer_py: str | None, *, sizes_m: list[float], steps:
             "ratio_vs_ddp": {k: median_range(rnd[k]["step_s"] / rnd["ddp"]["step_s"] for rnd in results)
                              for k in contenders if k != "ddp"},
         })
-    return {"nproc": nproc, "steps": steps, "warmup": Workload().warmup, "runs": rounds,
+    return {"nproc": nproc, "steps": steps, "warmup": warmup, "runs": rounds,
             "baton_spares": 1, "sizes": out}

@@ -387,6 +387,14 @@ def _reproduce() -> list[str]:
     ]
 
 
+def _spares(n: int | None) -> str:
+    return "no spare" if not n else f"{n} warm spare" + ("s" if n != 1 else "")
+
+
+def _kills(n: int | None) -> str:
+    return f"{n if n is not None else '?'} kill" + ("" if n == 1 else "s")
+
+
 def _overhead_md(sec: dict, img: str | None) -> list[str]:
     sizes = [s for s in sec.get("sizes") or [] if isinstance(s, dict)]
     nproc, steps, warmup, runs = sec.get("nproc"), sec.get("steps"), sec.get("warmup"), sec.get("runs")
@@ -394,7 +402,7 @@ def _overhead_md(sec: dict, img: str | None) -> list[str]:
         "**What is measured.** The same model, synthetic data and world size "
         f"({nproc} ranks, one process each, gloo over loopback) trained for {steps} steps under each "
         "launcher: plain `DistributedDataParallel` under `torchrun` (the baseline), baton "
-        "(`baton run`, `job.wrap` + `job.steps`, no spares) and TorchFT (its DDP wrapper, replica "
+        f"(`baton run`, `job.wrap` + `job.steps`, {_spares(sec.get('baton_spares', 0))} waiting) and TorchFT (its DDP wrapper, replica "
         f"groups of one rank, lighthouse). The first {warmup} steps are left out; a run's figure is "
         f"its median step time, and each cell is the median over {runs} runs with min–max. The "
         "contenders run in rounds, back to back, and each ratio is contender / plain DDP within one "
@@ -531,7 +539,7 @@ def _failures_md(sec: dict, img: str | None) -> list[str]:
             if c is ref or not _is_mr(c.get("total_s")):
                 continue
             t = c["total_s"]
-            bullets.append(f"Whole job, {_short_name(c)} with {c.get('failures', '?')} kills: {_mr(t, 's')}, "
+            bullets.append(f"Whole job, {_short_name(c)} with {_kills(c.get('failures'))}: {_mr(t, 's')}, "
                            f"{t['median'] / r['median']:.2f}× the {_mr(r, 's')} of plain DDP without kills.")
     for c in cs:
         d = c.get("samples_dropped_frac")
@@ -799,7 +807,7 @@ def plot_failures(sec: dict, path: Path) -> Path | None:
     right = max(m + e for m, e in zip(meds, xerr[1]))
     for y, med, e in zip(ys, meds, xerr[1]):
         ax.text(med + e + 0.01 * right, y, f"{med:.1f} s", va="center", fontsize=8)
-    labels = [f"{c.get('name') or c.get('key')}\n{c.get('failures', '?')} kills" for c in cs]
+    labels = [f"{c.get('name') or c.get('key')}\n{_kills(c.get('failures'))}" for c in cs]
     ax.set_yticks(ys, labels, fontsize=8)
     if ref:
         r = ref["total_s"]["median"]

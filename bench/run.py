@@ -37,14 +37,14 @@ PEERS_PY = BENCH / ".peers-venv" / "bin" / "python"
 
 PRESETS = {
     "quick": {
-        "overhead": {"sizes_m": [2, 10], "steps": 40, "nproc": 3},
-        "failures": {"params_m": 2, "steps": 60, "nproc": 3, "step_sleep": 0.05, "kill_at": [30], "kill_rank": 1},
+        "overhead": {"sizes_m": [2, 10], "steps": 25, "warmup": 5, "nproc": 3},
+        "failures": {"params_m": 2, "steps": 48, "nproc": 3, "step_sleep": 0.05, "kill_at": [24], "kill_rank": 1},
         "downtime": {"sizes_mb": [10, 100, 1000]},
         "gpu": {"state_gb": 10},
         "rounds": 5,
     },
     "full": {
-        "overhead": {"sizes_m": [2, 10, 50], "steps": 60, "nproc": 3},
+        "overhead": {"sizes_m": [2, 10, 50], "steps": 60, "warmup": 10, "nproc": 3},
         "failures": {"params_m": 2, "steps": 150, "nproc": 3, "step_sleep": 0.05, "kill_at": [50, 100],
                      "kill_rank": 1},
         "downtime": {"sizes_mb": [10, 30, 100, 300, 1000]},
