@@ -16,9 +16,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def median_range(xs: Iterable[float]) -> dict:
-    """{"median", "min", "max", "n"}: how every figure is reported."""
-    xs = list(xs)
+def median_range(xs: Iterable[float | None]) -> dict:
+    """{"median", "min", "max", "n"}: how every figure is reported. None values (a repetition
+    that produced no figure) are dropped; with none left, every field but n is None."""
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        return {"median": None, "min": None, "max": None, "n": 0}
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
 
 

@@ -137,6 +137,7 @@ def run_job(c: Contender, w: Workload, run_dir: Path, *, kill_at: tuple[int, ...
     t0 = time.time()
     job = launch(c, w, run_dir)
     pending, kills, offset, seen = list(kill_at), [], 0, []
+    reached, since = -1, 0.0  # highest step rank 0 reported after the last kill, and when that was
     t_done = None
     try:
         while job.running():
@@ -145,13 +146,12 @@ def run_job(c: Contender, w: Workload, run_dir: Path, *, kill_at: tuple[int, ...
                 raise TimeoutError(f"{c.key} did not finish in {timeout:.0f}s: see {run_dir}")
             events, offset = _read_events(progress, offset)
             seen += events
+            reached = max([reached, *(e["step"] for e in events if e["ev"] == "step" and e["t"] > since)])
             if t_done is None and any(e["ev"] == "done" for e in events):
                 t_done = now
             if t_done is not None and now - t_done > straggler_grace:
                 break  # TorchFT: a restarted replica that never caught up waits for a quorum forever
             if pending:
-                since = kills[-1]["t"] if kills else 0.0
-                reached = max((e["step"] for e in seen if e["ev"] == "step" and e["t"] > since), default=-1)
                 pid_file = run_dir / f"pid.rank{kill_rank}"
                 if reached >= pending[0] and pid_file.exists():
                     pid = int(pid_file.read_text())
@@ -160,6 +160,7 @@ def run_job(c: Contender, w: Workload, run_dir: Path, *, kill_at: tuple[int, ...
                         os.kill(pid, signal.SIGKILL)
                         kills.append({"t": t_kill, "step": reached, "pid": pid})
                         pending.pop(0)
+                        reached, since = -1, t_kill
             time.sleep(0.002)
     finally:
         job.kill_all()

@@ -39,6 +39,7 @@ from typing import Any, Callable
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # rawcopy, common: as the other bench files
 
 import rawcopy  # noqa: E402
+from common import median_range  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 WORKLOAD = REPO / "bench" / "workload.py"
@@ -48,14 +49,6 @@ STEP_SLEEP = 0.02
 
 class BenchError(RuntimeError):
     """The benchmark job did not do what was asked in time; the message names its log."""
-
-
-def mr(xs: list[float]) -> dict:
-    """{"median", "min", "max", "n"} of the repetitions (None values dropped)."""
-    xs = [float(x) for x in xs if x is not None]
-    if not xs:
-        return {"median": None, "min": None, "max": None, "n": 0}
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -249,8 +242,9 @@ def _one_size(mb: float, moves: int, tmp: Path, python: str) -> dict:
 
     out = {"state_mb": mb, "state_bytes": nbytes, "params": nbytes // 12,
            "params_requested": round(params_m * 1e6),
-           "planned_s": mr(planned), "unplanned_s": mr(unplanned), "unplanned_ledger_s": mr(unplanned_ledger),
-           "transfer_s": mr(transfer), "raw_tcp_s": mr(tcp), "raw_shm_s": mr(shm)}
+           "planned_s": median_range(planned), "unplanned_s": median_range(unplanned),
+           "unplanned_ledger_s": median_range(unplanned_ledger), "transfer_s": median_range(transfer),
+           "raw_tcp_s": median_range(tcp), "raw_shm_s": median_range(shm)}
     out["planned_over_tcp"] = _ratio(out["planned_s"]["median"], out["raw_tcp_s"]["median"])
     out["unplanned_over_tcp"] = _ratio(out["unplanned_s"]["median"], out["raw_tcp_s"]["median"])
     print(f"  [{tag}] {nbytes / 1e6:.1f} MB: planned {out['planned_s']['median']:.3f}s, unplanned "

@@ -26,22 +26,19 @@ import argparse
 import json
 import os
 import secrets
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from common import median_range  # bench/ is on the path: run as a script or from run.py
+
 SKIPPED = {"skipped": "no CUDA device on this machine (torch.cuda.is_available() is False)"}
 MB = 1 << 20
 # Parameter tensor sizes cycled through (MB); each param comes with two AdamW moments.
 _PATTERN_MB = [256, 64, 128, 16, 4, 1, 32, 8, 256, 2]
 REPO = Path(__file__).resolve().parent.parent
-
-
-def mr(xs: list[float]) -> dict:
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
 
 
 def _sync(device: str) -> None:
@@ -224,13 +221,14 @@ def bench_gpu(state_gb: float = 10, runs: int = 5, device: str = "cuda") -> dict
         receiver.close()
         server.close()
 
-    raw_s = mr(raw)
-    cap_s = mr(capture)
+    raw_s = median_range(raw)
+    cap_s = median_range(capture)
     return {"device": name, "state_bytes": state_bytes,
-            "d2h_raw_s": raw_s, "d2h_raw_gbs": mr([target / s / 1e9 for s in raw]),
-            "capture_s": cap_s, "capture_gbs": mr([state_bytes / s / 1e9 for s in capture]),
+            "d2h_raw_s": raw_s, "d2h_raw_gbs": median_range([target / s / 1e9 for s in raw]),
+            "capture_s": cap_s, "capture_gbs": median_range([state_bytes / s / 1e9 for s in capture]),
             "capture_over_raw": (cap_s["median"] / raw_s["median"]) * (target / state_bytes),
-            "stream_s": mr(stream), "stream_gbs": mr([flat.nbytes / s / 1e9 for s in stream])}
+            "stream_s": median_range(stream),
+            "stream_gbs": median_range([flat.nbytes / s / 1e9 for s in stream])}
 
 
 def main() -> int:
