@@ -26,6 +26,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                    help="seconds without a heartbeat before a worker is declared hung, default 3")
     p.add_argument("--formation-timeout", type=float, default=120.0,
                    help="seconds to wait for a new process group to form, default 120")
+    p.add_argument("--verify-every", type=int, default=0, metavar="N",
+                   help="also check every N steps that replicas hold identical state (catches silent "
+                        "data corruption; 0: only after moves)")
     p.add_argument("--job-id", default="job")
     p.add_argument("--quiet", action="store_true", help="do not print events")
     p.add_argument("script", help="training script")
@@ -105,7 +108,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     opts = RunOptions(script=args.script, script_args=script_args, nproc=args.nproc, spares=args.spares,
                       slots=args.slots, run_dir=args.run_dir or default_dir(),
                       op_timeout_s=args.op_timeout, heartbeat_timeout_s=args.heartbeat_timeout,
-                      formation_timeout_s=args.formation_timeout, job_id=args.job_id, quiet=args.quiet)
+                      formation_timeout_s=args.formation_timeout, verify_every=args.verify_every,
+                      job_id=args.job_id, quiet=args.quiet)
     return run(opts)
 
 

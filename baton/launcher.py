@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -38,6 +39,7 @@ class RunOptions:
     op_timeout_s: float = 5.0
     heartbeat_timeout_s: float = 3.0
     formation_timeout_s: float = 120.0
+    verify_every: int = 0
     job_id: str = "job"
     quiet: bool = False
     env: dict[str, str] = field(default_factory=dict)
@@ -71,6 +73,12 @@ def run(opts: RunOptions, listeners: list[Callable[[str, dict[str, Any]], None]]
 
     if opts.nproc < 1:
         raise SystemExit("baton run: --nproc must be at least 1")
+    for flag, value in (("--op-timeout", opts.op_timeout_s), ("--heartbeat-timeout", opts.heartbeat_timeout_s),
+                        ("--formation-timeout", opts.formation_timeout_s)):
+        if not math.isfinite(value) or value <= 0:
+            raise SystemExit(f"baton run: {flag} must be a positive number of seconds, got {value}")
+    if opts.verify_every < 0:
+        raise SystemExit("baton run: --verify-every must be >= 0")
     if opts.spares < 0:
         raise SystemExit("baton run: --spares must be >= 0")
     if not Path(opts.script).is_file():
@@ -87,7 +95,7 @@ def run(opts: RunOptions, listeners: list[Callable[[str, dict[str, Any]], None]]
                           timeout=timedelta(seconds=opts.formation_timeout_s))
     config = Config(world_size=opts.nproc, spares=opts.spares, job_id=opts.job_id,
                     op_timeout_s=opts.op_timeout_s, heartbeat_timeout_s=opts.heartbeat_timeout_s,
-                    formation_timeout_s=opts.formation_timeout_s)
+                    formation_timeout_s=opts.formation_timeout_s, verify_every=opts.verify_every)
     orch = Orchestrator(config, db)
     orch.listeners.append(EventPrinter(run_dir, opts.quiet))
     orch.listeners.extend(listeners or [])

@@ -9,9 +9,9 @@ times and reported as {"median", "min", "max", "n"}:
 
   d2h_raw     one copy_ of a single device buffer of state_bytes into pinned host memory,
               torch.cuda.synchronize() before and after: the device-to-host ceiling.
-  capture     baton.worker.statecap.pack() of the state dict, as a worker publishes it:
+  capture     baton.worker.codec.encode() of the state dict, as a worker publishes it:
               each tensor `.to("cpu")` into fresh pageable memory (synchronous), plus the
-              skeleton pickle; synchronize before and after.
+              JSON skeleton; synchronize before and after.
   stream      the captured host state served by baton's TransferServer and pulled by
               fetch_state() in another process over loopback (chunked, xxh3-checked,
               HMAC-authenticated): the receiver's FetchStats.seconds, i.e. connect ->
@@ -173,7 +173,8 @@ def bench_gpu(state_gb: float = 10, runs: int = 5, device: str = "cuda") -> dict
     if device.startswith("cuda") and not torch.cuda.is_available():
         return dict(SKIPPED)
     from baton.transfer import TransferServer
-    from baton.worker import statecap
+    from baton.transfer.protocol import FlatState
+    from baton.worker import codec
 
     if device == "cuda":
         device = "cuda:0"
@@ -194,7 +195,7 @@ def bench_gpu(state_gb: float = 10, runs: int = 5, device: str = "cuda") -> dict
         flat = None  # free the previous capture first
         _sync(device)
         t0 = time.perf_counter()
-        flat = statecap.pack(state)
+        flat = FlatState(*codec.encode(state))
         _sync(device)
         capture.append(time.perf_counter() - t0)
         print(f"  capture {i + 1}/{runs}: {capture[-1]:.4f}s ({state_bytes / capture[-1] / 1e9:.2f} GB/s)",

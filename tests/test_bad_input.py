@@ -108,13 +108,45 @@ def test_user_bug_ends_the_job_with_its_traceback(tmp_path):
     assert job.events() == []
 
 
+def _run(tmp_path, source: str, nproc: int = 2, spares: int = 0, timeout: float = 120):
+    script = tmp_path / "script.py"
+    script.write_text(source)
+    return subprocess.run([sys.executable, "-m", "baton.cli", "run", "--nproc", str(nproc), "--spares",
+                           str(spares), "--run-dir", str(tmp_path / "run"), str(script)],
+                          capture_output=True, text=True, timeout=timeout, cwd=tmp_path)
+
+
 def test_exit_code_is_the_scripts(tmp_path):
-    script = tmp_path / "exits.py"
-    script.write_text("import sys, baton\njob = baton.init()\nsys.exit(3 if job.rank == 0 else 0)\n")
-    out = subprocess.run([sys.executable, "-m", "baton.cli", "run", "--nproc", "2", "--spares", "0",
-                          "--run-dir", str(tmp_path / "run"), str(script)],
-                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    """Code after job.finish() decides the exit code, as under torchrun."""
+    out = _run(tmp_path, "import sys, baton\njob = baton.init()\njob.finish()\n"
+                         "sys.exit(3 if job.rank == 0 else 0)\n")
     assert out.returncode == 3, out.stderr
+
+
+def test_a_rank_that_exits_early_is_an_error_not_a_hang(tmp_path):
+    out = _run(tmp_path, "import sys, baton\njob = baton.init()\nsys.exit(0)\n")
+    assert out.returncode == 1, out.stderr
+    assert "before job.finish()" in out.stderr
+
+
+@pytest.mark.parametrize("source, expect", [
+    ("import baton\ndef broken(:\n    pass\n", "SyntaxError"),
+    ("import os, baton\nos.environ['NO_SUCH_VARIABLE']\njob = baton.init()\n", "KeyError: 'NO_SUCH_VARIABLE'"),
+])
+def test_an_error_before_init_fails_fast_with_its_traceback(tmp_path, source, expect):
+    """No respawn loop: the first worker that dies before baton.init() ends the job."""
+    t0 = __import__("time").monotonic()
+    out = _run(tmp_path, source, spares=1)
+    assert out.returncode == 1, out.stderr
+    assert expect in out.stderr and "before baton.init()" in out.stderr
+    assert __import__("time").monotonic() - t0 < 60
+    assert out.stderr.count("Traceback") <= 3  # one per started worker at most: nothing respawned
+
+
+def test_a_script_that_never_calls_init_gets_told_what_to_add(tmp_path):
+    out = _run(tmp_path, "import torch\nprint('training without baton')\n")
+    assert out.returncode == 1, out.stderr
+    assert "without calling baton.init()" in out.stderr and "job = baton.init()" in out.stderr
 
 
 def test_script_outside_baton_run_gets_a_clear_error(tmp_path):

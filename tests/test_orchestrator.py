@@ -8,8 +8,20 @@ from __future__ import annotations
 
 import pytest
 
+from baton.control import messages as m
 from baton.control.orchestrator import Config, Orchestrator, RequestError
 from baton.store.sqlite import SqliteStore
+
+LOOP = {"style": "steps", "total_steps": 100}
+
+
+def _bundle(rank: int, pos=(0, 0)) -> dict:
+    return {"rank": rank, "pos": list(pos), "generation": 0, "seq": 0, "meta": "{}", "tensors": []}
+
+
+def report(orch: Orchestrator, wid: str, body: dict) -> dict:
+    """What the API does with a worker's report: validate it into its typed message first."""
+    return orch.report(wid, m.REPORT.validate_python(body))
 
 
 class RecordingScheduler:
@@ -34,10 +46,10 @@ def _running(tmp_path, world=2, spares=1) -> tuple[Orchestrator, RecordingSchedu
     orch = Orchestrator(Config(world_size=world, spares=spares), SqliteStore(tmp_path / "s.db"), sched)
     orch.start()
     for wid, _ in list(sched.started):
-        orch.register(wid, 1, ["127.0.0.1", 1])
+        orch.register(wid, 1, ["127.0.0.1", 1000 + int(wid[1:])])
     for r in range(world):
-        orch.report(f"w{r}", {"type": "ready"})
-        orch.report(f"w{r}", {"type": "heartbeat", "step": 10})
+        report(orch, f"w{r}", {"type": "ready", "loop": LOOP, "bundle": _bundle(r)})
+        report(orch, f"w{r}", {"type": "heartbeat", "step": 10})
     return orch, sched
 
 
@@ -50,27 +62,27 @@ def test_boundary_is_retargeted_when_a_rank_is_past_it(tmp_path):
     op = orch.request_migration(0)["op"]
     target = orch.op.target_step
     # rank 0 accepts; rank 1 was already past the target
-    orch.report("w0", {"type": "pause_ack", "op": op, "ok": True, "next_step": target})
-    orch.report("w1", {"type": "pause_ack", "op": op, "ok": False, "next_step": target + 3})
+    report(orch, "w0", {"type": "pause_ack", "op": op, "ok": True, "next_step": target})
+    report(orch, "w1", {"type": "pause_ack", "op": op, "ok": False, "next_step": target + 3})
     assert orch.op.target_step == target + 5
     pauses = [c for c in _commands(orch, "w0") if c["type"] == "pause"]
     assert [p["at_step"] for p in pauses] == [target, target + 5]
     for w in ("w0", "w1"):
-        orch.report(w, {"type": "pause_ack", "op": op, "ok": True, "next_step": target + 4})
+        report(orch, w, {"type": "pause_ack", "op": op, "ok": True, "next_step": target + 4})
     assert orch.op.phase == "pausing"
     for w in ("w0", "w1"):
-        orch.report(w, {"type": "paused", "op": op, "step": target + 5})
+        report(orch, w, {"type": "paused", "op": op, "pos": [target + 5, 0]})
     assert orch.op.phase == "forming"
     assert any(c["type"] == "publish" and c["leave"] for c in _commands(orch, "w0"))
     spare_form = [c for c in _commands(orch, "w2") if c["type"] == "form"]
-    assert spare_form and spare_form[0]["fetch_from"] == [("127.0.0.1", 1)]
+    assert spare_form and spare_form[0]["fetch_from"] == [["127.0.0.1", 1000]] and spare_form[0]["full_state"]
 
 
 def test_a_move_is_cancelled_when_the_job_finishes_first(tmp_path):
     orch, _ = _running(tmp_path)
     orch.request_migration(1)
     for w in ("w0", "w1"):
-        orch.report(w, {"type": "finished", "step": 11})
+        report(orch, w, {"type": "finished", "pos": [11, 0]})
     assert orch.exit_code is None  # ranks may still run code after finish(): wait for them
     orch.worker_exited("w0", 0)
     orch.worker_exited("w1", 0)
@@ -106,7 +118,7 @@ def test_a_lost_rank_during_startup_fails_clearly(tmp_path):
     orch = Orchestrator(Config(world_size=2, spares=1), SqliteStore(tmp_path / "s.db"), sched)
     orch.start()
     for wid, _ in list(sched.started):
-        orch.register(wid, 1, ["127.0.0.1", 1])
+        orch.register(wid, 1, ["127.0.0.1", 1000 + int(wid[1:])])
     orch.worker_exited("w1", -9)
     assert orch.exit_code == 1 and "during startup" in orch.failure
 

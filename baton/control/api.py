@@ -11,6 +11,7 @@ import socket
 import threading
 from typing import Any
 
+import anyio.to_thread
 import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -18,6 +19,9 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pydantic import ValidationError
+
+from baton.control import messages as m
 from baton.control.orchestrator import Orchestrator, RequestError
 
 
@@ -38,24 +42,24 @@ class UntaintRequest(_Strict):
     slot: str = Field(min_length=1, max_length=200)
 
 
-class RegisterRequest(_Strict):
-    pid: int
-    transfer_addr: list[Any] | None = None
-
-
-class Report(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    type: str = Field(min_length=1, max_length=64)
+_REPORT_TYPES = {"heartbeat", "ready", "unit_done", "pause_ack", "paused", "recover", "formed", "verified",
+                 "finished", "user_error", "left"}
 
 
 def create_app(orch: Orchestrator, token: str) -> FastAPI:
     app = FastAPI(title="baton", version="1", docs_url=None, redoc_url=None)
 
     def auth(request: Request) -> None:
+        """Checked by the middleware below for every request, before any body is read."""
+
+    @app.middleware("http")
+    async def _authenticate_first(request: Request, call_next):  # noqa: ANN001, ANN202
         header = request.headers.get("authorization", "")
         given = header[7:] if header.lower().startswith("bearer ") else ""
         if not given or not hmac.compare_digest(given.encode(), token.encode()):
-            raise RequestError("missing or wrong token (send 'Authorization: Bearer <token>')", 401)
+            return JSONResponse({"error": "missing or wrong token (send 'Authorization: Bearer <token>')"},
+                                status_code=401)
+        return await call_next(request)
 
     @app.exception_handler(RequestError)
     async def _request_error(_: Request, exc: RequestError) -> JSONResponse:
@@ -96,8 +100,8 @@ def create_app(orch: Orchestrator, token: str) -> FastAPI:
         return orch.untaint(req.slot)
 
     @app.post("/v1/workers/{worker_id}/register", dependencies=guard)
-    def register(worker_id: str, req: RegisterRequest) -> dict[str, Any]:
-        return orch.register(worker_id, req.pid, req.transfer_addr)
+    def register(worker_id: str, req: m.Register) -> dict[str, Any]:
+        return orch.register(worker_id, req.pid, list(req.transfer_addr))
 
     @app.get("/v1/workers/{worker_id}/commands", dependencies=guard)
     def commands(worker_id: str, after: int = 0, timeout: float = 10.0) -> dict[str, Any]:
@@ -106,8 +110,21 @@ def create_app(orch: Orchestrator, token: str) -> FastAPI:
         return {"commands": orch.commands(worker_id, after, timeout)}
 
     @app.post("/v1/workers/{worker_id}/reports", dependencies=guard)
-    def report(worker_id: str, rep: Report) -> dict[str, Any]:
-        return orch.report(worker_id, rep.model_dump())
+    async def report(worker_id: str, request: Request) -> JSONResponse:
+        try:
+            body = await request.json()
+        except ValueError:
+            raise RequestError("invalid request: the body is not JSON", 422) from None
+        try:
+            rep = m.REPORT.validate_python(body)
+        except ValidationError as exc:
+            kind = body.get("type") if isinstance(body, dict) else None
+            if kind is not None and kind not in _REPORT_TYPES:
+                raise RequestError(f"unknown report type {kind!r}", 400) from None
+            parts = [f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg')}" for e in exc.errors()[:5]]
+            raise RequestError("invalid report: " + "; ".join(parts), 422) from None
+        result = await anyio.to_thread.run_sync(orch.report, worker_id, rep)
+        return JSONResponse(result)
 
     return app
 

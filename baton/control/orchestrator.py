@@ -25,6 +25,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
+from pydantic import BaseModel
+
+from baton.control import messages as m
 from baton.control.mailbox import Mailboxes
 from baton.control.state import (
     Event,
@@ -72,6 +75,8 @@ class Config:
     op_timeout_s: float = 5.0  # per-collective timeout inside workers
     collect_grace_s: float = 2.0  # extra wait for survivors' reports after op_timeout
     formation_timeout_s: float = 120.0
+    verify_every: int = 0  # also check replicas agree every N steps (0: only after moves)
+    redundancy: int = 2  # buddies holding each rank's own state (simultaneous losses survived)
 
 
 @dataclass
@@ -102,6 +107,8 @@ class Operation:
     transfer_s: float = 0.0
     waiting_message: str | None = None
     rerun: bool = False  # some survivor discarded a partial step and re-runs it
+    target: tuple[int, int] | None = None  # the position the new generation forms at
+    failed_at: float | None = None  # when the failure happened (not when it was detected)
 
 
 class Orchestrator:
@@ -120,10 +127,12 @@ class Orchestrator:
         self._op_ids = 0
         self._worker_ids = 0
         self.exit_code: int | None = None  # set when the job is over
+        self._final_code = 0  # a nonzero exit of a rank's code after job.finish()
         self._training_done = False  # every rank reported finished
         self.failure: str | None = None  # user error text that ended the job
         self.done = threading.Event()
         self._last_persist = 0.0
+        self.loop: m.LoopInfo | None = None  # the loop every rank agreed on
         self.listeners: list[Callable[[str, dict[str, Any]], None]] = []
 
     # ------------------------------------------------------------------ lifecycle
@@ -180,6 +189,9 @@ class Orchestrator:
             self._persist()
 
     # ------------------------------------------------------------------ worker API
+    def _post(self, worker_id: str, cmd: BaseModel) -> None:
+        self.mail.post(worker_id, cmd.model_dump(mode="json"))
+
     def register(self, worker_id: str, pid: int, transfer_addr: list[Any] | None) -> dict[str, Any]:
         with self._lock:
             w = self._worker(worker_id)
@@ -197,14 +209,16 @@ class Orchestrator:
             elif not self.slots[w.slot].healthy:
                 # The slot was tainted while this spare was starting: keep nothing there.
                 w.role = WorkerRole.GONE
-                self.mail.post(w.id, {"type": "stop", "reason": f"slot {w.slot} is tainted"})
+                self._post(w.id, m.Stop(reason=f"slot {w.slot} is tainted"))
             else:
                 self._emit("spare", {"worker": w.id, "slot": w.slot})
                 self._on_spare_available()
             self._persist(force=True)
-            return {"worker_id": w.id, "world_size": self.config.world_size, "role": w.role.value,
-                    "op_timeout_s": self.config.op_timeout_s,
-                    "formation_timeout_s": self.config.formation_timeout_s}
+            return m.Registered(worker_id=w.id, world_size=self.config.world_size, role=w.role.value,
+                                op_timeout_s=self.config.op_timeout_s,
+                                formation_timeout_s=self.config.formation_timeout_s,
+                                verify_every=self.config.verify_every,
+                                redundancy=self._redundancy()).model_dump()
 
     def _maybe_start_generation0(self) -> None:
         if all(
@@ -213,9 +227,10 @@ class Orchestrator:
             for r, info in self.ranks.items():
                 info.state = RankState.RUNNING
                 assert info.worker
-                self.mail.post(info.worker, {"type": "assign", "rank": r, "generation": 0,
-                                             "world_size": self.config.world_size, "joiner": False})
-                self.mail.post(info.worker, {"type": "form", "generation": 0, "step": 0})
+                self._post(info.worker, m.Assign(rank=r, generation=0, world_size=self.config.world_size,
+                                                 joiner=False))
+                self._post(info.worker, m.Form(generation=0, pos=(0, 0), buddies=self._buddy_addr(r),
+                                               verify=False))
             self._emit("started", {"world_size": self.config.world_size})
 
     def commands(self, worker_id: str, after: int, timeout: float) -> list[dict[str, Any]]:
@@ -223,11 +238,9 @@ class Orchestrator:
             self._worker(worker_id)
         return self.mail.wait(worker_id, after, timeout)
 
-    def report(self, worker_id: str, report: dict[str, Any]) -> dict[str, Any]:
-        kind = report.get("type")
-        handler = getattr(self, f"_on_{kind}", None) if isinstance(kind, str) else None
-        if handler is None:
-            raise RequestError(f"unknown report type {kind!r}")
+    def report(self, worker_id: str, report: BaseModel) -> dict[str, Any]:
+        kind = report.type  # type: ignore[attr-defined]
+        handler = getattr(self, f"_on_{kind}")
         with self._lock:
             w = self._worker(worker_id)
             w.last_seen = time.time()
@@ -235,100 +248,160 @@ class Orchestrator:
             self._persist(force=kind != "heartbeat")
             return result
 
-    def _on_heartbeat(self, w: Worker, rep: dict[str, Any]) -> None:
+    def _on_heartbeat(self, w: Worker, rep: m.Heartbeat) -> None:
         if w.role == WorkerRole.RANK and w.rank is not None:
             info = self.ranks[w.rank]
             if info.worker != w.id:
                 return
-            if isinstance(rep.get("step"), int):
-                info.step = rep["step"]
+            if rep.step is not None:
+                info.step = rep.step
                 info.step_at = time.time()
-            if isinstance(rep.get("metrics"), dict):
-                info.metrics = rep["metrics"]
-            if rep.get("local_state") is not None:
-                info.local_state = rep["local_state"]
-                info.local_state_step = rep.get("local_state_step")
-            elif isinstance(rep.get("local_state_step"), int) and info.local_state is not None:
-                info.local_state_step = rep["local_state_step"]  # unchanged RNG, newer step
-            if isinstance(rep.get("step_time"), (int, float)):
-                info.metrics["step_time"] = float(rep["step_time"])
+                info.reached = max(info.reached, rep.step)
+            if rep.metrics:
+                info.metrics = dict(rep.metrics)
+            if rep.step_time is not None:
+                info.metrics["step_time"] = rep.step_time
 
-    def _on_pause_ack(self, w: Worker, rep: dict[str, Any]) -> None:
+    def _on_pause_ack(self, w: Worker, rep: m.PauseAck) -> None:
         op = self.op
-        if op is None or rep.get("op") != op.id or w.rank is None or op.phase != "agree":
+        if op is None or rep.op != op.id or w.rank is None or op.phase != "agree":
             return
-        op.acks[w.rank] = rep
+        op.acks[w.rank] = {"ok": rep.ok, "next_step": rep.next_step}
         self._advance_agree()
 
-    def _on_paused(self, w: Worker, rep: dict[str, Any]) -> None:
+    def _on_paused(self, w: Worker, rep: m.Paused) -> None:
         op = self.op
-        if op is None or rep.get("op") != op.id or w.rank is None:
+        if op is None or rep.op != op.id or w.rank is None:
             return
         op.paused[w.rank] = time.time()
+        op.target = max(op.target or tuple(rep.pos), tuple(rep.pos))  # type: ignore[assignment]
         self.ranks[w.rank].state = RankState.PAUSED
-        self.ranks[w.rank].step = int(rep.get("step", op.target_step or 0))
+        self.ranks[w.rank].step = rep.pos[0]
         self._advance_pausing()
 
-    def _on_recover(self, w: Worker, rep: dict[str, Any]) -> None:
-        """A survivor absorbed a failed step; its state is at boundary `step`."""
+    def _on_recover(self, w: Worker, rep: m.Recover) -> None:
+        """A survivor absorbed a lost peer; its state is at position `rep.pos`."""
         if w.rank is None or w.role != WorkerRole.RANK:
             return
         info = self.ranks[w.rank]
         info.state = RankState.RECOVERING
-        info.step = int(rep["step"])
+        info.step = rep.pos[0]
         op = self.op
         if op is None or op.kind != EventKind.UNPLANNED:
             # The survivor saw the failure first (e.g. a hung peer): open the recovery now;
             # the culprit is found by heartbeats or by not reporting.
-            self._open_recovery(cause=f"rank {w.rank} saw a failed collective: {rep.get('error', '')[:200]}")
+            self._open_recovery(cause=f"rank {w.rank} saw a failed collective: {rep.error[:200]}")
             op = self.op
         assert op is not None
         if w.rank not in op.moves:
-            op.boundaries[w.rank] = int(rep["step"])
-            op.rerun = op.rerun or bool(rep.get("rerun"))
+            pos = tuple(rep.pos)
+            if rep.unit_reported and self._unit_durable_everywhere((pos[0], pos[1] + 1)):
+                pos = (pos[0], pos[1] + 1)  # every rank finished that boundary function
+            op.boundaries[w.rank] = pos  # type: ignore[assignment]
+            op.rerun = op.rerun or rep.in_step
         self._advance_collect()
 
-    def _on_formed(self, w: Worker, rep: dict[str, Any]) -> None:
+    def _unit_durable_everywhere(self, pos: tuple[int, int]) -> bool:
+        return all(i.held is not None and tuple(i.held["pos"]) >= pos for i in self.ranks.values())
+
+    def _on_formed(self, w: Worker, rep: m.Formed) -> None:
         op = self.op
         if w.rank is None:
             return
         info = self.ranks[w.rank]
         info.state = RankState.RUNNING
-        info.step = int(rep.get("step", info.step))
-        if rep.get("bytes"):
-            if op:
-                op.transfer_bytes = max(op.transfer_bytes, int(rep["bytes"]))
-                op.transfer_s = max(op.transfer_s, float(rep.get("seconds", 0.0)))
-        if op is None or rep.get("generation") != op.generation:
+        info.step = rep.pos[0]
+        if rep.bytes and op:
+            op.transfer_bytes = max(op.transfer_bytes, rep.bytes)
+            op.transfer_s = max(op.transfer_s, rep.seconds)
+        if op is None or rep.generation != op.generation:
             return
         op.formed[w.rank] = time.time()
         if len(op.formed) == self.config.world_size:
             self._finish_op(op)
 
-    def _on_finished(self, w: Worker, rep: dict[str, Any]) -> None:
+    def _on_ready(self, w: Worker, rep: m.Ready) -> None:
+        """The rank entered its step loop with `rep.bundle` as its starting state."""
+        if w.rank is None:
+            return
+        info = self.ranks[w.rank]
+        if not rep.joined:
+            info.ready = True
+            info.held = rep.bundle.model_dump()
+        info.loop = rep.loop.model_dump()
+        if self.loop is not None and rep.loop != self.loop:
+            self._fail(f"rank {w.rank} computed a different loop ({_loop_text(rep.loop)}) than the others "
+                       f"({_loop_text(self.loop)}): every rank, joiners included, must run the same number "
+                       "of steps (a resume-from-file block that runs only on some ranks? skip it with "
+                       "`if not job.joined:`)")
+            return
+        loops = [i.loop for i in self.ranks.values() if i.loop is not None]
+        if self.loop is None and len(loops) == self.config.world_size:
+            if any(x != loops[0] for x in loops):
+                detail = ", ".join(f"rank {r}: {_loop_text(m.LoopInfo(**i.loop))}"
+                                   for r, i in sorted(self.ranks.items()) if i.loop)
+                self._fail(f"ranks disagree on the step loop ({detail})")
+                return
+            self.loop = m.LoopInfo(**loops[0])
+
+    def _on_unit_done(self, w: Worker, rep: m.UnitDone) -> None:
+        """A boundary function ended on this rank; its state there is now durable here."""
+        if w.rank is not None and self.ranks[w.rank].worker == w.id:
+            self.ranks[w.rank].held = rep.bundle.model_dump()
+            self.ranks[w.rank].reached = max(self.ranks[w.rank].reached, rep.pos[0])
+
+    def _on_verified(self, w: Worker, rep: m.Verified) -> None:
+        if rep.ok:
+            return
+        ev = self._new_event(EventKind.DIVERGENCE, f"state check failed: {rep.detail}", w.rank,
+                             w.slot)
+        ev.status, ev.step = "failed", rep.pos[0]
+        ev.note = "differing: " + ", ".join(rep.differing[:50])
+        ev.resolved_without_rollback = False
+        self.store.put_event(ev.id, ev.to_json())
+        self._emit("divergence", {"rank": w.rank, "detail": rep.detail, "differing": rep.differing[:50]})
+        self._fail(f"state check failed at step {rep.pos[0]} on rank {w.rank}: {rep.detail}; differing "
+                   f"entries: {', '.join(rep.differing[:20])}")
+
+    def _on_finished(self, w: Worker, rep: m.Finished) -> None:
         if w.rank is not None and self.ranks[w.rank].worker == w.id:
             self.ranks[w.rank].state = RankState.FINISHED
-            self.ranks[w.rank].step = int(rep.get("step", self.ranks[w.rank].step))
-        if all(i.state == RankState.FINISHED for i in self.ranks.values()) and not self._training_done:
-            self._training_done = True
-            op = self.op
-            if op is not None:
-                # The job reached its last step before the agreed boundary: nothing to move.
-                for move in op.moves.values():
-                    ev = self.events[move.event_id - 1]
-                    ev.status, ev.note = "cancelled", "the job finished before the agreed step boundary"
-                    self.store.put_event(ev.id, ev.to_json())
-                self._emit("cancelled", {"op": op.id, "reason": "job finished first"})
-                self.op = None
-            self._emit("finished", {})
-            # Spares are no longer needed; ranks may still run code after job.finish()
-            # (saving a checkpoint, say): the job ends when their processes exit.
-            for spare in self.workers.values():
-                if spare.role in (WorkerRole.SPARE, WorkerRole.STARTING):
-                    spare.role = WorkerRole.GONE
-                    self.mail.post(spare.id, {"type": "stop", "reason": "training finished"})
-                    if self.scheduler is not None and spare.pid is None:
-                        self.scheduler.kill(spare.id)
+            self.ranks[w.rank].step = rep.pos[0]
+        self._maybe_done()
+
+    def _maybe_done(self) -> None:
+        """Every rank finished and nothing is moving: let them all return from finish()."""
+        if self._training_done or not all(i.state == RankState.FINISHED for i in self.ranks.values()):
+            return
+        op = self.op
+        if op is not None and op.kind != EventKind.UNPLANNED:
+            # The job reached its last step before the agreed boundary: nothing to move.
+            for move in op.moves.values():
+                ev = self.events[move.event_id - 1]
+                ev.status, ev.note = "cancelled", "the job finished before the agreed step boundary"
+                self.store.put_event(ev.id, ev.to_json())
+                joiner = self.workers.get(move.to_worker or "")
+                if joiner is not None and joiner.role == WorkerRole.RANK and joiner.id != self.ranks[move.rank].worker:
+                    joiner.role = WorkerRole.GONE
+                    if self.scheduler is not None:
+                        self.scheduler.kill(joiner.id)
+            self._emit("cancelled", {"op": op.id, "reason": "job finished first"})
+            self.op = None
+        elif op is not None:
+            return  # a recovery is still bringing a rank to the end: wait for it
+        self._training_done = True
+        self._emit("finished", {})
+        for info in self.ranks.values():
+            if info.worker:
+                self._post(info.worker, m.Done())
+        # Spares are no longer needed; ranks may still run code after job.finish()
+        # (saving a checkpoint, say): the job ends when their processes exit.
+        for spare in self.workers.values():
+            if spare.role in (WorkerRole.SPARE, WorkerRole.STARTING):
+                spare.role = WorkerRole.GONE
+                self._post(spare.id, m.Stop(reason="training finished"))
+                if self.scheduler is not None and spare.pid is None:
+                    self.scheduler.kill(spare.id)
         self._maybe_end_after_finish()
 
     def _maybe_end_after_finish(self) -> None:
@@ -336,25 +409,27 @@ class Orchestrator:
             return
         rank_workers = {i.worker for i in self.ranks.values()}
         if all(self.workers[w].role == WorkerRole.GONE for w in rank_workers if w):
-            self._end(0)
+            self._end(self._final_code)
 
-    def _on_user_error(self, w: Worker, rep: dict[str, Any]) -> None:
-        text = str(rep.get("traceback", ""))[-20000:]
+    def _on_user_error(self, w: Worker, rep: m.UserError) -> None:
+        if w.role == WorkerRole.GONE:
+            return  # a worker already replaced or stopped: what it says no longer matters
+        text = rep.traceback[-20000:]
         self.failure = text
         if w.rank is not None:
             self.ranks[w.rank].state = RankState.FAILED
-        self._emit("user-error", {"rank": w.rank, "traceback": text})
-        self._end(int(rep.get("exit_code", 1)) or 1, spare_worker=w.id)
+        self._emit("user-error", {"rank": w.rank, "phase": rep.phase, "traceback": text})
+        self._end(rep.exit_code or 1, spare_worker=w.id)
 
-    def _on_ready(self, w: Worker, rep: dict[str, Any]) -> None:
-        """The rank entered its step loop: from here on it is recoverable."""
-        if w.rank is not None:
-            self.ranks[w.rank].ready = True
+    def _fail(self, message: str) -> None:
+        self.failure = message
+        self._emit("fatal", {"message": message})
+        self._end(1)
 
     def _training(self) -> bool:
         return all(i.ready for i in self.ranks.values())
 
-    def _on_left(self, w: Worker, rep: dict[str, Any]) -> None:
+    def _on_left(self, w: Worker, rep: m.Left) -> None:
         w.role = WorkerRole.GONE
 
     # ------------------------------------------------------------------ scheduler input
@@ -369,23 +444,57 @@ class Orchestrator:
                 w.role = WorkerRole.GONE
                 self._persist(force=True)
                 return
-            if returncode > 0 and prev == WorkerRole.RANK:
+            if prev == WorkerRole.STARTING:
+                self._exited_before_init(w, returncode)
+            elif prev == WorkerRole.RANK and w.rank is not None and \
+                    self.ranks[w.rank].state == RankState.FINISHED:
+                # After job.finish(): the script's own closing code decides its exit code.
+                w.role = WorkerRole.GONE
+                if returncode != 0 and not self._final_code:
+                    self._final_code = returncode if returncode > 0 else 128 - returncode
+                    self._emit("note", {"message": f"rank {w.rank} exited with code {returncode} after "
+                                                   "job.finish()"})
+                self._maybe_end_after_finish()
+            elif returncode > 0 and prev == WorkerRole.RANK:
                 # The script ended with an error of its own: a bug, not a hardware failure.
                 self.failure = self.failure or f"rank {w.rank} exited with code {returncode}"
                 self._emit("user-error", {"rank": w.rank, "exit_code": returncode})
                 w.role = WorkerRole.GONE
                 self._end(returncode)
-            elif prev == WorkerRole.RANK and w.rank is not None and (
-                    returncode == 0 or self.ranks[w.rank].state == RankState.FINISHED):
-                # A clean exit (or any end after the rank reported finished) is completion.
+            elif returncode == 0 and prev == WorkerRole.RANK:
                 w.role = WorkerRole.GONE
-                self._on_finished(w, {"step": self.ranks[w.rank].step})
+                self._fail(f"rank {w.rank} exited with code 0 at step {self.ranks[w.rank].step}, before "
+                           "job.finish(): the other ranks would wait for it forever. End the script with "
+                           "job.finish() after the step loop (and do not sys.exit() inside it)")
+            elif returncode == 0 and prev == WorkerRole.SPARE:
+                w.role = WorkerRole.GONE  # a spare that finished its script without being used
             else:
                 how = f"killed by signal {-returncode}" if returncode < 0 else f"exit code {returncode}"
-                self._worker_lost(w, f"process {how}")
+                self._worker_lost(w, f"process {how}", failed_at=time.time())
             self._persist(force=True)
 
-    def _worker_lost(self, w: Worker, cause: str) -> None:
+    def _exited_before_init(self, w: Worker, returncode: int) -> None:
+        """A worker that ends before baton.init() registers it failed in the script's startup
+        (a SyntaxError, argparse, a missing variable) or never calls baton.init(): starting
+        another would fail the same way, so the job ends now with the script's code."""
+        w.role = WorkerRole.GONE
+        if returncode < 0:
+            self._emit("worker-lost", {"worker": w.id, "slot": w.slot, "rank": w.intended_rank,
+                                       "cause": f"killed by signal {-returncode} while starting"})
+            if w.intended_rank is not None:
+                self._fail(f"rank {w.intended_rank} was killed (signal {-returncode}) while starting, "
+                           "before training began: start the job again")
+            return
+        if returncode == 0:
+            self._fail("the script ended (exit code 0) without calling baton.init(): a script run by "
+                       "`baton run` must call `job = baton.init()` before it trains (see the README)")
+            return
+        self.failure = (f"worker {w.id} on {w.slot} exited with code {returncode} before baton.init(): "
+                        "the script failed while starting (its traceback is above)")
+        self._emit("user-error", {"rank": w.intended_rank, "exit_code": returncode, "phase": "startup"})
+        self._end(returncode)
+
+    def _worker_lost(self, w: Worker, cause: str, failed_at: float | None = None) -> None:
         """A worker is dead or hung: make sure it is gone and start recovery if it held a rank."""
         role, rank = w.role, w.rank
         w.role = WorkerRole.GONE
@@ -405,7 +514,8 @@ class Orchestrator:
             self._emit("fatal", {"message": self.failure})
             self._end(1)
             return
-        self._open_recovery(cause=cause, dead_rank=rank, dead_worker=w)
+        self._open_recovery(cause=cause, dead_rank=rank, dead_worker=w,
+                            failed_at=failed_at if failed_at is not None else w.last_seen)
 
     # ------------------------------------------------------------------ CLI / API requests
     def request_migration(self, rank: int, kind: EventKind = EventKind.PLANNED, cause: str = "requested") -> dict:
@@ -435,7 +545,7 @@ class Orchestrator:
                     continue
                 if w.role == WorkerRole.SPARE:
                     w.role = WorkerRole.GONE
-                    self.mail.post(w.id, {"type": "stop", "reason": f"slot {slot} tainted"})
+                    self._post(w.id, m.Stop(reason=f"slot {slot} tainted"))
                 elif w.role == WorkerRole.RANK and w.rank is not None:
                     moved.append(w.rank)
             result: dict[str, Any] = {"slot": slot, "reason": reason, "moving_ranks": moved}
@@ -477,7 +587,7 @@ class Orchestrator:
         self._emit("migration", {"kind": kind.value, "ranks": ranks, "cause": cause, "at_step": op.target_step})
         for r, info in self.ranks.items():
             assert info.worker
-            self.mail.post(info.worker, {"type": "pause", "op": op.id, "at_step": op.target_step})
+            self._post(info.worker, m.Pause(op=op.id, at_step=op.target_step))
         return op
 
     def _estimate_target(self) -> int:
@@ -511,7 +621,7 @@ class Orchestrator:
             self._emit("retarget", {"op": op.id, "at_step": new_target})
             for info in self.ranks.values():
                 assert info.worker
-                self.mail.post(info.worker, {"type": "pause", "op": op.id, "at_step": new_target})
+                self._post(info.worker, m.Pause(op=op.id, at_step=new_target))
             return
         op.phase = "pausing"
         self._advance_pausing()
@@ -522,22 +632,38 @@ class Orchestrator:
         if op.phase != "pausing" or len(op.paused) < len(self.ranks):
             return
         op.phase = "forming"
-        step = op.target_step or 0
+        pos = op.target or (op.target_step or 0, 0)
+        op.target_step = pos[0]
         for r, info in self.ranks.items():
             assert info.worker
             move = op.moves.get(r)
             if move is None:
-                self.mail.post(info.worker, {"type": "form", "generation": op.generation, "step": step})
+                self._post(info.worker, m.Form(generation=op.generation, pos=pos, buddies=self._buddy_addr(r, op)))
                 continue
             leaver = self.workers[move.from_worker or ""]
-            self.mail.post(leaver.id, {"type": "publish", "generation": op.generation, "step": step,
-                                       "leave": True})
-            assert move.to_worker
-            self.mail.post(move.to_worker, {"type": "form", "generation": op.generation, "step": step,
-                                            "fetch_from": [leaver.transfer_addr], "full_state": True})
+            self._post(leaver.id, m.Publish(generation=op.generation, pos=pos, leave=True))
+            assert move.to_worker and leaver.transfer_addr
+            self._post(move.to_worker, m.Form(generation=op.generation, pos=pos, fetch_from=[leaver.transfer_addr],
+                                              full_state=True, buddies=self._buddy_addr(r, op)))
 
     # ------------------------------------------------------------------ unplanned
-    def _open_recovery(self, cause: str, dead_rank: int | None = None, dead_worker: Worker | None = None) -> None:
+    def _redundancy(self) -> int:
+        return max(0, min(self.config.redundancy, self.config.world_size - 1))
+
+    def _buddy_addr(self, rank: int, op: Operation | None = None) -> list[tuple[str, int]]:
+        """Where `rank` pushes its bundles: the workers holding rank+1.. in the new generation."""
+        out = []
+        for i in range(1, self._redundancy() + 1):
+            b = (rank + i) % self.config.world_size
+            move = op.moves.get(b) if op is not None else None
+            wid = move.to_worker if move is not None and move.to_worker else self.ranks[b].worker
+            w = self.workers.get(wid or "")
+            if w is not None and w.transfer_addr:
+                out.append(tuple(w.transfer_addr))
+        return out  # type: ignore[return-value]
+
+    def _open_recovery(self, cause: str, dead_rank: int | None = None, dead_worker: Worker | None = None,
+                       failed_at: float | None = None) -> None:
         op = self.op
         carried: dict[int, str] = {}  # rank -> joiner that can take it over in the recovery
         if op is not None and op.kind != EventKind.UNPLANNED:
@@ -564,15 +690,18 @@ class Orchestrator:
             self.generation += 1
             self._op_ids += 1
             op = Operation(id=self._op_ids, kind=EventKind.UNPLANNED, generation=self.generation,
-                           moves={}, phase="collect")
+                           moves={}, phase="collect", failed_at=failed_at or time.time())
             op.collect_deadline = time.time() + self.config.op_timeout_s + self.config.collect_grace_s
             self.op = op
             for info in self.ranks.values():
                 if info.worker and self.workers[info.worker].role == WorkerRole.RANK and info.rank != dead_rank:
-                    self.mail.post(info.worker, {"type": "abort", "op": op.id, "generation": op.generation})
+                    self._post(info.worker, m.Abort(op=op.id, generation=op.generation))
             self._emit("recovery", {"op": op.id, "cause": cause})
         if dead_rank is not None and dead_rank not in op.moves:
             ev = self._new_event(EventKind.UNPLANNED, cause, dead_rank, dead_worker.slot if dead_worker else None)
+            if failed_at is not None:
+                ev.detected_at = min(ev.detected_at, failed_at)  # downtime counts from the failure
+                op.failed_at = min(op.failed_at or failed_at, failed_at)
             op.moves[dead_rank] = Move(rank=dead_rank, event_id=ev.id,
                                        from_worker=dead_worker.id if dead_worker else None,
                                        to_worker=carried.get(dead_rank))
@@ -586,7 +715,7 @@ class Orchestrator:
                 op.generation = self.generation
                 for info in self.ranks.values():
                     if info.worker and self.workers[info.worker].role == WorkerRole.RANK and info.rank not in op.moves:
-                        self.mail.post(info.worker, {"type": "abort", "op": op.id, "generation": op.generation})
+                        self._post(info.worker, m.Abort(op=op.id, generation=op.generation))
         self._advance_collect()
 
     def _advance_collect(self) -> None:
@@ -597,10 +726,10 @@ class Orchestrator:
         if any(r not in op.boundaries for r in survivors):
             return
         if not survivors:
-            self._emit("fatal", {"message": "every rank failed at once: nothing to recover from"})
-            self._end(1)
+            self._lost_everything(op, "every rank failed at once: no copy of the training state survived")
             return
-        op.target_step = max(op.boundaries[r] for r in survivors)
+        target: tuple[int, int] = max(op.boundaries[r] for r in survivors)  # type: ignore[assignment]
+        op.target, op.target_step = target, target[0]
         # Spares for the dead ranks.
         for rank, move in sorted(op.moves.items()):
             if move.to_worker is None:
@@ -618,32 +747,52 @@ class Orchestrator:
                 self._assign_joiner(spares[0], rank, op)
         op.phase = "forming"
         op.waiting_message = None
-        target = op.target_step
         sources = [r for r in survivors if op.boundaries[r] == target]
         addrs = [self.workers[self.ranks[r].worker or ""].transfer_addr for r in sources]
         for r in survivors:
             wid = self.ranks[r].worker
             assert wid
             if op.boundaries[r] == target:
-                self.mail.post(wid, {"type": "form", "generation": op.generation, "step": target,
-                                     "publish": True})
+                self._post(wid, m.Form(generation=op.generation, pos=target, publish=True,
+                                       buddies=self._buddy_addr(r, op)))
             else:
-                self.mail.post(wid, {"type": "form", "generation": op.generation, "step": target,
-                                     "fetch_from": addrs})
+                self._post(wid, m.Form(generation=op.generation, pos=target, fetch_from=addrs,
+                                       buddies=self._buddy_addr(r, op)))
         for rank, move in op.moves.items():
-            info = self.ranks[rank]
-            local = info.local_state if info.local_state_step is not None else None
             assert move.to_worker
-            self.mail.post(move.to_worker, {"type": "form", "generation": op.generation, "step": target,
-                                            "fetch_from": addrs, "local_state": local,
-                                            "local_state_step": info.local_state_step})
+            self._post(move.to_worker, m.Form(generation=op.generation, pos=target, fetch_from=addrs,
+                                              lost=self._lost_rank(rank, op), buddies=self._buddy_addr(rank, op)))
+
+    def _lost_rank(self, rank: int, op: Operation) -> m.LostRank:
+        """Where the rank-local state of a lost rank lives: its old buddy, and what is held here."""
+        buddies = []
+        for i in range(1, self._redundancy() + 1):
+            b = (rank + i) % self.config.world_size
+            if b != rank and b not in op.moves:
+                w = self.workers.get(self.ranks[b].worker or "")
+                if w is not None and w.transfer_addr and w.role == WorkerRole.RANK:
+                    buddies.append(tuple(w.transfer_addr))
+        held = self.ranks[rank].held
+        return m.LostRank(buddies=buddies, held=m.BundleText(**held) if held else None)
+
+    def _lost_everything(self, op: Operation, message: str) -> None:
+        """No recovery is possible: the events say what was lost, and the job ends now."""
+        reached = min((i.reached for i in self.ranks.values()), default=0)
+        for move in op.moves.values():
+            ev = self.events[move.event_id - 1]
+            ev.status, ev.note = "failed", message
+            ev.resolved_without_rollback = False
+            ev.steps_lost = reached
+            self.store.put_event(ev.id, ev.to_json())
+        self.op = None
+        self._fail(message + f" (the job had reached step {reached}; restart it from your last checkpoint)")
 
     # ------------------------------------------------------------------ shared
     def _assign_joiner(self, spare: Worker, rank: int, op: Operation) -> None:
         spare.role = WorkerRole.RANK
         spare.rank = rank
-        self.mail.post(spare.id, {"type": "assign", "rank": rank, "generation": op.generation,
-                                  "world_size": self.config.world_size, "joiner": True})
+        self._post(spare.id, m.Assign(rank=rank, generation=op.generation, world_size=self.config.world_size,
+                                      joiner=True))
 
     def _finish_op(self, op: Operation) -> None:
         now = time.time()
@@ -655,7 +804,7 @@ class Orchestrator:
                 if op.kind != EventKind.UNPLANNED and leaver.role != WorkerRole.GONE:
                     leaver.role = WorkerRole.LEAVING
                     leaver.rank = None
-                    self.mail.post(leaver.id, {"type": "release"})
+                    self._post(leaver.id, m.Release())
             assert move.to_worker
             joiner = self.workers[move.to_worker]
             self.ranks[rank].worker = joiner.id
@@ -666,18 +815,23 @@ class Orchestrator:
             ev.step = op.target_step
             ev.state_bytes = op.transfer_bytes or None
             ev.transfer_s = round(op.transfer_s, 4) if op.transfer_s else None
-            ev.steps_lost = 0
-            if op.kind == EventKind.UNPLANNED:
-                # The in-flight step is re-run unless every survivor had already completed it.
-                ev.steps_rerun = 1 if op.rerun else 0
-            ev.resolved_without_rollback = True
+            # From what the ranks reported: a step every rank had completed that must run again
+            # is lost progress; a step some rank abandoned half way is the in-flight step re-run.
+            resumed = op.target_step or 0
+            completed_everywhere = min(i.reached for i in self.ranks.values())
+            ev.steps_lost = max(0, completed_everywhere - resumed)
+            ev.steps_rerun = 1 if op.rerun else 0
+            ev.resolved_without_rollback = ev.steps_lost == 0
             ev.status = "resolved"
             self.store.put_event(ev.id, ev.to_json())
             self._emit("resolved", ev.to_json())
         self.op = None
+        for info in self.ranks.values():
+            info.reached = max(info.reached, op.target_step or 0)
         # Taints that arrived while this op ran still need their ranks moved.
         self._pending_taint_moves()
         self._replenish()
+        self._maybe_done()
 
     def _pending_taint_moves(self) -> None:
         if self.op is not None or self.exit_code is not None:
@@ -729,7 +883,7 @@ class Orchestrator:
         self.exit_code = code
         for w in self.workers.values():
             if w.role in (WorkerRole.SPARE, WorkerRole.STARTING, WorkerRole.LEAVING):
-                self.mail.post(w.id, {"type": "stop", "reason": "job ended"})
+                self._post(w.id, m.Stop(reason="job ended"))
         if code != 0:
             for w in self.workers.values():
                 # The worker that reported the error exits by itself, printing its traceback.
@@ -824,3 +978,9 @@ class Orchestrator:
         rows.append(("job", self.config.job_id, {"generation": self.generation, "exit_code": self.exit_code,
                                                  "world_size": self.config.world_size}))
         self.store.put_many(rows)
+
+
+def _loop_text(loop: m.LoopInfo) -> str:
+    if loop.style == "epochs":
+        return f"{loop.epochs} epochs of {loop.steps_per_epoch} steps"
+    return f"{loop.total_steps} steps"

@@ -36,6 +36,7 @@ class EventKind(str, enum.Enum):
     PLANNED = "planned"
     PREEMPTIVE = "pre-emptive"
     UNPLANNED = "unplanned"
+    DIVERGENCE = "divergence"  # a state check found replicas (or a joiner) that differ
 
 
 @dataclass
@@ -70,10 +71,11 @@ class RankInfo:
     step: int = 0  # index of the next step this rank will run
     step_at: float = 0.0  # when `step` was reported
     metrics: dict[str, float] = field(default_factory=dict)
-    # Last rank-local snapshot (RNG, data position), reported at step boundaries.
-    # Used to rebuild a dead rank's private state; model/optimizer come from replicas.
-    local_state: dict[str, Any] | None = None
-    local_state_step: int | None = None
+    # The rank's own state (random streams, buffers, local values) as of its loop start or
+    # its latest boundary function: durable here. Step-by-step copies are held by its buddy.
+    held: dict[str, Any] | None = None
+    loop: dict[str, Any] | None = None  # the loop shape this rank reported
+    reached: int = 0  # highest step boundary this rank reported reaching
     ready: bool = False  # reached its step loop (joiners count as ready)
 
 
@@ -108,7 +110,7 @@ def yoco_ratio(events: list[dict[str, Any]]) -> float | None:
 
     Moves still in progress or cancelled (the job finished first) are not failures to count.
     """
-    done = [e for e in events if e.get("status") in ("resolved", "failed")]
+    done = [e for e in events if e.get("status") in ("resolved", "failed") and e.get("kind") != "divergence"]
     if not done:
         return None
     good = [e for e in done if e.get("resolved_without_rollback") and e.get("steps_lost") == 0]

@@ -57,12 +57,12 @@ def main() -> None:
             xb, yb = step.batch
             loss = torch.nn.functional.mse_loss(model(xb), yb)
             loss.backward()
-            opt.step()
-            opt.zero_grad()
-            if args.user_allreduce:
+            if args.user_allreduce:  # collectives come before the step commits (optimizer.step)
                 total = loss.detach().clone()
                 dist.all_reduce(total, group=job.group)
                 loss = total / job.world_size
+            opt.step()
+            opt.zero_grad()
             if args.bug_at_step is not None and step.index == args.bug_at_step and job.rank == 1:
                 raise ValueError(f"user bug at step {step.index}")
             if args.step_sleep:

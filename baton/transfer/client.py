@@ -24,7 +24,6 @@ import xxhash
 
 from baton.transfer.protocol import (
     CHUNK_HEADER,
-    MAGIC,
     FlatState,
     Piece,
     TransferError,
@@ -37,7 +36,7 @@ from baton.transfer.protocol import (
     send_all,
     sizes_of,
 )
-from baton.transfer.server import auth_digest
+from baton.transfer.server import FETCH, connect
 
 MAX_ATTEMPTS = 4
 BATCH = 4  # chunks asked for per request: enough to keep a source's pipe full
@@ -56,13 +55,7 @@ class FetchStats:
 class _Source:
     def __init__(self, addr: tuple[str, int], generation: int, token: str, timeout: float):
         self.addr = addr
-        self.sock = socket.create_connection(addr, timeout=timeout)
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        magic_nonce = recv_exact(self.sock, len(MAGIC) + 16)
-        if magic_nonce[: len(MAGIC)] != MAGIC:
-            raise TransferError(f"{addr} is not a baton transfer endpoint")
-        nonce = magic_nonce[len(MAGIC):]
-        send_all(self.sock, struct.pack("!Q", generation), auth_digest(token, nonce, generation))
+        self.sock = connect(addr, token, FETCH, generation, timeout)
         self.manifest = recv_json(self.sock)
         if "error" in self.manifest:
             raise TransferError(f"source {addr[0]}:{addr[1]} refused: {self.manifest['error']}")

@@ -29,6 +29,7 @@ from baton.transfer.protocol import (
     manifest_of,
     plan_chunks,
     recv_exact,
+    recv_json,
     send_all,
     send_json,
 )
@@ -36,8 +37,30 @@ from baton.transfer.protocol import (
 log = logging.getLogger("baton.transfer")
 
 
-def auth_digest(token: str, nonce: bytes, generation: int) -> bytes:
-    return hmac.new(token.encode(), nonce + struct.pack("!Q", generation), "sha256").digest()
+# Request kinds, sent right after the nonce: fetch a published state, push bundles to
+# this process as a buddy, read one ward bundle back.
+FETCH, PUSH, WARD = b"F", b"P", b"W"
+
+
+def auth_digest(token: str, nonce: bytes, generation: int, kind: bytes = FETCH) -> bytes:
+    return hmac.new(token.encode(), nonce + kind + struct.pack("!Q", generation), "sha256").digest()
+
+
+def connect(addr: tuple[str, int], token: str, kind: bytes, generation: int = 0,
+            timeout: float = 60.0) -> socket.socket:
+    """Open an authenticated connection of the given kind to a worker's transfer endpoint."""
+    sock = socket.create_connection(tuple(addr), timeout=timeout)
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        magic_nonce = recv_exact(sock, len(MAGIC) + 16)
+        if magic_nonce[: len(MAGIC)] != MAGIC:
+            raise TransferError(f"{addr} is not a baton transfer endpoint")
+        nonce = magic_nonce[len(MAGIC):]
+        send_all(sock, kind, struct.pack("!Q", generation), auth_digest(token, nonce, generation, kind))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 class TransferServer:
@@ -58,6 +81,9 @@ class TransferServer:
         env = os.environ.get("BATON_FAULT_CORRUPT_CHUNKS", "")
         self._corrupt_once = {int(x) for x in env.split(",") if x.strip()}
         self.chunks_served = 0
+        from baton.worker.bundle import WardStore
+
+        self.wards = WardStore()
         threading.Thread(target=self._accept_loop, name="baton-transfer", daemon=True).start()
 
     def publish(self, generation: int, state: FlatState) -> None:
@@ -103,10 +129,18 @@ class TransferServer:
             with conn:
                 nonce = secrets.token_bytes(16)
                 send_all(conn, MAGIC, nonce)
+                kind = recv_exact(conn, 1)
                 (generation,) = struct.unpack("!Q", recv_exact(conn, 8))
                 digest = recv_exact(conn, 32)
-                if not hmac.compare_digest(digest, auth_digest(self.token, nonce, generation)):
+                if kind not in (FETCH, PUSH, WARD) or \
+                        not hmac.compare_digest(digest, auth_digest(self.token, nonce, generation, kind)):
                     send_json(conn, {"error": "authentication failed: wrong job token"})
+                    return
+                if kind == PUSH:
+                    self._receive_pushes(conn)
+                    return
+                if kind == WARD:
+                    self._serve_ward(conn)
                     return
                 found = self._wait_published(generation)
                 if found is None:
@@ -126,6 +160,32 @@ class TransferServer:
                         self._send_chunk(conn, index, chunks, views)
         except (OSError, TransferError, struct.error) as exc:
             log.debug("transfer connection ended: %s", exc)
+
+    def _receive_pushes(self, conn: socket.socket) -> None:
+        """A ward streams its step bundles; each is acknowledged once its checksum holds."""
+        from baton.worker.bundle import read_bundle_frame
+
+        conn.settimeout(None)
+        while True:
+            b = read_bundle_frame(conn)
+            if b is None:
+                return
+            if getattr(b, "checksum_ok", False):
+                self.wards.put(b)
+                send_all(conn, b"+")
+            else:
+                log.warning("bundle from rank %d failed its checksum: asked again", b.rank)
+                send_all(conn, b"-")
+
+    def _serve_ward(self, conn: socket.socket) -> None:
+        from baton.worker.bundle import write_bundle_frame
+
+        req = recv_json(conn)
+        b = self.wards.get(int(req["rank"]), (int(req["pos"][0]), int(req["pos"][1])))
+        if b is None:
+            send_json(conn, {"end": True})
+            return
+        write_bundle_frame(conn, b)
 
     def _send_chunk(self, conn: socket.socket, index: int, chunks: list[list[Piece]],
                     views: list[memoryview]) -> None:

@@ -17,6 +17,9 @@ import time
 from typing import Any, Callable
 
 import httpx
+from pydantic import BaseModel, ValidationError
+
+from baton.control import messages as m
 
 log = logging.getLogger("baton.worker")
 
@@ -33,7 +36,7 @@ class ControlChannel:
         headers = {"Authorization": f"Bearer {token}"}
         self._http = httpx.Client(base_url=url, headers=headers, timeout=30.0)
         self._poll_http = httpx.Client(base_url=url, headers=headers, timeout=70.0)
-        self.commands: queue.Queue[dict[str, Any]] = queue.Queue()
+        self.commands: queue.Queue[BaseModel] = queue.Queue()
         self._outbox: queue.Queue[dict[str, Any]] = queue.Queue()
         self._seq = 0
         self._stopped = threading.Event()
@@ -44,9 +47,8 @@ class ControlChannel:
         self.pause_op: int | None = None
         self.abort_generation: int | None = None
         self.attention = False  # hot-path flag: the boundary must look closer
-        # What the heartbeat carries: latest boundary, metrics, rank-local snapshot.
+        # What the heartbeat carries: latest boundary, step time, metrics.
         self.heartbeat: dict[str, Any] = {}
-        self.local_snapshot: Callable[[], Any] | None = None
         self.on_abort: Callable[[], None] | None = None
 
     # ------------------------------------------------------------------ requests
@@ -71,16 +73,17 @@ class ControlChannel:
             return resp.json()
         raise OrchestratorGone("unreachable")
 
-    def register(self, pid: int, transfer_addr: tuple[str, int]) -> dict[str, Any]:
-        return self._post(f"/v1/workers/{self.worker_id}/register",
-                          {"pid": pid, "transfer_addr": list(transfer_addr)})
+    def register(self, pid: int, transfer_addr: tuple[str, int]) -> m.Registered:
+        body = m.Register(pid=pid, transfer_addr=tuple(transfer_addr)).model_dump(mode="json")
+        return m.Registered.model_validate(self._post(f"/v1/workers/{self.worker_id}/register", body))
 
-    def report(self, kind: str, **fields: Any) -> None:
+    def report(self, msg: BaseModel) -> None:
         """Queue a report; the reporter thread sends it (never blocks the caller)."""
-        self._outbox.put({"type": kind, **fields})
+        self._outbox.put(msg.model_dump(mode="json"))
 
-    def report_now(self, kind: str, **fields: Any) -> dict[str, Any]:
-        return self._post(f"/v1/workers/{self.worker_id}/reports", {"type": kind, **fields})
+    def report_now(self, msg: BaseModel) -> dict[str, Any]:
+        """Send a report and wait for the orchestrator to have it (what must be durable)."""
+        return self._post(f"/v1/workers/{self.worker_id}/reports", msg.model_dump(mode="json"))
 
     # ------------------------------------------------------------------ threads
     def start(self) -> None:
@@ -104,8 +107,13 @@ class ControlChannel:
                 if resp.status_code >= 400:
                     raise httpx.TransportError(f"HTTP {resp.status_code}: {resp.text[:200]}")
                 failures = 0
-                for cmd in resp.json()["commands"]:
-                    self._seq = max(self._seq, int(cmd["seq"]))
+                for raw in resp.json()["commands"]:
+                    self._seq = max(self._seq, int(raw.pop("seq")))
+                    try:
+                        cmd = m.COMMAND.validate_python(raw)
+                    except ValidationError as exc:
+                        log.error("ignored a malformed command %s: %s", raw.get("type"), exc)
+                        continue
                     self._handle(cmd)
             except (httpx.TransportError, ValueError) as exc:
                 failures += 1
@@ -114,22 +122,20 @@ class ControlChannel:
                     os._exit(3)
                 time.sleep(0.25)
 
-    def _handle(self, cmd: dict[str, Any]) -> None:
-        kind = cmd.get("type")
-        if kind == "pause":
-            target = int(cmd["at_step"])
+    def _handle(self, cmd: BaseModel) -> None:
+        if isinstance(cmd, m.Pause):
+            target = cmd.at_step
             with self.lock:
                 ok = self.started < target
                 if ok:
-                    self.pause_at, self.pause_op = target, int(cmd["op"])
+                    self.pause_at, self.pause_op = target, cmd.op
                     self.attention = True
                 next_step = self.started + 1
-            self.report("pause_ack", op=cmd["op"], ok=ok, next_step=next_step)
-            self.commands.put({"type": "_wake"})
+            self.report(m.PauseAck(op=cmd.op, ok=ok, next_step=max(0, next_step)))
             return
-        if kind == "abort":
+        if isinstance(cmd, m.Abort):
             with self.lock:
-                self.abort_generation = int(cmd["generation"])
+                self.abort_generation = cmd.generation
                 self.attention = True
             if self.on_abort is not None:
                 self.on_abort()
@@ -146,14 +152,8 @@ class ControlChannel:
                 if item is not None:
                     self._post(f"/v1/workers/{self.worker_id}/reports", item)
                 if time.time() - last_beat >= HEARTBEAT_S:
-                    beat = dict(self.heartbeat)
-                    if self.local_snapshot is not None:
-                        snap = self.local_snapshot()
-                        if snap is not None:
-                            beat["local_state_step"] = snap[0]
-                            if snap[1] is not None:  # None: unchanged since the last beat
-                                beat["local_state"] = snap[1]
-                    self._post(f"/v1/workers/{self.worker_id}/reports", {"type": "heartbeat", **beat})
+                    beat = m.Heartbeat(**self.heartbeat).model_dump(mode="json")
+                    self._post(f"/v1/workers/{self.worker_id}/reports", beat)
                     last_beat = time.time()
             except OrchestratorGone:
                 if not self._stopped.is_set():
@@ -164,7 +164,7 @@ class ControlChannel:
                 log.warning("report refused: %s", exc)
 
     # ------------------------------------------------------------------ main-thread helpers
-    def wait_command(self, timeout: float | None = None) -> dict[str, Any] | None:
+    def wait_command(self, timeout: float | None = None) -> BaseModel | None:
         try:
             return self.commands.get(timeout=timeout)
         except queue.Empty:

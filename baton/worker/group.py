@@ -19,6 +19,7 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+import torch._C._distributed_c10d as _c10d
 
 
 def solo_group(timeout_s: float = 60.0) -> dist.ProcessGroup:
@@ -51,6 +52,15 @@ class LiveGroup(dist.ProcessGroup):
         self.generation = -1
         self.failed = threading.Event()  # set when any collective of this generation failed
         self.last_error: str = ""
+        # Called with the op name before every collective the script issues (not baton's own):
+        # the step loop uses it to capture this rank's bundle and enforce where collectives go.
+        # It may return another group to run the call on (a joiner's startup barrier: its own).
+        self.guard: Callable[[str], dist.ProcessGroup | None] | None = None
+        self._internal = threading.local()
+
+    def internal(self) -> "_Internal":
+        """Collectives issued inside `with group.internal():` are baton's own (no guard)."""
+        return _Internal(self._internal)
 
     # ---------------------------------------------------------------- generation swap
     def form(self, store: dist.Store, generation: int, op_timeout_s: float,
@@ -141,7 +151,11 @@ class LiveGroup(dist.ProcessGroup):
     def size(self) -> int:
         return self._world
 
-    def _backend(self) -> dist.ProcessGroup:
+    def _backend(self, op: str = "") -> dist.ProcessGroup:
+        if op and self.guard is not None and not getattr(self._internal, "depth", 0):
+            substitute = self.guard(op)
+            if substitute is not None:
+                return substitute
         if self._inner is None or self.failed.is_set():
             err = CollectiveFailure(f"baton live group has no healthy generation ({self.last_error})")
             self.failed.set()
@@ -162,57 +176,68 @@ class LiveGroup(dist.ProcessGroup):
 
     def allreduce(self, tensors, opts=None):  # type: ignore[override]
         opts = opts if opts is not None else dist.AllreduceOptions()
-        return self._watch(self._backend().allreduce(tensors, opts))
+        return self._watch(self._backend("allreduce").allreduce(tensors, opts))
 
     def allreduce_coalesced(self, tensors, opts=None):  # type: ignore[override]
         opts = opts if opts is not None else dist.AllreduceCoalescedOptions()
-        return self._watch(self._backend().allreduce_coalesced(tensors, opts))
+        return self._watch(self._backend("allreduce_coalesced").allreduce_coalesced(tensors, opts))
 
     def broadcast(self, tensors, opts=None):  # type: ignore[override]
         opts = opts if opts is not None else dist.BroadcastOptions()
-        return self._watch(self._backend().broadcast(tensors, opts))
+        return self._watch(self._backend("broadcast").broadcast(tensors, opts))
 
     def allgather(self, output_tensors, input_tensors, opts=None):  # type: ignore[override]
-        opts = opts if opts is not None else dist.AllgatherOptions()
-        return self._watch(self._backend().allgather(output_tensors, input_tensors, opts))
+        opts = opts if opts is not None else _c10d.AllgatherOptions()
+        return self._watch(self._backend("allgather").allgather(output_tensors, input_tensors, opts))
 
     def _allgather_base(self, output, input, opts=None):  # type: ignore[override]
-        opts = opts if opts is not None else dist.AllgatherOptions()
-        return self._watch(self._backend()._allgather_base(output, input, opts))
+        opts = opts if opts is not None else _c10d.AllgatherOptions()
+        return self._watch(self._backend("allgather_base")._allgather_base(output, input, opts))
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):  # type: ignore[override]
         opts = opts if opts is not None else dist.ReduceScatterOptions()
-        return self._watch(self._backend().reduce_scatter(output_tensors, input_tensors, opts))
+        return self._watch(self._backend("reduce_scatter").reduce_scatter(output_tensors, input_tensors, opts))
 
     def gather(self, output_tensors, input_tensors, opts=None):  # type: ignore[override]
         opts = opts if opts is not None else dist.GatherOptions()
-        return self._watch(self._backend().gather(output_tensors, input_tensors, opts))
+        return self._watch(self._backend("gather").gather(output_tensors, input_tensors, opts))
 
     def scatter(self, output_tensors, input_tensors, opts=None):  # type: ignore[override]
         opts = opts if opts is not None else dist.ScatterOptions()
-        return self._watch(self._backend().scatter(output_tensors, input_tensors, opts))
+        return self._watch(self._backend("scatter").scatter(output_tensors, input_tensors, opts))
 
     def reduce(self, tensors, opts=None):  # type: ignore[override]
         opts = opts if opts is not None else dist.ReduceOptions()
-        return self._watch(self._backend().reduce(tensors, opts))
+        return self._watch(self._backend("reduce").reduce(tensors, opts))
 
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):  # type: ignore[override]
         opts = opts if opts is not None else dist.AllToAllOptions()
-        return self._watch(self._backend().alltoall_base(output, input, output_split_sizes,
+        return self._watch(self._backend("alltoall_base").alltoall_base(output, input, output_split_sizes,
                                                          input_split_sizes, opts))
 
     def barrier(self, opts=None):  # type: ignore[override]
         opts = opts if opts is not None else dist.BarrierOptions()
-        return self._watch(self._backend().barrier(opts))
+        return self._watch(self._backend("barrier").barrier(opts))
 
     def send(self, tensors, dst, tag=0):  # type: ignore[override]
-        return self._watch(self._backend().send(tensors, dst, tag))
+        return self._watch(self._backend("send").send(tensors, dst, tag))
 
     def recv(self, tensors, src, tag=0):  # type: ignore[override]
-        return self._watch(self._backend().recv(tensors, src, tag))
+        return self._watch(self._backend("recv").recv(tensors, src, tag))
 
 
 _BACKEND_NAME = "baton"
+
+
+class _Internal:
+    def __init__(self, local: threading.local):
+        self._local = local
+
+    def __enter__(self) -> None:
+        self._local.depth = getattr(self._local, "depth", 0) + 1
+
+    def __exit__(self, *exc: object) -> None:
+        self._local.depth -= 1
 
 
 def _socket_fds() -> set[int]:

@@ -1,0 +1,227 @@
+"""Every message between a worker and the orchestrator, as pydantic models both sides share.
+
+Reports go worker -> orchestrator (`POST /v1/workers/{id}/reports`), commands go
+orchestrator -> worker (long-polled). A report that does not validate is answered
+422 and changes nothing. Positions are `[step, sub]`: the next step to run and how
+many boundary functions before it are done.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, TypeAdapter
+
+Pos = tuple[NonNegativeInt, NonNegativeInt]
+Addr = tuple[Annotated[str, Field(min_length=1, max_length=255)], Annotated[int, Field(ge=1, le=65535)]]
+Text = Annotated[str, Field(max_length=64_000)]
+
+
+class _Msg(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TensorText(_Msg):
+    dtype: Annotated[str, Field(max_length=32)]
+    shape: list[NonNegativeInt]
+    data: Annotated[str, Field(max_length=64 << 20)]
+
+
+class BundleText(_Msg):
+    """A rank's own state (see baton.worker.bundle.Bundle), base64 tensors in JSON."""
+
+    rank: NonNegativeInt
+    pos: Pos
+    generation: int
+    seq: int
+    meta: Annotated[str, Field(max_length=16 << 20)]
+    tensors: Annotated[list[TensorText], Field(max_length=100_000)]
+
+
+class LoopInfo(_Msg):
+    """The shape of the script's loop, as this rank computed it: ranks must agree."""
+
+    style: Literal["steps", "epochs"]
+    total_steps: NonNegativeInt
+    epochs: NonNegativeInt | None = None
+    steps_per_epoch: NonNegativeInt | None = None
+
+
+# ---------------------------------------------------------------- reports
+class Heartbeat(_Msg):
+    type: Literal["heartbeat"] = "heartbeat"
+    step: NonNegativeInt | None = None
+    step_time: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
+    metrics: Annotated[dict[Annotated[str, Field(max_length=64)], float], Field(max_length=64)] = {}
+
+
+class Ready(_Msg):
+    """The rank reached its step loop; its starting bundle is now durable here."""
+
+    type: Literal["ready"] = "ready"
+    loop: LoopInfo
+    bundle: BundleText
+    joined: bool = False
+
+
+class UnitDone(_Msg):
+    """A boundary function finished on this rank; `bundle` describes `pos` (after it)."""
+
+    type: Literal["unit_done"] = "unit_done"
+    pos: Pos
+    bundle: BundleText
+
+
+class PauseAck(_Msg):
+    type: Literal["pause_ack"] = "pause_ack"
+    op: NonNegativeInt
+    ok: bool
+    next_step: NonNegativeInt
+
+
+class Paused(_Msg):
+    type: Literal["paused"] = "paused"
+    op: NonNegativeInt
+    pos: Pos
+
+
+class Recover(_Msg):
+    """A peer was lost. `pos` is the boundary this rank's state is at; `in_step`: it abandoned
+    the step starting there (so the step re-runs); `unit_reported`: it had reported the end
+    of the boundary function at `pos` before the failure."""
+
+    type: Literal["recover"] = "recover"
+    generation: int
+    pos: Pos
+    in_step: bool = False
+    unit_reported: bool = False
+    error: Text = ""
+
+
+class Formed(_Msg):
+    type: Literal["formed"] = "formed"
+    generation: int
+    pos: Pos
+    bytes: NonNegativeInt = 0
+    seconds: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
+
+
+class Verified(_Msg):
+    """Result of the state check after a move (or every --verify-every steps)."""
+
+    type: Literal["verified"] = "verified"
+    generation: int
+    pos: Pos
+    ok: bool
+    differing: Annotated[list[Annotated[str, Field(max_length=300)]], Field(max_length=200)] = []
+    detail: Text = ""
+
+
+class Finished(_Msg):
+    type: Literal["finished"] = "finished"
+    pos: Pos
+
+
+class UserError(_Msg):
+    """The script failed on its own: `phase` says where (its code, a baton usage rule, startup)."""
+
+    type: Literal["user_error"] = "user_error"
+    traceback: Text
+    exit_code: int = 1
+    phase: Literal["script", "usage", "startup"] = "script"
+
+
+class Left(_Msg):
+    type: Literal["left"] = "left"
+
+
+Report = Annotated[Union[Heartbeat, Ready, UnitDone, PauseAck, Paused, Recover, Formed, Verified, Finished,
+                         UserError, Left], Field(discriminator="type")]
+REPORT = TypeAdapter(Report)
+
+
+class Register(_Msg):
+    pid: Annotated[int, Field(ge=1)]
+    transfer_addr: Addr
+
+
+class Registered(_Msg):
+    worker_id: str
+    world_size: int
+    role: str
+    op_timeout_s: float
+    formation_timeout_s: float
+    verify_every: int = 0
+    redundancy: int = 2
+
+
+# ---------------------------------------------------------------- commands
+class Assign(_Msg):
+    type: Literal["assign"] = "assign"
+    rank: NonNegativeInt
+    world_size: NonNegativeInt
+    generation: int
+    joiner: bool
+
+
+class Pause(_Msg):
+    type: Literal["pause"] = "pause"
+    op: NonNegativeInt
+    at_step: NonNegativeInt
+
+
+class Publish(_Msg):
+    """Serve this rank's full state at `pos` (planned move); `leave`: then hand the rank over."""
+
+    type: Literal["publish"] = "publish"
+    generation: int
+    pos: Pos
+    leave: bool
+
+
+class LostRank(_Msg):
+    """Where a joiner finds the rank-local state of the rank it replaces after a loss."""
+
+    buddies: list[Addr] = []  # live buddies that held its step bundles
+    held: BundleText | None = None  # the orchestrator's latest (loop start / boundary ends)
+
+
+class Form(_Msg):
+    """Form `generation` at position `pos`. A survivor whose state is at `pos` re-runs from there
+    (and serves its state when `publish`); one behind fetches from `fetch_from`; a joiner
+    fetches from `fetch_from` (a planned leaver with `full_state`, or survivors plus `lost`)."""
+
+    type: Literal["form"] = "form"
+    generation: int
+    pos: Pos
+    publish: bool = False
+    fetch_from: list[Addr] = []
+    full_state: bool = False
+    lost: LostRank | None = None
+    buddies: list[Addr] = []  # where this rank pushes its bundles in the new generation
+    verify: bool = True
+
+
+class Abort(_Msg):
+    type: Literal["abort"] = "abort"
+    op: NonNegativeInt
+    generation: int
+
+
+class Release(_Msg):
+    type: Literal["release"] = "release"
+
+
+class Stop(_Msg):
+    type: Literal["stop"] = "stop"
+    reason: str = ""
+
+
+class Done(_Msg):
+    """Every rank finished: job.finish() may return."""
+
+    type: Literal["done"] = "done"
+
+
+Command = Annotated[Union[Assign, Pause, Publish, Form, Abort, Release, Stop, Done], Field(discriminator="type")]
+COMMAND = TypeAdapter(Command)

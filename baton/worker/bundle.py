@@ -1,0 +1,300 @@
+"""A rank's own state at a boundary (random streams, BatchNorm-style buffers, data-epoch
+record, local values), and the buddy that holds it before any step can complete.
+
+Why a buddy: after an unplanned loss the lost rank's parameters come from replicas,
+but its random streams and its buffers existed only in it. Each rank captures them
+at its step's first gradient collective (everything the step draws has been drawn by
+then; `Loop` checks that nothing is drawn later) and pushes them to its buddy, rank
+r+1. The buddy does not contribute to the step's last gradient bucket until the
+bundle has arrived, so no rank can complete a step whose bundles are not held by
+someone else. The wait is normally zero: the push left a whole backward pass earlier.
+Bundles at the end of boundary functions go to the orchestrator instead (durable
+across any number of losses, and boundary functions are rare).
+
+On the wire a bundle is the codec's JSON skeleton plus raw tensors, with an xxh3-64
+over both; a mismatch is answered with a NACK and the bundle is sent again.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import queue
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import xxhash
+
+from baton.transfer.protocol import TransferError, alloc_tensors, byte_view, recv_exact, recv_json, send_all, send_json
+from baton.worker import codec
+
+log = logging.getLogger("baton.worker")
+
+Pos = tuple[int, int]
+
+
+@dataclass
+class Bundle:
+    """A rank's own state as of position `pos` (next step, boundary units done before it)."""
+
+    rank: int
+    pos: Pos
+    generation: int
+    seq: int  # capture point within the step (0 = the first gradient collective)
+    meta: bytes
+    tensors: list[torch.Tensor]
+
+    def state(self) -> dict[str, Any]:
+        return codec.decode(self.meta, self.tensors)
+
+    @classmethod
+    def of(cls, rank: int, pos: Pos, generation: int, seq: int, state: dict[str, Any]) -> "Bundle":
+        meta, tensors = codec.encode(state)
+        return cls(rank, pos, generation, seq, meta, tensors)
+
+    def digest(self) -> int:
+        h = xxhash.xxh3_64()
+        h.update(self.meta)
+        for t in self.tensors:
+            h.update(byte_view(t))
+        return h.intdigest()
+
+    # ---- text form, for the orchestrator's JSON API
+    def to_text(self) -> dict[str, Any]:
+        return {"rank": self.rank, "pos": list(self.pos), "generation": self.generation, "seq": self.seq,
+                "meta": self.meta.decode(),
+                "tensors": [{"dtype": str(t.dtype), "shape": list(t.shape),
+                             "data": base64.b64encode(bytes(byte_view(t))).decode()} for t in self.tensors]}
+
+    @classmethod
+    def from_text(cls, d: dict[str, Any]) -> "Bundle":
+        specs = d["tensors"]
+        tensors = alloc_tensors({"tensors": [{"dtype": s["dtype"], "shape": s["shape"]} for s in specs]})
+        for t, s in zip(tensors, specs):
+            raw = base64.b64decode(s["data"])
+            view = byte_view(t)
+            if len(raw) != len(view):
+                raise TransferError("bundle tensor size does not match its shape")
+            view[:] = raw
+        return cls(int(d["rank"]), (int(d["pos"][0]), int(d["pos"][1])), int(d["generation"]), int(d["seq"]),
+                   d["meta"].encode(), tensors)
+
+
+def newest(candidates: list[Bundle | None], limit: Pos) -> Bundle | None:
+    """The bundle that describes `limit`: the latest one at or before it."""
+    best = None
+    for b in candidates:
+        if b is None or b.pos > limit:
+            continue
+        if best is None or (b.pos, b.generation, b.seq) > (best.pos, best.generation, best.seq):
+            best = b
+    return best
+
+
+# ---------------------------------------------------------------- the buddy's side
+class WardStore:
+    """Bundles pushed by the ranks this process is buddy to; the gate waits here."""
+
+    KEEP = 6
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._by_rank: dict[int, list[Bundle]] = {}
+
+    def put(self, b: Bundle) -> None:
+        with self._cond:
+            kept = [x for x in self._by_rank.get(b.rank, [])
+                    if (x.pos, x.generation, x.seq) != (b.pos, b.generation, b.seq)]
+            kept.append(b)
+            kept.sort(key=lambda x: (x.pos, x.generation, x.seq))
+            self._by_rank[b.rank] = kept[-self.KEEP:]
+            self._cond.notify_all()
+
+    def get(self, rank: int, limit: Pos) -> Bundle | None:
+        with self._cond:
+            return newest(list(self._by_rank.get(rank, [])), limit)
+
+    def wait(self, rank: int, generation: int, pos: Pos, seq: int, timeout: float,
+             cancelled: Callable[[], bool]) -> bool:
+        """Until the ward's bundle for (generation, pos, capture point >= seq) is here."""
+        deadline = time.monotonic() + timeout
+
+        def present() -> bool:
+            return any(b.generation == generation and b.pos == pos and b.seq >= seq
+                       for b in self._by_rank.get(rank, []))
+
+        with self._cond:
+            while not present():
+                if cancelled():
+                    return False
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(min(left, 0.05))
+            return True
+
+
+def read_bundle_frame(sock: socket.socket) -> Bundle | None:
+    header = recv_json(sock, limit=1 << 20)
+    if header.get("end"):
+        return None
+    meta = recv_exact(sock, int(header["meta_len"]))
+    tensors = alloc_tensors({"tensors": header["tensors"]})
+    h = xxhash.xxh3_64()
+    h.update(meta)
+    for t in tensors:
+        view = byte_view(t)
+        if len(view):
+            from baton.transfer.protocol import recv_into_exact
+
+            recv_into_exact(sock, view)
+        h.update(view)
+    b = Bundle(int(header["rank"]), (int(header["pos"][0]), int(header["pos"][1])), int(header["generation"]),
+               int(header["seq"]), meta, tensors)
+    b.checksum_ok = h.intdigest() == int(header["xxh3"])  # type: ignore[attr-defined]
+    return b
+
+
+def write_bundle_frame(sock: socket.socket, b: Bundle) -> None:
+    h = xxhash.xxh3_64()
+    h.update(b.meta)
+    views = [byte_view(t) for t in b.tensors]
+    for v in views:
+        h.update(v)
+    send_json(sock, {"rank": b.rank, "pos": list(b.pos), "generation": b.generation, "seq": b.seq,
+                     "meta_len": len(b.meta), "xxh3": h.intdigest(),
+                     "tensors": [{"dtype": str(t.dtype), "shape": list(t.shape)} for t in b.tensors]})
+    send_all(sock, b.meta, *views)
+
+
+# ---------------------------------------------------------------- the ward's side
+@dataclass
+class _Target:
+    addr: tuple[str, int] | None = None
+    generation: int = -1
+
+
+class BundlePushers:
+    """One pusher per buddy (bundles survive as many simultaneous losses as there are buddies)."""
+
+    def __init__(self, connect: Callable[[tuple[str, int]], socket.socket]):
+        self._connect = connect
+        self._pushers: dict[tuple[str, int], BundlePusher] = {}
+
+    def set_buddies(self, addrs: list[tuple[str, int]]) -> None:
+        wanted = {tuple(a) for a in addrs}
+        for addr in list(self._pushers):
+            if addr not in wanted:
+                self._pushers.pop(addr).close()
+        for addr in wanted:
+            if addr not in self._pushers:
+                p = BundlePusher(self._connect)
+                p.set_buddy(addr)  # type: ignore[arg-type]
+                self._pushers[addr] = p  # type: ignore[index]
+
+    def push(self, b: Bundle) -> None:
+        for p in self._pushers.values():
+            p.push(b)
+
+    def close(self) -> None:
+        for p in self._pushers.values():
+            p.close()
+
+
+class BundlePusher:
+    """Sends this rank's step bundles to one buddy on a background thread."""
+
+    def __init__(self, connect: Callable[[tuple[str, int]], socket.socket]):
+        self._connect = connect
+        self._queue: queue.Queue[Bundle | None] = queue.Queue()
+        self._target = _Target()
+        self._sock: socket.socket | None = None
+        self._sock_addr: tuple[str, int] | None = None
+        self._lock = threading.Lock()
+        self.sent = 0
+        self.resent = 0
+        threading.Thread(target=self._run, name="baton-bundle-push", daemon=True).start()
+
+    def set_buddy(self, addr: tuple[str, int] | None) -> None:
+        with self._lock:
+            self._target.addr = tuple(addr) if addr else None  # type: ignore[assignment]
+
+    def push(self, b: Bundle) -> None:
+        self._queue.put(b)
+
+    def close(self) -> None:
+        self._queue.put(None)
+
+    def _run(self) -> None:
+        while True:
+            b = self._queue.get()
+            if b is None:
+                return
+            for attempt in range(3):
+                with self._lock:
+                    addr = self._target.addr
+                if addr is None:
+                    break
+                try:
+                    sock = self._socket(addr)
+                    write_bundle_frame(sock, b)
+                    ack = recv_exact(sock, 1)
+                    if ack == b"+":
+                        self.sent += 1
+                        break
+                    self.resent += 1
+                except (OSError, TransferError) as exc:
+                    log.debug("bundle push to %s failed: %s", addr, exc)
+                    self._drop()
+                    if attempt == 2:
+                        break
+                    time.sleep(0.02)
+
+    def _socket(self, addr: tuple[str, int]) -> socket.socket:
+        if self._sock is not None and self._sock_addr == addr:
+            return self._sock
+        self._drop()
+        self._sock = self._connect(addr)
+        self._sock_addr = addr
+        return self._sock
+
+    def _drop(self) -> None:
+        if self._sock is not None:
+            try:
+                self._sock.close()
+            except OSError:
+                pass
+        self._sock, self._sock_addr = None, None
+
+
+@dataclass
+class StepCapture:
+    """What this rank captured in the current step (to restore on a re-run, and to check at
+    the boundary that nothing was drawn after the capture)."""
+
+    pos: Pos
+    generation: int
+    seq: int
+    rng: dict[str, Any]
+    bundle: Bundle
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def fetch_ward_bundle(addr: tuple[str, int], token: str, rank: int, limit: Pos,
+                      timeout: float = 30.0) -> Bundle | None:
+    """Ask the buddy that held `rank`'s bundles for the one describing `limit`."""
+    from baton.transfer.server import WARD, connect
+
+    sock = connect(tuple(addr), token, WARD, timeout=timeout)
+    try:
+        send_json(sock, {"rank": rank, "pos": list(limit)})
+        b = read_bundle_frame(sock)
+    finally:
+        sock.close()
+    if b is not None and not getattr(b, "checksum_ok", False):
+        raise TransferError(f"rank {rank}'s bundle from {addr} failed its checksum")
+    return b

@@ -1,0 +1,126 @@
+"""Nested training state <-> (JSON skeleton, tensors), with no pickle.
+
+Whatever crosses a socket is decoded by a reader that cannot run code: the
+skeleton is JSON, tensors travel as raw bytes described by dtype and shape.
+State dicts hold more than JSON can say (int keys, tuples, OrderedDicts with
+`_metadata`, numpy arrays in RNG states), so those are tagged objects:
+
+    {"$t": 3}                  tensor number 3
+    {"$tu": [...]}             tuple
+    {"$d": [[k, v], ...]}      dict with non-string (or "$"-prefixed) keys, order kept
+    {"$od": [[k, v], ...], "$meta": ...}   OrderedDict (a module state_dict) and its _metadata
+    {"$np": 3, "dtype": "uint32"}          numpy array, carried as tensor number 3
+    {"$b": "base64"}           bytes
+
+Anything else (a lambda in a scheduler, an open file) is refused with the path to
+it, when the state is first captured, not when a failure needs it.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+try:
+    import numpy as np
+except ImportError:  # pragma: no cover - numpy is a dependency
+    np = None  # type: ignore[assignment]
+
+
+class EncodeError(TypeError):
+    """A value in tracked state that baton cannot carry without pickle."""
+
+
+def encode(state: Any) -> tuple[bytes, list[torch.Tensor]]:
+    """State -> (UTF-8 JSON skeleton, tensors). Tensors are detached, contiguous, on CPU."""
+    tensors: list[torch.Tensor] = []
+    skeleton = _enc(state, tensors, "state")
+    return json.dumps(skeleton, separators=(",", ":")).encode(), tensors
+
+
+def decode(meta: bytes, tensors: list[torch.Tensor]) -> Any:
+    return _dec(json.loads(meta), tensors)
+
+
+def _tensor_index(t: torch.Tensor, tensors: list[torch.Tensor]) -> int:
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.to("cpu")
+    if not t.is_contiguous():
+        t = t.contiguous()
+    tensors.append(t)
+    return len(tensors) - 1
+
+
+def _enc(obj: Any, tensors: list[torch.Tensor], path: str) -> Any:
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if isinstance(obj, torch.Tensor):
+        return {"$t": _tensor_index(obj, tensors)}
+    if np is not None and isinstance(obj, np.ndarray):
+        arr = np.ascontiguousarray(obj)
+        raw = torch.from_numpy(arr.reshape(-1).view(np.uint8).copy())
+        return {"$np": _tensor_index(raw, tensors), "dtype": arr.dtype.str, "shape": list(arr.shape)}
+    if np is not None and isinstance(obj, np.generic):
+        return _enc(obj.item(), tensors, path)
+    if isinstance(obj, torch.dtype):
+        return {"$dtype": str(obj).removeprefix("torch.")}
+    if isinstance(obj, (bytes, bytearray)):
+        return {"$b": base64.b64encode(bytes(obj)).decode()}
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return {"$tu": [_enc(v, tensors, f"{path}[{i}]") for i, v in enumerate(obj)]}
+    if isinstance(obj, list):
+        return [_enc(v, tensors, f"{path}[{i}]") for i, v in enumerate(obj)]
+    if isinstance(obj, dict):
+        items = [(k, _enc(v, tensors, f"{path}[{k!r}]")) for k, v in obj.items()]
+        if isinstance(obj, OrderedDict):
+            out: dict[str, Any] = {"$od": [[_key(k, path), v] for k, v in items]}
+            meta = getattr(obj, "_metadata", None)
+            if meta is not None:
+                out["$meta"] = _enc(dict(meta), tensors, f"{path}._metadata")
+            return out
+        if all(isinstance(k, str) and not k.startswith("$") for k, _ in items):
+            return dict(items)
+        return {"$d": [[_key(k, path), v] for k, v in items]}
+    raise EncodeError(f"{path} is a {type(obj).__name__}, which baton cannot migrate "
+                      "(tracked state may hold tensors, numbers, strings, lists, tuples and dicts)")
+
+
+def _key(k: Any, path: str) -> Any:
+    if isinstance(k, (str, int, float, bool)) or k is None:
+        return k
+    if isinstance(k, tuple):
+        return {"$tu": [_key(x, path) for x in k]}
+    raise EncodeError(f"{path} has a key of type {type(k).__name__}, which baton cannot migrate")
+
+
+def _dec(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    if isinstance(obj, list):
+        return [_dec(v, tensors) for v in obj]
+    if not isinstance(obj, dict):
+        return obj
+    if "$t" in obj:
+        return tensors[obj["$t"]]
+    if "$tu" in obj:
+        return tuple(_dec(v, tensors) for v in obj["$tu"])
+    if "$d" in obj:
+        return {_dec(k, tensors): _dec(v, tensors) for k, v in obj["$d"]}
+    if "$od" in obj:
+        out = OrderedDict((_dec(k, tensors), _dec(v, tensors)) for k, v in obj["$od"])
+        if "$meta" in obj:
+            out._metadata = _dec(obj["$meta"], tensors)  # type: ignore[attr-defined]
+        return out
+    if "$np" in obj:
+        if np is None:  # pragma: no cover
+            raise EncodeError("numpy state arrived but numpy is not installed")
+        raw = tensors[obj["$np"]].numpy()
+        return raw.view(np.dtype(obj["dtype"])).reshape(obj["shape"]).copy()
+    if "$dtype" in obj:
+        return getattr(torch, obj["$dtype"])
+    if "$b" in obj:
+        return base64.b64decode(obj["$b"])
+    return {k: _dec(v, tensors) for k, v in obj.items()}

@@ -1,0 +1,123 @@
+"""DistributedDataParallel over the live group, bit-for-bit equal to torchrun + DDP.
+
+DDP runs over a world-of-one group, so its own bookkeeping never involves peers and
+a joiner can build one at any time. A comm hook sends each gradient bucket to the
+live group, averaging exactly as DDP's reducer does (multiply by 1/world in float32,
+not divide: the two differ in the last bit for a third of values). The bucket layout
+is DDP's own: one bucket for the first iteration, then rebuilt in gradient-ready
+order. gloo's ring sums each element in an order set by its offset in the bucket, so
+a joiner must use the survivors' exact layout: survivors export it (a list of
+parameter-index lists, plain ints) with their state, and the joiner rebuilds its
+reducer to match before its first step.
+
+The comm hook is also where a step's bundle is captured (first bucket) and where
+this rank waits for its ward's bundle before its last bucket (see bundle.py).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from baton.worker.group import solo_group
+
+if TYPE_CHECKING:
+    from baton.worker.runtime import Runtime
+
+
+class LiveDDP(DistributedDataParallel):
+    """DDP whose buffer broadcasts go to the live group and whose reducer order can be set."""
+
+    _baton_rt: "Runtime"
+    _baton_order: list[int] | None = None
+
+    def _build_params_for_reducer(self):  # noqa: ANN202 - torch's private hook point
+        params, sparse = super()._build_params_for_reducer()
+        order = getattr(self, "_baton_order", None)
+        if order is None:
+            return params, sparse
+        return [params[i] for i in order], [sparse[i] for i in order]
+
+    def _distributed_broadcast_coalesced(self, tensors, buffer_size, authoritative_rank=0):  # noqa: ANN001
+        # DDP syncs buffers from rank 0 before a forward exactly when it would under torchrun.
+        rt = self._baton_rt
+        rt.check_forward_placement()
+        with rt.group.internal():
+            dist._broadcast_coalesced(rt.group, tensors, buffer_size, authoritative_rank)
+
+
+def build(rt: "Runtime", model: torch.nn.Module, **ddp_kwargs: Any) -> LiveDDP:
+    if isinstance(model, DistributedDataParallel):
+        raise TypeError("job.wrap() takes the bare module; it builds DistributedDataParallel itself")
+    for key in ("process_group", "init_sync"):
+        if key in ddp_kwargs:
+            raise TypeError(f"job.wrap() sets {key} itself")
+    if not rt.joiner:
+        _broadcast_from_rank0(rt, model)
+    ddp = LiveDDP(model, process_group=solo_group(), init_sync=False, **ddp_kwargs)
+    ddp._baton_rt = rt
+    ddp.register_comm_hook(rt, _allreduce_hook)
+    return ddp
+
+
+def _broadcast_from_rank0(rt: "Runtime", model: torch.nn.Module) -> None:
+    """Initial ranks start from rank 0's parameters and buffers, as DDP's constructor does."""
+    tensors = [p.detach() for p in model.parameters()] + [b.detach() for b in model.buffers()]
+    if tensors:
+        with rt.group.internal():
+            dist._broadcast_coalesced(rt.group, tensors, 250 * 1024 * 1024, 0)
+
+
+def _allreduce_hook(rt, bucket):  # DDP inspects real annotations; see below
+    rt.on_sync_backward(first=bucket.index() == 0, last=bucket.is_last())
+    buffer = bucket.buffer()
+    buffer.mul_(1.0 / rt.world_size)  # what DDP's reducer does without a hook
+    with rt.group.internal():
+        work = rt.group.allreduce([buffer])
+    return work.get_future().then(_first)
+
+
+def _first(fut):
+    return fut.value()[0]
+
+
+_allreduce_hook.__annotations__ = {"bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}
+
+
+def export_layout(ddp: LiveDDP) -> list[list[int]] | None:
+    """The rebuilt bucket layout over DDP's natural parameter indices, or None before the rebuild."""
+    if ddp.reducer._rebuild_buckets():  # what DDP would do at its next forward: do it now
+        ddp._has_rebuilt_buckets = True
+    if not getattr(ddp, "_has_rebuilt_buckets", False):
+        return None
+    natural = DistributedDataParallel._build_params_for_reducer(ddp)[0]
+    index = {id(p): i for i, p in enumerate(natural)}
+    return [[index[id(p)] for p in b.parameters()] for b in ddp.reducer._get_zeros_like_grad_buckets()]
+
+
+def adopt_layout(ddp: LiveDDP, layout: list[list[int]] | None) -> None:
+    """A joiner's DDP reduces with the survivors' layout from its first step on."""
+    if layout is None or export_layout(ddp) == layout:
+        return
+    ddp._baton_order = [i for bucket in layout for i in bucket]
+    params, sparse = ddp._build_params_for_reducer()
+    mapping = ddp._build_debug_param_to_name_mapping(params)
+    ddp._ddp_init_helper(params, sparse, mapping, ddp.static_graph)
+    for hook, state in ddp._comm_hooks:
+        dist._register_comm_hook(ddp.reducer, state, hook)
+    ddp.reducer._push_all_rebuilt_params()
+    ddp.reducer._rebuild_buckets()
+    ddp._has_rebuilt_buckets = True
+    got = export_layout(ddp)
+    if got != layout:
+        raise RuntimeError(f"could not reproduce the survivors' gradient bucket layout ({got} != {layout})")
+
+
+def reset_after_failure(ddp: LiveDDP) -> None:
+    """Discard a partial backward: clear grads and the reducer's in-flight state."""
+    ddp.reducer._reset_state()
+    for p in ddp.parameters():
+        p.grad = None

@@ -1,0 +1,753 @@
+"""The worker's side of every protocol: units, captures, pauses, recoveries, joins.
+
+A run is a sequence of *units* every rank executes in the same order: steps
+(`with step:`) and boundary functions (`job.every`, `job.at_epoch_end`, `job.at_end`).
+A *position* `(step, sub)` names the boundary before step `step` after `sub` of its
+boundary functions: every rank's state is consistent there, and it is the only
+place a rank changes hands.
+
+Rules that make a position exact after any failure, checked as the script runs so a
+script that breaks them fails on its first step, not during its first failure:
+- a step's collectives all come before its first `optimizer.step()` (its commit); a
+  step that fails before committing re-runs from its start position, one that
+  committed is complete;
+- random numbers are drawn inside steps before their last collective, or inside
+  boundary functions (the bundle captured at the collective must still be the state
+  at the next boundary);
+- collectives run inside steps or boundary functions, where failures are absorbed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from baton.control import messages as m
+from baton.transfer import TransferError, fetch_state
+from baton.transfer.protocol import FlatState
+from baton.transfer.server import PUSH, TransferServer, connect
+from baton.worker import codec, rng, verify
+from baton.worker.bundle import Bundle, BundlePushers, StepCapture, fetch_ward_bundle, newest
+from baton.worker.control import ControlChannel
+from baton.worker.data import DataFeed
+from baton.worker.group import CollectiveFailure, LiveGroup, install_as_world, solo_group
+from baton.worker.tracked import Tracked, UsageError, reset_scaler_stage
+
+log = logging.getLogger("baton.worker")
+
+Pos = tuple[int, int]
+
+
+class Divergence(RuntimeError):
+    """The state check after a move found replicas (or a joiner) that differ."""
+
+
+@dataclass
+class Unit:
+    """A boundary function and when it runs."""
+
+    fn: Callable[[Any], Any]
+    every: int | None = None  # after every N completed steps
+    epoch_end: bool = False
+    at_start: bool = False  # also before the first step
+    at_end: bool = False  # after the last step
+
+    def due(self, gap: int, total: int, spe: int | None) -> bool:
+        if self.at_end:
+            return gap == total
+        if self.epoch_end:
+            return bool(spe) and gap > 0 and gap % spe == 0  # type: ignore[operator]
+        if self.every:
+            return (gap > 0 or self.at_start) and gap % self.every == 0
+        return False
+
+
+class BoundaryInfo:
+    """What a boundary function is told: how many steps are done, and the epoch."""
+
+    def __init__(self, step: int, epoch: int):
+        self.step = step
+        self.epoch = epoch
+
+    def __repr__(self) -> str:
+        return f"Boundary(step={self.step}, epoch={self.epoch})"
+
+
+class Runtime:
+    def __init__(self, ctl: ControlChannel, server: TransferServer, store: dist.Store, rank: int,
+                 world_size: int, joiner: bool, config: m.Registered, token: str):
+        self.rank, self.world_size, self.joiner = rank, world_size, joiner
+        self.ctl, self.server, self.store, self.token = ctl, server, store, token
+        self.op_timeout = float(config.op_timeout_s)
+        self.formation_timeout = float(config.formation_timeout_s)
+        self.verify_every = int(config.verify_every)
+        self.group = LiveGroup(rank, world_size)
+        self.group.guard = self._guard
+        self.tracked = Tracked()
+        self.feed = DataFeed(None)
+        self.ddps: list[Any] = []
+        self.units: list[Unit] = []
+        self.pos: Pos = (0, 0)
+        self.total = 0
+        self.loop: m.LoopInfo | None = None
+        self.at_pos: Bundle | None = None  # this rank's bundle describing `pos`
+        self.at_pos_rng: dict[str, Any] | None = None
+        self.capture: StepCapture | None = None  # latest capture in the current step
+        self.scope: str | None = None  # "step" | "boundary" | None
+        self.committed = False
+        self.seq = 0
+        self.loop_started = False
+        self.loop_done = False
+        self.finished = False
+        self.metrics: dict[str, float] = {}
+        self.warned_no_capture = False
+        self.pusher = BundlePushers(lambda addr: connect(addr, token, PUSH, timeout=self.op_timeout))
+        # The ranks whose bundles this rank holds (and waits for before completing a step).
+        self.wards = [(rank - i) % world_size for i in range(1, int(config.redundancy) + 1)] \
+            if world_size > 1 else []
+        self.group.known_local_ports.add(server.address[1])
+        self.group.known_remote_ports.update(_ports_of(os.environ.get("BATON_URL", ""),
+                                                       os.environ.get("BATON_STORE", "")))
+        install_as_world(self.group, store)
+        ctl.on_abort = lambda: self.group.note_failure("a peer was lost (orchestrator abort)")
+        if not joiner:
+            cmd = self.wait_for(m.Form)
+            self.form(cmd.generation, cmd.buddies)
+            self.ctl.report(m.Formed(generation=cmd.generation, pos=(0, 0)))
+
+    # ================================================================ the loop
+    def items(self) -> Iterator[tuple[str, Any]]:
+        """Yields ("step", Step) and ("epoch_end", e); runs boundary functions itself."""
+        from baton.worker.job import Step
+
+        assert self.loop is not None
+        total = self.total
+        spe = self.loop.steps_per_epoch
+        while True:
+            gap = self.pos[0]
+            due = self._due(gap)
+            if self.pos[1] < len(due):
+                self._run_unit(due[self.pos[1]], gap, spe)
+                continue
+            if spe and gap > 0 and gap % spe == 0:
+                yield "epoch_end", gap // spe - 1
+            if gap >= total:
+                break
+            if not self._boundary():
+                continue  # a pause or a recovery moved us: look at the gap again
+            step = self._begin_step(Step)
+            yield "step", step
+            self._end_step(step)
+        self.loop_done = True
+        self.scope = None
+        self.ctl.started = self.total
+
+    def _due(self, gap: int) -> list[Unit]:
+        spe = self.loop.steps_per_epoch if self.loop else None
+        return [u for u in self.units if u.due(gap, self.total, spe or self.feed.steps_per_epoch())]
+
+    def first_epoch(self, spe: int) -> int:
+        """The epoch an epoch-style loop starts in: a joiner may start where end work is pending."""
+        k, sub = self.pos
+        if k > 0 and k % spe == 0 and sub < len(self._due(k)):
+            return k // spe - 1
+        return k // spe
+
+    def enter_loop(self, style: str, total: int, epochs: int | None) -> None:
+        if self.loop_started:
+            raise UsageError("job.steps()/job.epochs() can be used once per job")
+        self.loop_started = True
+        self.total = total
+        self.tracked.add_discovered()
+        if not self.tracked.optimizers():
+            raise UsageError("no optimizer found: baton needs the optimizer whose step() commits each "
+                             "step (create it after baton.init(), or pass it to job.track)")
+        for opt in self.tracked.optimizers():
+            opt.register_step_post_hook(self._on_optimizer_step)
+        codec.encode(self.tracked.replicated())  # refuse untransferable state now, not mid-failure
+        spe = self.feed.steps_per_epoch() if style == "epochs" else None
+        self.loop = m.LoopInfo(style=style, total_steps=total, epochs=epochs, steps_per_epoch=spe)
+        log.info("loop: %s (tracking %s)", self.loop, sorted(self.tracked.objects))
+        start = self._capture_bundle((0, 0), seq=0, gen=self.group.generation)
+        if self.joiner:
+            self.ctl.report_now(m.Ready(loop=self.loop, bundle=_text(start), joined=True))
+            self._join()
+        else:
+            self.at_pos, self.at_pos_rng = start, rng.capture(self.tracked.generators)
+            self.ctl.report_now(m.Ready(loop=self.loop, bundle=_text(start)))
+
+    def _boundary(self) -> bool:
+        """The hot-path check before each step: one uncontended lock and a few reads."""
+        ctl = self.ctl
+        with ctl.lock:
+            proceed = not ctl.attention
+            if proceed:
+                ctl.started = self.pos[0]
+        if proceed:
+            if self.verify_every and self.pos[0] > 0 and self.pos[0] % self.verify_every == 0 and \
+                    self.pos != getattr(self, "_verified_at", None):
+                self._verified_at = self.pos
+                return self._checked(lambda: self.verify_state(self.group.generation, None, periodic=True))
+            return True
+        with ctl.lock:
+            abort = ctl.abort_generation
+            if abort is None and (ctl.pause_at is None or self.pos[0] < ctl.pause_at):
+                ctl.started = self.pos[0]
+                ctl.attention = ctl.pause_at is not None
+                return True
+            op = ctl.pause_op
+        if abort is not None:
+            self.recover(in_step=False, error="peer lost at a boundary")
+            return False
+        self._paused(op)
+        return False
+
+    def _checked(self, fn: Callable[[], None]) -> bool:
+        try:
+            fn()
+            return True
+        except (CollectiveFailure, dist.DistError) as exc:
+            self.recover(in_step=False, error=f"{type(exc).__name__}: {exc}")
+            return False
+
+    def _begin_step(self, step_cls: type) -> Any:
+        self._check_no_stray_draws("before step")
+        self.small = self.tracked.snapshot_small()
+        k = self.pos[0]
+        spe = self.feed.steps_per_epoch()
+        epoch = k // spe if spe else self.feed.epoch
+        batch = self.feed.batch()
+        self.scope, self.committed, self.seq, self.capture = "step", False, 0, None
+        self.tracked.scope = "step"
+        self._step_t0 = time.perf_counter()
+        return step_cls(self, k, batch, epoch)
+
+    def _end_step(self, step: Any) -> None:
+        self.scope = None
+        self.tracked.scope = None
+        if step.failed:
+            self.recover(in_step=True, error=step.error)
+            return
+        if not step.completed:
+            raise UsageError(f"step {step.index} was not run inside `with step:`: write the step's "
+                             "code as `for step in job.steps(n): with step: ...`")
+        if self.capture is None:
+            # No collective at all in this step: nothing gated it, so capture now.
+            if not self.warned_no_capture:
+                log.warning("step %d issued no collective: its bundle was captured after the fact", step.index)
+                self.warned_no_capture = True
+            self._capture_point()
+        assert self.capture is not None
+        self.feed.advance()
+        self.pos = (self.pos[0] + 1, 0)
+        self.at_pos, self.at_pos_rng = self.capture.bundle, self.capture.rng
+        now = time.perf_counter()
+        hb = self.ctl.heartbeat
+        hb["step"] = self.pos[0]
+        dt = now - self._step_t0
+        ema = hb.get("step_time")
+        hb["step_time"] = dt if ema is None else 0.8 * ema + 0.2 * dt
+        if self.metrics:
+            hb["metrics"] = dict(self.metrics)
+
+    def _run_unit(self, unit: Unit, gap: int, spe: int | None) -> None:
+        """Run one boundary function; a lost peer inside it is absorbed and it runs again."""
+        self._check_no_stray_draws("before a boundary function")
+        small = self.tracked.snapshot_small()
+        start_pos, start_bundle, start_rng = self.pos, self.at_pos, self.at_pos_rng
+        reported = False
+        epoch = (gap // spe - 1 if unit.epoch_end and spe else (gap // spe if spe else self.feed.epoch))
+        self.scope = self.tracked.scope = "boundary"
+        try:
+            unit.fn(BoundaryInfo(gap, epoch))
+            self.scope = self.tracked.scope = None
+            after = (gap, self.pos[1] + 1)
+            bundle = self._capture_bundle(after, seq=0, gen=self.group.generation)
+            after_rng = rng.capture(self.tracked.generators)
+            self.ctl.report_now(m.UnitDone(pos=after, bundle=_text(bundle)))
+            reported = True
+            with self.group.internal():  # nobody moves on until every rank's bundle is durable
+                self.group.barrier().wait(timedelta(seconds=self.op_timeout))
+        except BaseException as exc:
+            self.scope = self.tracked.scope = None
+            if not self._is_peer_failure(exc):
+                raise
+            self._reset_ddp()
+            self.recover(in_step=False, error=f"{type(exc).__name__}: {exc}",
+                         unit=(start_pos, small, start_bundle, start_rng, reported))
+            return
+        self.pos, self.at_pos, self.at_pos_rng = after, bundle, after_rng
+
+    def _check_no_stray_draws(self, where: str) -> None:
+        if self.at_pos_rng is None:
+            return
+        now = rng.capture(self.tracked.generators)
+        if not rng.equal(now, self.at_pos_rng):
+            names = ", ".join(rng.describe_difference(now, self.at_pos_rng))
+            raise UsageError(
+                f"random numbers ({names}) were drawn {where} {self.pos[0]} outside what baton can replay: "
+                "after a step's last collective (e.g. after loss.backward()), or between steps outside a "
+                "boundary function. Draw them inside the step before backward, or in a job.every / "
+                "job.at_epoch_end function.")
+
+    # ================================================================ captures and the gate
+    def _capture_bundle(self, pos: Pos, seq: int, gen: int, rng_state: dict[str, Any] | None = None) -> Bundle:
+        state = {
+            "rng": rng_state if rng_state is not None else rng.capture(self.tracked.generators),
+            "buffers": {name: b.detach().clone() for name, b in self.tracked.local_buffers().items()},
+            "local": self.tracked.local.as_dict() if self.tracked.local is not None else {},
+            "data": self.feed.position_at(pos[0]),
+        }
+        return Bundle.of(self.rank, pos, gen, seq, state)
+
+    def _capture_point(self) -> None:
+        """Inside a step: capture what the next boundary will hold and send it to the buddy."""
+        rng_state = rng.capture(self.tracked.generators)
+        after = (self.pos[0] + 1, 0)
+        bundle = self._capture_bundle(after, self.seq, self.group.generation, rng_state)
+        self.capture = StepCapture(after, self.group.generation, self.seq, rng_state, bundle)
+        self.seq += 1
+        if self.wards:
+            self.pusher.push(bundle)
+
+    def _gate(self) -> None:
+        """Contribute to this step's completion only once the ward's bundle is held here."""
+        if not self.wards or self.capture is None:
+            return
+        cap = self.capture
+
+        def cancelled() -> bool:
+            return self.group.failed.is_set() or self.ctl.abort_generation is not None
+
+        for ward in self.wards:
+            if not self.server.wards.wait(ward, cap.generation, cap.pos, cap.seq, self.op_timeout, cancelled):
+                err = CollectiveFailure(f"rank {ward}'s state for step {cap.pos[0] - 1} did not arrive "
+                                        f"within {self.op_timeout:.0f}s (peer lost)")
+                self.group.note_failure(err)
+                raise err
+
+    def on_sync_backward(self, first: bool, last: bool) -> None:
+        """From the DDP comm hook: the syncing backward's first/last gradient bucket."""
+        if self.scope != "step":
+            raise UsageError("a gradient all-reduce (loss.backward() of a wrapped model) ran outside "
+                             "`with step:`")
+        if self.committed:
+            raise UsageError("loss.backward() ran after optimizer.step() in the same step")
+        if first:
+            self._capture_point()
+        if last:
+            self._gate()
+
+    def _guard(self, op: str) -> dist.ProcessGroup | None:
+        if not self.loop_started:
+            if self.joiner:
+                if op == "barrier":
+                    return solo_group()  # the others passed this barrier long ago
+                raise UsageError(
+                    f"dist.{op} before the step loop on a rank that joined later: the others ran it "
+                    "long ago. Skip it with `if not job.joined:` and track what it produced.")
+            return None
+        if self.finished or (self.loop_done and self.scope is None):
+            raise UsageError(f"dist.{op} after the step loop: a failure there could not be recovered; "
+                             "run it in a `@job.at_end` function")
+        if self.scope is None:
+            raise UsageError(f"dist.{op} outside `with step:` and outside boundary functions: a failure "
+                             "there could not be recovered. Move it into the step, or into a "
+                             "@job.every / @job.at_epoch_end function (validation metrics, say).")
+        if self.scope == "step":
+            if self.committed:
+                raise UsageError(f"dist.{op} after optimizer.step() in the same step: a step's "
+                                 "collectives must all come before it commits")
+            self._capture_point()
+            self._gate()
+        return None
+
+    def check_forward_placement(self) -> None:
+        if self.loop_started and self.scope is None and not self.loop_done:
+            raise UsageError("a forward pass of a wrapped model with buffers (which DDP broadcasts) ran "
+                             "outside `with step:` and outside boundary functions: run validation in a "
+                             "@job.every / @job.at_epoch_end function")
+
+    def _on_optimizer_step(self, *_: Any) -> None:
+        if not self.loop_started:
+            return
+        if self.scope == "step":
+            self.committed = True
+            return
+        where = "a boundary function" if self.scope == "boundary" else "outside `with step:`"
+        raise UsageError(f"optimizer.step() ran in {where}: parameters may only change inside steps")
+
+    def _is_peer_failure(self, exc: BaseException) -> bool:
+        if isinstance(exc, (UsageError, KeyboardInterrupt, SystemExit, GeneratorExit)):
+            return False
+        if self.group.failed.is_set():
+            return True
+        with self.ctl.lock:
+            if self.ctl.abort_generation is not None:
+                return True
+        return isinstance(exc, (CollectiveFailure, dist.DistError))
+
+    # ================================================================ planned moves
+    def _paused(self, op: int | None) -> None:
+        ctl = self.ctl
+        self._check_no_stray_draws("before step")
+        ctl.report(m.Paused(op=op or 0, pos=self.pos))
+        log.info("paused at %s", self.pos)
+        while True:
+            with ctl.lock:
+                if ctl.abort_generation is not None:
+                    break
+                if ctl.pause_at is not None and ctl.pause_at > self.pos[0]:
+                    return  # re-targeted later: keep stepping
+            cmd = ctl.wait_command(0.05)
+            if cmd is None:
+                continue
+            if isinstance(cmd, m.Form):
+                try:
+                    self.form(cmd.generation, cmd.buddies)
+                    if cmd.verify:
+                        self.verify_state(cmd.generation, None)
+                except (CollectiveFailure, dist.DistError, TransferError) as exc:
+                    log.warning("forming generation %s failed (%s)", cmd.generation, exc)
+                    break
+                with ctl.lock:
+                    ctl.pause_at = ctl.pause_op = None
+                    ctl.attention = ctl.abort_generation is not None
+                ctl.report(m.Formed(generation=cmd.generation, pos=self.pos))
+                return
+            if isinstance(cmd, m.Publish):
+                self.publish(cmd.generation, full=True)
+                if cmd.leave and not self._leave():
+                    self.server.retract()
+                    break  # superseded by a failure elsewhere: stay, as a survivor
+            if isinstance(cmd, m.Abort):
+                break
+        self.recover(in_step=False, error="peer lost during a planned move")
+
+    def _leave(self) -> bool:
+        ctl = self.ctl
+        while True:
+            cmd = ctl.wait_command(0.5)
+            if isinstance(cmd, (m.Release, m.Stop)):
+                break
+            with ctl.lock:
+                if ctl.abort_generation is not None:
+                    return False
+        ctl.report(m.Left())
+        ctl.flush()
+        self.pusher.close()
+        _exit_quietly(0)
+        return True  # pragma: no cover
+
+    def publish(self, generation: int, full: bool) -> None:
+        from baton.worker.ddp import export_layout
+
+        state: dict[str, Any] = {"replicated": self.tracked.replicated(), "pos": list(self.pos),
+                                 "ddp_layouts": [export_layout(d) for d in self.ddps]}
+        if full:
+            assert self.at_pos is not None
+            bundle_state = self.at_pos.state()
+            state["bundle"] = bundle_state
+            state["digest"] = verify.combined(self._full_digests(state["replicated"], bundle_state))
+        meta, tensors = codec.encode(state)
+        self.server.publish(generation, FlatState(meta=meta, tensors=tensors))
+
+    # ================================================================ unplanned
+    def recover(self, in_step: bool, error: str,
+                unit: tuple[Pos, Any, Bundle | None, Any, bool] | None = None) -> None:
+        """Absorb a lost peer: report where this rank's state is, then follow the plan."""
+        ctl = self.ctl
+        self.scope = self.tracked.scope = None
+        self._reset_ddp()
+        self.group.drop()
+        pos = self.pos
+        unit_reported = False
+        if in_step:
+            self._restore_start(self.small)
+        if unit is not None:
+            pos, small, bundle, rng_state, unit_reported = unit
+        while True:
+            with ctl.lock:
+                ctl.pause_at = ctl.pause_op = None
+            ctl.report(m.Recover(generation=self.group.generation, pos=pos, in_step=in_step,
+                                 unit_reported=unit_reported, error=error[:2000]))
+            cmd = self.wait_for(m.Form, m.Abort)
+            if isinstance(cmd, m.Abort):
+                continue
+            target: Pos = tuple(cmd.pos)  # type: ignore[assignment]
+            try:
+                if unit is not None:
+                    if unit_reported and target == (pos[0], pos[1] + 1):
+                        pass  # the function completed here before the failure: keep its effects
+                    else:
+                        self._restore_unit(unit)
+                if target == pos or (unit is not None and unit_reported and target == (pos[0], pos[1] + 1)):
+                    self.pos = target
+                    if unit is not None and target != pos:
+                        self.at_pos = self._capture_bundle(target, 0, self.group.generation)
+                        self.at_pos_rng = rng.capture(self.tracked.generators)
+                elif self.capture is not None and target == self.capture.pos:
+                    # Others completed the step this rank abandoned: take their result.
+                    self._fetch_replicated(cmd.fetch_from, cmd.generation, target)
+                    self._apply_bundle(self.capture.bundle.state())
+                    self.feed.advance()
+                    self.pos = target
+                    self.at_pos, self.at_pos_rng = self.capture.bundle, self.capture.rng
+                else:
+                    raise RuntimeError(f"cannot reach position {target} from {pos}")
+                if cmd.publish:
+                    self.publish(cmd.generation, full=False)
+                self._clear_abort(cmd.generation)
+                self.form(cmd.generation, cmd.buddies)
+                if cmd.verify:
+                    self.verify_state(cmd.generation, None)
+            except (CollectiveFailure, dist.DistError, TransferError, OSError) as exc:
+                log.warning("recovery into generation %s failed (%s); waiting for the next plan",
+                            cmd.generation, exc)
+                self.group.drop()
+                self.pos = pos
+                continue
+            self.server.retract()
+            ctl.report(m.Formed(generation=cmd.generation, pos=self.pos))
+            return
+
+    def _restore_start(self, small: Any) -> None:
+        """Undo what an abandoned step attempt changed: small state, streams, buffers."""
+        self.tracked.restore_small(small)
+        for scaler in self.tracked.scalers():
+            reset_scaler_stage(scaler)
+        if self.at_pos is not None:
+            self._apply_bundle(self.at_pos.state(), data=False)
+
+    def _restore_unit(self, unit: tuple[Pos, Any, Bundle | None, Any, bool]) -> None:
+        pos, small, bundle, rng_state, _ = unit
+        self.tracked.restore_small(small)
+        if bundle is not None:
+            self._apply_bundle(bundle.state(), data=False)
+        self.pos, self.at_pos, self.at_pos_rng = pos, bundle, rng_state
+
+    def _apply_bundle(self, state: dict[str, Any], data: bool = True) -> None:
+        rng.restore(state["rng"], self.tracked.generators)
+        buffers = self.tracked.local_buffers()
+        with torch.no_grad():
+            for name, value in state.get("buffers", {}).items():
+                if name in buffers:
+                    buffers[name].copy_(value)
+        if self.tracked.local is not None and state.get("local"):
+            self.tracked.local.load(state["local"])
+        if data and state.get("data") is not None:
+            self.feed.seek(state["data"])
+
+    def _fetch_replicated(self, sources: list[Any], generation: int, target: Pos) -> tuple[int, float]:
+        flat, stats = fetch_state([tuple(s) for s in sources], generation, self.token,
+                                  timeout=self.formation_timeout)
+        state = codec.decode(flat.meta, flat.tensors)
+        if tuple(state["pos"]) != tuple(target):
+            raise TransferError(f"sources serve position {state['pos']}, expected {list(target)}")
+        self.tracked.load_replicated(state["replicated"])
+        return stats.bytes, stats.seconds
+
+    def _reset_ddp(self) -> None:
+        from baton.worker.ddp import reset_after_failure
+
+        for ddp in self.ddps:
+            reset_after_failure(ddp)
+
+    def _clear_abort(self, generation: int) -> None:
+        with self.ctl.lock:
+            if self.ctl.abort_generation is not None and self.ctl.abort_generation <= generation:
+                self.ctl.abort_generation = None
+            self.ctl.attention = self.ctl.abort_generation is not None
+
+    # ================================================================ joining
+    def _join(self) -> None:
+        log.info("joiner ready for state")
+        while True:
+            cmd = self.wait_for(m.Form)
+            gen, target = cmd.generation, tuple(cmd.pos)
+            try:
+                t0 = time.perf_counter()
+                flat, stats = fetch_state([tuple(s) for s in cmd.fetch_from], gen, self.token,
+                                          timeout=self.formation_timeout)
+                state = codec.decode(flat.meta, flat.tensors)
+                if tuple(state["pos"]) != target:
+                    raise TransferError(f"sources serve position {state['pos']}, expected {list(target)}")
+                self.tracked.load_replicated(state["replicated"])
+                from baton.worker.ddp import adopt_layout
+
+                for ddp, layout in zip(self.ddps, state.get("ddp_layouts", [])):
+                    adopt_layout(ddp, layout)
+                expected = None
+                if cmd.full_state:
+                    bundle_state, expected = state["bundle"], state["digest"]
+                else:
+                    bundle_state = self._lost_bundle(cmd.lost, target)
+                self._apply_bundle(bundle_state)
+                self.pos = target  # type: ignore[assignment]
+                self.at_pos = Bundle.of(self.rank, target, gen, 0, bundle_state)  # type: ignore[arg-type]
+                self.at_pos_rng = rng.capture(self.tracked.generators)
+                self._clear_abort(gen)
+                self.form(gen, cmd.buddies)
+                secs = time.perf_counter() - t0
+                self.verify_state(gen, expected, bundle_state=bundle_state)
+            except (CollectiveFailure, dist.DistError, TransferError, OSError) as exc:
+                log.warning("joining generation %s failed (%s); waiting for the next plan", gen, exc)
+                self.group.drop()
+                continue
+            log.info("joined generation %s at %s", gen, self.pos)
+            self.ctl.report(m.Formed(generation=gen, pos=self.pos, bytes=stats.bytes, seconds=round(secs, 4)))
+            self.joiner = False
+            return
+
+    def _lost_bundle(self, lost: m.LostRank | None, target: Pos) -> dict[str, Any]:
+        candidates: list[Bundle | None] = []
+        if lost is not None and lost.held is not None:
+            candidates.append(Bundle.from_text(lost.held.model_dump()))
+        for buddy in (lost.buddies if lost is not None else []):
+            try:
+                candidates.append(fetch_ward_bundle(tuple(buddy), self.token, self.rank, target))
+            except (OSError, TransferError) as exc:
+                log.warning("could not read rank %d's bundle from %s: %s", self.rank, buddy, exc)
+        best = newest(candidates, target)
+        if best is None:
+            raise TransferError(f"no record of rank {self.rank}'s own state at {target}")
+        state = best.state()
+        # The data position follows from the step; the epoch record only if it is this epoch's.
+        here = self.feed.position_at(target[0])
+        if here is not None:
+            record = (state.get("data") or {}).get("record")
+            if record is not None and record.get("epoch") == here["epoch"]:
+                here["record"] = record
+            else:
+                here["record"] = None
+            state["data"] = here
+        return state
+
+    # ================================================================ forming and checking
+    def form(self, generation: int, buddies: list[Any]) -> None:
+        def superseded() -> bool:
+            with self.ctl.lock:
+                return self.ctl.abort_generation is not None and self.ctl.abort_generation > generation
+
+        self.group.form(self.store, generation, self.op_timeout, self.formation_timeout, superseded)
+        self.pusher.set_buddies([tuple(b) for b in buddies])
+
+    def _full_digests(self, replicated: dict[str, Any], bundle_state: dict[str, Any]) -> dict[str, int]:
+        out = verify.entries(replicated)
+        for name in self.tracked.local_buffers():
+            out.pop(name, None)
+        out.update(verify.entries({k: v for k, v in bundle_state.items() if k != "data"}, "rank-local"))
+        return out
+
+    def verify_state(self, generation: int, expected: int | None, periodic: bool = False,
+                     bundle_state: dict[str, Any] | None = None) -> None:
+        """Replicas agree on replicated state; a joiner holds exactly what it was sent."""
+        digests = verify.entries(self.tracked.replicated())
+        for name in self.tracked.local_buffers():
+            digests.pop(name, None)  # each rank's own (BatchNorm statistics of its batches)
+        mine = verify.combined(digests)
+        t = torch.tensor([verify.to_signed(mine)], dtype=torch.int64)
+        out = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+        with self.group.internal():
+            self.group.allgather([out], [t]).wait(timedelta(seconds=self.op_timeout))
+        values = [int(x.item()) for x in out]
+        differing: list[str] = []
+        detail = ""
+        if len(set(values)) > 1:
+            key = f"baton/gen{generation}/verify/{self.pos[0]}/{self.pos[1]}"
+            import json
+
+            self.store.set(f"{key}/{self.rank}", json.dumps(digests))
+            majority = max(set(values), key=values.count)
+            ref = values.index(majority)
+            theirs = json.loads(self.store.get(f"{key}/{ref}"))
+            differing = verify.differing(digests, {k: int(v) for k, v in theirs.items()})
+            bad = [r for r, v in enumerate(values) if v != majority]
+            detail = f"replicated state differs on ranks {bad} (compared with rank {ref})"
+        if expected is not None or bundle_state is not None:
+            live = self._capture_bundle(self.pos, 0, generation).state()
+            if expected is not None:
+                got = verify.combined(self._full_digests(self.tracked.replicated(), live))
+                if got != expected:
+                    detail += ("; " if detail else "") + "the joiner's state differs from what its predecessor sent"
+                    differing.append("joiner")
+            elif bundle_state is not None:
+                want = verify.entries({k: v for k, v in bundle_state.items() if k != "data"}, "rank-local")
+                have = verify.entries({k: v for k, v in live.items() if k != "data"}, "rank-local")
+                diff = verify.differing(have, want)
+                if diff:
+                    differing += diff
+                    detail += ("; " if detail else "") + "the joiner's own state differs from its record"
+        ok = not differing
+        if ok and periodic:
+            return
+        self.ctl.report_now(m.Verified(generation=generation, pos=self.pos, ok=ok, differing=differing[:200],
+                                       detail=detail))
+        if not ok:
+            raise Divergence(f"state check failed at step {self.pos[0]}: {detail}: {', '.join(differing[:20])}")
+
+    # ================================================================ finishing
+    def finish(self) -> None:
+        """Report the end, then stay available until every rank is done: a rank lost at the
+        very end is still replaced, with its state from these survivors."""
+        if self.finished:
+            return
+        self.finished = True
+        self.ctl.report(m.Finished(pos=self.pos))
+        while True:
+            cmd = self.ctl.wait_command(0.5)
+            if cmd is None:
+                continue
+            if isinstance(cmd, m.Done):
+                break
+            if isinstance(cmd, m.Abort):
+                self.finished = False
+                self.recover(in_step=False, error="peer lost after the step loop")
+                self.finished = True
+                self.ctl.report(m.Finished(pos=self.pos))
+        self.ctl.flush()
+        self.ctl.stop()
+        self.pusher.close()
+        self.server.close()
+
+    # ================================================================ helpers
+    def wait_for(self, *kinds: type) -> Any:
+        while True:
+            cmd = self.ctl.wait_command(1.0)
+            if cmd is None:
+                continue
+            if isinstance(cmd, kinds):
+                return cmd
+            if isinstance(cmd, m.Stop):
+                _exit_quietly(0)
+
+
+def _text(b: Bundle) -> m.BundleText:
+    return m.BundleText.model_validate(b.to_text())
+
+
+def _ports_of(url: str, store: str) -> set[int]:
+    ports = set()
+    for text in (url.rsplit(":", 1)[-1].split("/")[0], store.rsplit(":", 1)[-1]):
+        if text.isdigit():
+            ports.add(int(text))
+    return ports
+
+
+def _exit_quietly(code: int) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def format_exception(exc_type: Any, exc: Any, tb: Any) -> str:
+    return "".join(traceback.format_exception(exc_type, exc, tb))

@@ -1,0 +1,234 @@
+"""Everything that migrates, by name: models, optimizers, schedulers, scalers, generators,
+and the script's own rank-local values.
+
+Three kinds of state, because after an unplanned loss they come from different places:
+
+- *replicated*: equal on every data-parallel replica (parameters, optimizer, schedulers,
+  scalers). Fetched from healthy survivors; compared across ranks by `verify`.
+- *rank-local per step*: random streams and the BatchNorm-style buffers of wrapped
+  models (each rank updates them with its own batch). Captured inside every step and
+  held by a buddy rank (`bundle`).
+- *rank-local values* (`job.local(...)`): small values a rank keeps for itself, changed
+  only in boundary functions; the orchestrator holds each rank's latest.
+
+Small mutable state (schedulers, scalers, optimizer hyperparameters, local values) is
+also snapshotted at every unit start, so a re-run starts from exactly where the first
+attempt did even if code after a failed `with step:` touched it.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from typing import Any, Iterator
+
+import torch
+
+from baton.worker import discover, rng
+
+
+class UsageError(RuntimeError):
+    """The script uses baton in a way that cannot migrate correctly; the message says how to fix it."""
+
+
+def _is_scheduler(obj: Any) -> bool:
+    from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
+
+    return isinstance(obj, (LRScheduler, ReduceLROnPlateau))
+
+
+class LocalValues:
+    """A rank's own small values (`job.local(best_loss=1e9)`), e.g. rank 0's best validation
+    loss. They migrate from this rank's latest boundary, never from another rank, so they
+    may only change inside boundary functions, where baton can make the change durable."""
+
+    def __init__(self, owner: "Tracked", values: dict[str, Any]):
+        object.__setattr__(self, "_owner", owner)
+        object.__setattr__(self, "_values", {})
+        for k, v in values.items():
+            self._values[k] = _check_json(k, v)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self._values[name]
+        except KeyError:
+            raise AttributeError(f"job.local has no value {name!r}") from None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name not in self._values:
+            raise AttributeError(f"job.local has no value {name!r}: declare it in job.local({name}=...)")
+        self._owner.check_local_write(name)
+        self._values[name] = _check_json(name, value)
+
+    def __getitem__(self, name: str) -> Any:
+        return self.__getattr__(name)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        self.__setattr__(name, value)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self._values)
+
+    def load(self, values: dict[str, Any]) -> None:
+        self._values.update(values)
+
+    def __repr__(self) -> str:
+        return f"LocalValues({self._values})"
+
+
+def _check_json(name: str, value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise TypeError(f"job.local value {name!r}: only numbers, strings, lists and dicts "
+                            "(or one-element tensors) are kept; track bigger state with job.track")
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return value
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"job.local value {name!r} must be JSON-like: {exc}") from None
+    return copy.deepcopy(value)
+
+
+class Tracked:
+    def __init__(self) -> None:
+        self.objects: dict[str, Any] = {}  # name -> object with state_dict/load_state_dict
+        self.generators: dict[str, Any] = {}  # name -> torch/numpy/python generator
+        self.wrapped: list[torch.nn.Module] = []  # modules built by job.wrap (inner modules)
+        self.local: LocalValues | None = None
+        self.scope: str | None = None  # "step" | "boundary" | None, set by the loop
+        self.discovered: list[str] = []
+
+    # ---------------------------------------------------------------- registration
+    def add(self, name: str, obj: Any) -> None:
+        from torch.nn.parallel import DistributedDataParallel
+
+        if isinstance(obj, DistributedDataParallel):
+            obj = obj.module
+        if name in self.objects or name in self.generators:
+            if self.objects.get(name) is obj or self.generators.get(name) is obj:
+                return
+            raise ValueError(f"job.track: the name {name!r} is already used")
+        if rng.is_generator(obj):
+            self.generators[name] = obj
+            return
+        if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+            raise TypeError(f"job.track({name}=...): {type(obj).__name__} has no "
+                            "state_dict()/load_state_dict(), so it cannot migrate")
+        self.objects[name] = obj
+
+    def add_discovered(self) -> None:
+        """Track every optimizer/scheduler/scaler the script created after baton.init()."""
+        known = {id(o) for o in self.objects.values()}
+        counts: dict[str, int] = {}
+        for kind, obj in discover.created():
+            n = counts.get(kind, 0)
+            counts[kind] = n + 1
+            if id(obj) in known:
+                continue
+            name = kind if n == 0 else f"{kind}{n}"
+            while name in self.objects:
+                name += "_"
+            self.objects[name] = obj
+            self.discovered.append(name)
+        missing = discover.untracked_before_init(list(self.objects.values()) + _BATON_OWNED)
+        if missing:
+            raise UsageError(
+                "these were created before baton.init() and are not tracked, so they would not "
+                f"migrate: {', '.join(missing)}. Create them after baton.init(), or pass them to "
+                "job.track(name=obj).")
+
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return [o for o in self.objects.values() if isinstance(o, torch.optim.Optimizer)]
+
+    def check_local_write(self, name: str) -> None:
+        if self.scope == "step":
+            raise UsageError(f"job.local.{name} changed inside a step: rank-local values may only "
+                             "change in boundary functions (job.every / job.at_epoch_end), where "
+                             "baton makes the change durable before any rank moves on")
+
+    # ---------------------------------------------------------------- replicated state
+    def replicated(self) -> dict[str, Any]:
+        return {name: obj.state_dict() for name, obj in self.objects.items()}
+
+    def load_replicated(self, state: dict[str, Any]) -> None:
+        extra = sorted(set(state) - set(self.objects))
+        missing = sorted(set(self.objects) - set(state))
+        if extra or missing:
+            raise UsageError(f"tracked state differs between ranks: arrived {sorted(state)}, this rank "
+                             f"tracks {sorted(self.objects)}; every rank must track the same objects")
+        for name, sd in state.items():
+            self.objects[name].load_state_dict(sd)
+
+    # ---------------------------------------------------------------- rank-local per step
+    def local_buffers(self) -> dict[str, torch.Tensor]:
+        """Persistent buffers of wrapped models: each rank updates them with its own batch."""
+        out: dict[str, torch.Tensor] = {}
+        for i, module in enumerate(self.wrapped):
+            prefix = self._name_of(module, i)
+            non_persistent = _non_persistent(module)
+            for name, buf in module.named_buffers():
+                if name not in non_persistent and buf is not None:
+                    out[f"{prefix}.{name}"] = buf
+        return out
+
+    def _name_of(self, module: torch.nn.Module, index: int) -> str:
+        for name, obj in self.objects.items():
+            if obj is module:
+                return name
+        return f"wrapped{index}"
+
+    # ---------------------------------------------------------------- small-state snapshots
+    def snapshot_small(self) -> list[tuple[Any, Any]]:
+        """Cheap copies of the state a re-run must start from (not parameters or optimizer moments)."""
+        snap: list[tuple[Any, Any]] = []
+        for obj in self.objects.values():
+            if isinstance(obj, torch.optim.Optimizer):
+                snap.append((obj, [{k: v for k, v in g.items() if k != "params"} for g in obj.param_groups]))
+            elif _is_scheduler(obj):
+                snap.append((obj, copy.deepcopy(obj.state_dict())))
+            elif isinstance(obj, torch.amp.GradScaler):
+                snap.append((obj, {k: (v.clone() if isinstance(v, torch.Tensor) else v)
+                                   for k, v in obj.__dict__.items() if k != "_per_optimizer_states"}))
+        if self.local is not None:
+            snap.append((self.local, self.local.as_dict()))
+        return snap
+
+    def restore_small(self, snap: list[tuple[Any, Any]]) -> None:
+        for obj, saved in snap:
+            if isinstance(obj, torch.optim.Optimizer):
+                for group, values in zip(obj.param_groups, saved):
+                    group.update(values)
+            elif _is_scheduler(obj):
+                obj.load_state_dict(copy.deepcopy(saved))
+            elif isinstance(obj, torch.amp.GradScaler):
+                for k, v in saved.items():
+                    setattr(obj, k, v.clone() if isinstance(v, torch.Tensor) else v)
+                reset_scaler_stage(obj)
+            elif isinstance(obj, LocalValues):
+                obj.load(copy.deepcopy(saved))
+
+    def scalers(self) -> Iterator[torch.amp.GradScaler]:
+        return (o for o in self.objects.values() if isinstance(o, torch.amp.GradScaler))
+
+
+def reset_scaler_stage(scaler: torch.amp.GradScaler) -> None:
+    """Forget a half-done unscale_/step of an abandoned attempt (what update() would do)."""
+    from torch.amp.grad_scaler import _refresh_per_optimizer_state
+    from collections import defaultdict
+
+    scaler._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+
+
+def _non_persistent(module: torch.nn.Module) -> set[str]:
+    out = set()
+    for mod_name, mod in module.named_modules():
+        for b in getattr(mod, "_non_persistent_buffers_set", ()):
+            out.add(f"{mod_name}.{b}" if mod_name else b)
+    return out
+
+
+# Objects baton makes for itself (the warm-up's optimizer) are never the script's.
+_BATON_OWNED: list[Any] = []
