@@ -23,14 +23,15 @@ TRAIN = REPO / "baton" / "examples" / "train.py"
 class Job:
     def __init__(self, tmp: Path, nproc: int = 3, spares: int = 1, steps: int = 40,
                  script_args: list[str] | None = None, run_args: list[str] | None = None,
-                 env: dict[str, str] | None = None, name: str = "job"):
+                 env: dict[str, str] | None = None, name: str = "job", script: Path = TRAIN):
         self.dir = tmp / name
         self.dir.mkdir(parents=True, exist_ok=True)
         self.out = self.dir / "final.pt"
         self.run_dir = self.dir / "run"
         cmd = [sys.executable, "-m", "baton.cli", "run", "--nproc", str(nproc), "--spares", str(spares),
-               "--run-dir", str(self.run_dir), *(run_args or []), str(TRAIN),
-               "--steps", str(steps), "--out", str(self.out), *(script_args or [])]
+               "--run-dir", str(self.run_dir), *(run_args or []), str(script),
+               *(["--steps", str(steps)] if script == TRAIN else []), "--out", str(self.out),
+               *(script_args or [])]
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.stdout = open(self.dir / "stdout.log", "w")
         self.stderr_path = self.dir / "stderr.log"

@@ -851,7 +851,7 @@ class Orchestrator:
 
     def _replenish(self) -> None:
         """Keep `spares` warm spares, each on a healthy slot nobody else uses."""
-        if self.scheduler is None or self.exit_code is not None:
+        if self.scheduler is None or self.exit_code is not None or self._training_done:
             return
         if self.op is not None and self.op.phase != "spares":
             return  # a move is running: do not steal CPU/IO from it; refill right after
