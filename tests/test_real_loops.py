@@ -78,9 +78,6 @@ def test_kill_9_inside_a_step(tmp_path, reference, rank):
         job.kill()
 
 
-@pytest.mark.xfail(run=False, strict=True, reason=(
-    "known bug, not yet fixed: after a kill during a boundary function the survivors and the "
-    "joiner re-form but then disagree on the collective sequence, and recovery repeats"))
 @pytest.mark.parametrize("rank", [0, 1])
 def test_kill_9_during_validation(tmp_path, reference, rank):
     """Validation (a boundary function with an all_reduce) runs ~1 s after each epoch's last step."""

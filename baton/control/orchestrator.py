@@ -378,8 +378,7 @@ class Orchestrator:
             # The job reached its last step before the agreed boundary: nothing to move.
             for move in op.moves.values():
                 ev = self.events[move.event_id - 1]
-                ev.status, ev.note = "cancelled", "the job finished before the agreed step boundary"
-                self.store.put_event(ev.id, ev.to_json())
+                self._close(ev, "cancelled", "the job finished before the agreed step boundary")
                 joiner = self.workers.get(move.to_worker or "")
                 if joiner is not None and joiner.role == WorkerRole.RANK and joiner.id != self.ranks[move.rank].worker:
                     joiner.role = WorkerRole.GONE
@@ -671,8 +670,7 @@ class Orchestrator:
             self._emit("note", {"message": f"failure during {op.kind.value} migration: recovering instead"})
             for rank, move in op.moves.items():
                 ev = self.events[move.event_id - 1]
-                ev.status, ev.note = "failed", "superseded by an unplanned failure during the move"
-                self.store.put_event(ev.id, ev.to_json())
+                self._close(ev, "failed", "superseded by an unplanned failure during the move")
                 joiner = self.workers.get(move.to_worker or "")
                 if joiner is None or joiner.role != WorkerRole.RANK:
                     continue
@@ -780,10 +778,9 @@ class Orchestrator:
         reached = min((i.reached for i in self.ranks.values()), default=0)
         for move in op.moves.values():
             ev = self.events[move.event_id - 1]
-            ev.status, ev.note = "failed", message
             ev.resolved_without_rollback = False
             ev.steps_lost = reached
-            self.store.put_event(ev.id, ev.to_json())
+            self._close(ev, "failed", message)
         self.op = None
         self._fail(message + f" (the job had reached step {reached}; restart it from your last checkpoint)")
 
@@ -869,6 +866,10 @@ class Orchestrator:
     def _ready_spares(self) -> list[Worker]:
         return [w for w in self.workers.values()
                 if w.role == WorkerRole.SPARE and self.slots[w.slot].healthy]
+
+    def _close(self, ev: Event, status: str, note: str) -> None:
+        ev.status, ev.note = status, note
+        self.store.put_event(ev.id, ev.to_json())
 
     def _new_event(self, kind: EventKind, cause: str, rank: int | None, from_slot: str | None) -> Event:
         ev = Event(id=len(self.events) + 1, kind=kind, cause=cause, rank=rank, from_slot=from_slot,

@@ -23,7 +23,7 @@ import queue
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -172,12 +172,6 @@ def write_bundle_frame(sock: socket.socket, b: Bundle) -> None:
 
 
 # ---------------------------------------------------------------- the ward's side
-@dataclass
-class _Target:
-    addr: tuple[str, int] | None = None
-    generation: int = -1
-
-
 class BundlePushers:
     """One pusher per buddy (bundles survive as many simultaneous losses as there are buddies)."""
 
@@ -186,15 +180,12 @@ class BundlePushers:
         self._pushers: dict[tuple[str, int], BundlePusher] = {}
 
     def set_buddies(self, addrs: list[tuple[str, int]]) -> None:
-        wanted = {tuple(a) for a in addrs}
+        wanted = {(str(a[0]), int(a[1])) for a in addrs}
         for addr in list(self._pushers):
             if addr not in wanted:
                 self._pushers.pop(addr).close()
-        for addr in wanted:
-            if addr not in self._pushers:
-                p = BundlePusher(self._connect)
-                p.set_buddy(addr)  # type: ignore[arg-type]
-                self._pushers[addr] = p  # type: ignore[index]
+        for addr in wanted - set(self._pushers):
+            self._pushers[addr] = BundlePusher(self._connect, addr)
 
     def push(self, b: Bundle) -> None:
         for p in self._pushers.values():
@@ -208,20 +199,14 @@ class BundlePushers:
 class BundlePusher:
     """Sends this rank's step bundles to one buddy on a background thread."""
 
-    def __init__(self, connect: Callable[[tuple[str, int]], socket.socket]):
+    def __init__(self, connect: Callable[[tuple[str, int]], socket.socket], addr: tuple[str, int]):
         self._connect = connect
+        self._addr = addr
         self._queue: queue.Queue[Bundle | None] = queue.Queue()
-        self._target = _Target()
         self._sock: socket.socket | None = None
-        self._sock_addr: tuple[str, int] | None = None
-        self._lock = threading.Lock()
         self.sent = 0
         self.resent = 0
         threading.Thread(target=self._run, name="baton-bundle-push", daemon=True).start()
-
-    def set_buddy(self, addr: tuple[str, int] | None) -> None:
-        with self._lock:
-            self._target.addr = tuple(addr) if addr else None  # type: ignore[assignment]
 
     def push(self, b: Bundle) -> None:
         self._queue.put(b)
@@ -233,34 +218,22 @@ class BundlePusher:
         while True:
             b = self._queue.get()
             if b is None:
+                self._drop()
                 return
             for attempt in range(3):
-                with self._lock:
-                    addr = self._target.addr
-                if addr is None:
-                    break
                 try:
-                    sock = self._socket(addr)
-                    write_bundle_frame(sock, b)
-                    ack = recv_exact(sock, 1)
-                    if ack == b"+":
+                    if self._sock is None:
+                        self._sock = self._connect(self._addr)
+                    write_bundle_frame(self._sock, b)
+                    if recv_exact(self._sock, 1) == b"+":
                         self.sent += 1
                         break
                     self.resent += 1
                 except (OSError, TransferError) as exc:
-                    log.debug("bundle push to %s failed: %s", addr, exc)
+                    log.debug("bundle push to %s failed: %s", self._addr, exc)
                     self._drop()
-                    if attempt == 2:
-                        break
-                    time.sleep(0.02)
-
-    def _socket(self, addr: tuple[str, int]) -> socket.socket:
-        if self._sock is not None and self._sock_addr == addr:
-            return self._sock
-        self._drop()
-        self._sock = self._connect(addr)
-        self._sock_addr = addr
-        return self._sock
+                    if attempt < 2:
+                        time.sleep(0.02)
 
     def _drop(self) -> None:
         if self._sock is not None:
@@ -268,20 +241,16 @@ class BundlePusher:
                 self._sock.close()
             except OSError:
                 pass
-        self._sock, self._sock_addr = None, None
+        self._sock = None
 
 
 @dataclass
 class StepCapture:
-    """What this rank captured in the current step (to restore on a re-run, and to check at
-    the boundary that nothing was drawn after the capture)."""
+    """What this rank captured in the current step: its streams (to check at the boundary that
+    nothing was drawn after the capture) and the bundle sent to its buddies."""
 
-    pos: Pos
-    generation: int
-    seq: int
     rng: dict[str, Any]
     bundle: Bundle
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def fetch_ward_bundle(addr: tuple[str, int], token: str, rank: int, limit: Pos,

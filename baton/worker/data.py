@@ -78,9 +78,6 @@ class DataFeed:
             return None
         return n // self.per_step
 
-    def position(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "index": self.index, "record": self.record}
-
     def position_at(self, step: int) -> dict[str, Any] | None:
         """The position before step `step` (positions are a function of the step index; the
         epoch record, if this epoch's iterator exists already, is this rank's own)."""

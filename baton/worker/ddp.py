@@ -116,6 +116,17 @@ def adopt_layout(ddp: LiveDDP, layout: list[list[int]] | None) -> None:
         raise RuntimeError(f"could not reproduce the survivors' gradient bucket layout ({got} != {layout})")
 
 
+def export_state(ddp: LiveDDP) -> dict[str, Any]:
+    """What a joiner's DDP must match besides parameters: the bucket layout, and whether the
+    next forward broadcasts buffers (an evaluation forward turns that off until training)."""
+    return {"layout": export_layout(ddp), "forward_sync": bool(ddp.require_forward_param_sync)}
+
+
+def adopt_state(ddp: LiveDDP, state: dict[str, Any]) -> None:
+    adopt_layout(ddp, state["layout"])
+    ddp.require_forward_param_sync = bool(state["forward_sync"])
+
+
 def reset_after_failure(ddp: LiveDDP) -> None:
     """Discard a partial backward: clear grads and the reducer's in-flight state."""
     ddp.reducer._reset_state()

@@ -44,7 +44,7 @@ from baton.worker import ddp as ddp_mod
 from baton.worker import discover
 from baton.worker.control import ControlChannel, OrchestratorGone
 from baton.worker.data import DataFeed
-from baton.worker.runtime import Runtime, Unit
+from baton.worker.runtime import Runtime, Unit, exit_quietly
 from baton.worker.tracked import _BATON_OWNED, LocalValues, UsageError
 
 log = logging.getLogger("baton.worker")
@@ -128,8 +128,7 @@ class Job:
     def wrap(self, model: torch.nn.Module, **ddp_kwargs: Any) -> ddp_mod.LiveDDP:
         """DistributedDataParallel over the live group; numerically identical to torchrun + DDP."""
         ddp = ddp_mod.build(self._rt, model, **ddp_kwargs)
-        self._rt.ddps.append(ddp)
-        self._rt.tracked.wrapped.append(model)
+        self._rt.tracked.ddps.append(ddp)
         name = "model" if not any(n.startswith("model") for n in self._rt.tracked.objects) else \
             f"model{len(self._rt.tracked.wrapped) - 1}"
         self._rt.tracked.add(name, model)
@@ -258,14 +257,14 @@ def init() -> Job:
     try:
         config = ctl.register(os.getpid(), server.address)
     except OrchestratorGone:
-        _exit_quietly(0)  # a spare that started after the job stopped needing it
+        exit_quietly(0)  # a spare that started after the job stopped needing it
     ctl.report_now(m.Heartbeat())
     ctl.start()
     cmd = None
     while cmd is None:
         got = ctl.wait_command(1.0)
         if isinstance(got, m.Stop):
-            _exit_quietly(0)
+            exit_quietly(0)
         if isinstance(got, m.Assign):
             cmd = got
             log.info("assigned rank %s (joiner=%s)", got.rank, got.joiner)
@@ -322,12 +321,6 @@ def _exit_with(code: Any = 0) -> None:
         code = 1
     _EXIT_CODE[0] = code
     raise SystemExit(code)
-
-
-def _exit_quietly(code: int) -> None:
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 def _install_excepthook(ctl: ControlChannel) -> None:

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import logging
 import os
+import json
 import sys
 import time
-import traceback
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Iterator
@@ -94,14 +94,16 @@ class Runtime:
         self.group.guard = self._guard
         self.tracked = Tracked()
         self.feed = DataFeed(None)
-        self.ddps: list[Any] = []
         self.units: list[Unit] = []
         self.pos: Pos = (0, 0)
         self.total = 0
+        self.spe: int | None = None  # steps per epoch of the tracked loader, if it has a length
         self.loop: m.LoopInfo | None = None
         self.at_pos: Bundle | None = None  # this rank's bundle describing `pos`
         self.at_pos_rng: dict[str, Any] | None = None
         self.capture: StepCapture | None = None  # latest capture in the current step
+        self.small: Any = None  # small state at the current step's start (restored for a re-run)
+        self.verified_at: Pos | None = None  # where --verify-every last checked
         self.scope: str | None = None  # "step" | "boundary" | None
         self.committed = False
         self.seq = 0
@@ -131,15 +133,15 @@ class Runtime:
 
         assert self.loop is not None
         total = self.total
-        spe = self.loop.steps_per_epoch
+        epoch_style = self.loop.style == "epochs"
         while True:
             gap = self.pos[0]
             due = self._due(gap)
             if self.pos[1] < len(due):
-                self._run_unit(due[self.pos[1]], gap, spe)
+                self._run_unit(due[self.pos[1]], gap)
                 continue
-            if spe and gap > 0 and gap % spe == 0:
-                yield "epoch_end", gap // spe - 1
+            if epoch_style and gap > 0 and gap % self.spe == 0:  # type: ignore[operator]
+                yield "epoch_end", gap // self.spe - 1  # type: ignore[operator]
             if gap >= total:
                 break
             if not self._boundary():
@@ -152,8 +154,7 @@ class Runtime:
         self.ctl.started = self.total
 
     def _due(self, gap: int) -> list[Unit]:
-        spe = self.loop.steps_per_epoch if self.loop else None
-        return [u for u in self.units if u.due(gap, self.total, spe or self.feed.steps_per_epoch())]
+        return [u for u in self.units if u.due(gap, self.total, self.spe)]
 
     def first_epoch(self, spe: int) -> int:
         """The epoch an epoch-style loop starts in: a joiner may start where end work is pending."""
@@ -174,15 +175,16 @@ class Runtime:
         for opt in self.tracked.optimizers():
             opt.register_step_post_hook(self._on_optimizer_step)
         codec.encode(self.tracked.replicated())  # refuse untransferable state now, not mid-failure
-        spe = self.feed.steps_per_epoch() if style == "epochs" else None
-        self.loop = m.LoopInfo(style=style, total_steps=total, epochs=epochs, steps_per_epoch=spe)
+        self.spe = self.feed.steps_per_epoch()
+        self.loop = m.LoopInfo(style=style, total_steps=total, epochs=epochs,
+                               steps_per_epoch=self.spe if style == "epochs" else None)
         log.info("loop: %s (tracking %s)", self.loop, sorted(self.tracked.objects))
-        start = self._capture_bundle((0, 0), seq=0, gen=self.group.generation)
+        start, start_rng = self._capture_at((0, 0))
         if self.joiner:
             self.ctl.report_now(m.Ready(loop=self.loop, bundle=_text(start), joined=True))
             self._join()
         else:
-            self.at_pos, self.at_pos_rng = start, rng.capture(self.tracked.generators)
+            self.at_pos, self.at_pos_rng = start, start_rng
             self.ctl.report_now(m.Ready(loop=self.loop, bundle=_text(start)))
 
     def _boundary(self) -> bool:
@@ -194,8 +196,8 @@ class Runtime:
                 ctl.started = self.pos[0]
         if proceed:
             if self.verify_every and self.pos[0] > 0 and self.pos[0] % self.verify_every == 0 and \
-                    self.pos != getattr(self, "_verified_at", None):
-                self._verified_at = self.pos
+                    self.pos != self.verified_at:
+                self.verified_at = self.pos
                 return self._checked(lambda: self.verify_state(self.group.generation, None, periodic=True))
             return True
         with ctl.lock:
@@ -223,8 +225,7 @@ class Runtime:
         self._check_no_stray_draws("before step")
         self.small = self.tracked.snapshot_small()
         k = self.pos[0]
-        spe = self.feed.steps_per_epoch()
-        epoch = k // spe if spe else self.feed.epoch
+        epoch = k // self.spe if self.spe else self.feed.epoch
         batch = self.feed.batch()
         self.scope, self.committed, self.seq, self.capture = "step", False, 0, None
         self.tracked.scope = "step"
@@ -259,20 +260,20 @@ class Runtime:
         if self.metrics:
             hb["metrics"] = dict(self.metrics)
 
-    def _run_unit(self, unit: Unit, gap: int, spe: int | None) -> None:
+    def _run_unit(self, unit: Unit, gap: int) -> None:
         """Run one boundary function; a lost peer inside it is absorbed and it runs again."""
         self._check_no_stray_draws("before a boundary function")
         small = self.tracked.snapshot_small()
         start_pos, start_bundle, start_rng = self.pos, self.at_pos, self.at_pos_rng
         reported = False
+        spe = self.spe
         epoch = (gap // spe - 1 if unit.epoch_end and spe else (gap // spe if spe else self.feed.epoch))
         self.scope = self.tracked.scope = "boundary"
         try:
             unit.fn(BoundaryInfo(gap, epoch))
             self.scope = self.tracked.scope = None
             after = (gap, self.pos[1] + 1)
-            bundle = self._capture_bundle(after, seq=0, gen=self.group.generation)
-            after_rng = rng.capture(self.tracked.generators)
+            bundle, after_rng = self._capture_at(after)
             self.ctl.report_now(m.UnitDone(pos=after, bundle=_text(bundle)))
             reported = True
             with self.group.internal():  # nobody moves on until every rank's bundle is durable
@@ -300,21 +301,21 @@ class Runtime:
                 "job.at_epoch_end function.")
 
     # ================================================================ captures and the gate
-    def _capture_bundle(self, pos: Pos, seq: int, gen: int, rng_state: dict[str, Any] | None = None) -> Bundle:
+    def _capture_at(self, pos: Pos, seq: int = 0) -> tuple[Bundle, dict[str, Any]]:
+        """This rank's bundle for `pos` in the current generation, and the streams in it."""
+        rng_state = rng.capture(self.tracked.generators)
         state = {
-            "rng": rng_state if rng_state is not None else rng.capture(self.tracked.generators),
+            "rng": rng_state,
             "buffers": {name: b.detach().clone() for name, b in self.tracked.local_buffers().items()},
             "local": self.tracked.local.as_dict() if self.tracked.local is not None else {},
             "data": self.feed.position_at(pos[0]),
         }
-        return Bundle.of(self.rank, pos, gen, seq, state)
+        return Bundle.of(self.rank, pos, self.group.generation, seq, state), rng_state
 
     def _capture_point(self) -> None:
-        """Inside a step: capture what the next boundary will hold and send it to the buddy."""
-        rng_state = rng.capture(self.tracked.generators)
-        after = (self.pos[0] + 1, 0)
-        bundle = self._capture_bundle(after, self.seq, self.group.generation, rng_state)
-        self.capture = StepCapture(after, self.group.generation, self.seq, rng_state, bundle)
+        """Inside a step: capture what the next boundary will hold and send it to the buddies."""
+        bundle, rng_state = self._capture_at((self.pos[0] + 1, 0), self.seq)
+        self.capture = StepCapture(rng_state, bundle)
         self.seq += 1
         if self.wards:
             self.pusher.push(bundle)
@@ -323,7 +324,7 @@ class Runtime:
         """Contribute to this step's completion only once the ward's bundle is held here."""
         if not self.wards or self.capture is None:
             return
-        cap = self.capture
+        cap = self.capture.bundle
 
         def cancelled() -> bool:
             return self.group.failed.is_set() or self.ctl.abort_generation is not None
@@ -445,14 +446,14 @@ class Runtime:
         ctl.report(m.Left())
         ctl.flush()
         self.pusher.close()
-        _exit_quietly(0)
+        exit_quietly(0)
         return True  # pragma: no cover
 
     def publish(self, generation: int, full: bool) -> None:
-        from baton.worker.ddp import export_layout
+        from baton.worker.ddp import export_state
 
         state: dict[str, Any] = {"replicated": self.tracked.replicated(), "pos": list(self.pos),
-                                 "ddp_layouts": [export_layout(d) for d in self.ddps]}
+                                 "ddp": [export_state(d) for d in self.tracked.ddps]}
         if full:
             assert self.at_pos is not None
             bundle_state = self.at_pos.state()
@@ -484,17 +485,16 @@ class Runtime:
             if isinstance(cmd, m.Abort):
                 continue
             target: Pos = tuple(cmd.pos)  # type: ignore[assignment]
+            # A boundary function every rank finished before the failure keeps its effects.
+            unit_done = unit is not None and unit_reported and target == (pos[0], pos[1] + 1)
             try:
-                if unit is not None:
-                    if unit_reported and target == (pos[0], pos[1] + 1):
-                        pass  # the function completed here before the failure: keep its effects
-                    else:
-                        self._restore_unit(unit)
-                if target == pos or (unit is not None and unit_reported and target == (pos[0], pos[1] + 1)):
+                if unit is not None and not unit_done:
+                    self._restore_unit(unit)
+                if unit_done:
                     self.pos = target
-                    if unit is not None and target != pos:
-                        self.at_pos = self._capture_bundle(target, 0, self.group.generation)
-                        self.at_pos_rng = rng.capture(self.tracked.generators)
+                    self.at_pos, self.at_pos_rng = self._capture_at(target)
+                elif target == pos:
+                    self.pos = target
                 elif self.capture is not None and target == self.capture.pos:
                     # Others completed the step this rank abandoned: take their result.
                     self._fetch_replicated(cmd.fetch_from, cmd.generation, target)
@@ -559,7 +559,7 @@ class Runtime:
     def _reset_ddp(self) -> None:
         from baton.worker.ddp import reset_after_failure
 
-        for ddp in self.ddps:
+        for ddp in self.tracked.ddps:
             reset_after_failure(ddp)
 
     def _clear_abort(self, generation: int) -> None:
@@ -582,10 +582,10 @@ class Runtime:
                 if tuple(state["pos"]) != target:
                     raise TransferError(f"sources serve position {state['pos']}, expected {list(target)}")
                 self.tracked.load_replicated(state["replicated"])
-                from baton.worker.ddp import adopt_layout
+                from baton.worker.ddp import adopt_state
 
-                for ddp, layout in zip(self.ddps, state.get("ddp_layouts", [])):
-                    adopt_layout(ddp, layout)
+                for ddp, ddp_state in zip(self.tracked.ddps, state["ddp"]):
+                    adopt_state(ddp, ddp_state)
                 expected = None
                 if cmd.full_state:
                     bundle_state, expected = state["bundle"], state["digest"]
@@ -594,7 +594,7 @@ class Runtime:
                 self._apply_bundle(bundle_state)
                 self.pos = target  # type: ignore[assignment]
                 self.at_pos = Bundle.of(self.rank, target, gen, 0, bundle_state)  # type: ignore[arg-type]
-                self.at_pos_rng = rng.capture(self.tracked.generators)
+                self.at_pos_rng = bundle_state["rng"]
                 self._clear_abort(gen)
                 self.form(gen, cmd.buddies)
                 secs = time.perf_counter() - t0
@@ -664,8 +664,6 @@ class Runtime:
         detail = ""
         if len(set(values)) > 1:
             key = f"baton/gen{generation}/verify/{self.pos[0]}/{self.pos[1]}"
-            import json
-
             self.store.set(f"{key}/{self.rank}", json.dumps(digests))
             majority = max(set(values), key=values.count)
             ref = values.index(majority)
@@ -674,7 +672,7 @@ class Runtime:
             bad = [r for r, v in enumerate(values) if v != majority]
             detail = f"replicated state differs on ranks {bad} (compared with rank {ref})"
         if expected is not None or bundle_state is not None:
-            live = self._capture_bundle(self.pos, 0, generation).state()
+            live = self._capture_at(self.pos)[0].state()
             if expected is not None:
                 got = verify.combined(self._full_digests(self.tracked.replicated(), live))
                 if got != expected:
@@ -728,7 +726,7 @@ class Runtime:
             if isinstance(cmd, kinds):
                 return cmd
             if isinstance(cmd, m.Stop):
-                _exit_quietly(0)
+                exit_quietly(0)
 
 
 def _text(b: Bundle) -> m.BundleText:
@@ -743,11 +741,8 @@ def _ports_of(url: str, store: str) -> set[int]:
     return ports
 
 
-def _exit_quietly(code: int) -> None:
+def exit_quietly(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
 
-
-def format_exception(exc_type: Any, exc: Any, tb: Any) -> str:
-    return "".join(traceback.format_exception(exc_type, exc, tb))

@@ -96,12 +96,17 @@ class Tracked:
     def __init__(self) -> None:
         self.objects: dict[str, Any] = {}  # name -> object with state_dict/load_state_dict
         self.generators: dict[str, Any] = {}  # name -> torch/numpy/python generator
-        self.wrapped: list[torch.nn.Module] = []  # modules built by job.wrap (inner modules)
+        self.ddps: list[Any] = []  # the DistributedDataParallel modules job.wrap built
         self.local: LocalValues | None = None
         self.scope: str | None = None  # "step" | "boundary" | None, set by the loop
         self.discovered: list[str] = []
 
     # ---------------------------------------------------------------- registration
+    @property
+    def wrapped(self) -> list[torch.nn.Module]:
+        """The modules job.wrap was given (inside their DDP)."""
+        return [d.module for d in self.ddps]
+
     def add(self, name: str, obj: Any) -> None:
         from torch.nn.parallel import DistributedDataParallel
 
@@ -183,7 +188,9 @@ class Tracked:
     # ---------------------------------------------------------------- small-state snapshots
     def snapshot_small(self) -> list[tuple[Any, Any]]:
         """Cheap copies of the state a re-run must start from (not parameters or optimizer moments)."""
-        snap: list[tuple[Any, Any]] = []
+        # DDP's own "broadcast buffers before the next forward" flag: an evaluation forward
+        # clears it, so a re-run must start with the value the first attempt started with.
+        snap: list[tuple[Any, Any]] = [(d, d.require_forward_param_sync) for d in self.ddps]
         for obj in self.objects.values():
             if isinstance(obj, torch.optim.Optimizer):
                 snap.append((obj, [{k: v for k, v in g.items() if k != "params"} for g in obj.param_groups]))
@@ -197,8 +204,12 @@ class Tracked:
         return snap
 
     def restore_small(self, snap: list[tuple[Any, Any]]) -> None:
+        from torch.nn.parallel import DistributedDataParallel
+
         for obj, saved in snap:
-            if isinstance(obj, torch.optim.Optimizer):
+            if isinstance(obj, DistributedDataParallel):
+                obj.require_forward_param_sync = saved
+            elif isinstance(obj, torch.optim.Optimizer):
                 for group, values in zip(obj.param_groups, saved):
                     group.update(values)
             elif _is_scheduler(obj):
