@@ -45,6 +45,7 @@ class LoopInfo(_Msg):
     total_steps: NonNegativeInt
     epochs: NonNegativeInt | None = None
     steps_per_epoch: NonNegativeInt | None = None
+    start_step: NonNegativeInt = 0  # where the script's resume block started it (a joiner: its own start)
 
 
 # ---------------------------------------------------------------- reports

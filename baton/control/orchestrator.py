@@ -329,7 +329,8 @@ class Orchestrator:
             info.ready = True
             info.held = rep.bundle.model_dump()
         info.loop = rep.loop.model_dump()
-        if self.loop is not None and rep.loop != self.loop:
+        # A joiner skips the script's resume block, so only the loop's shape must agree.
+        if self.loop is not None and rep.loop.model_copy(update={"start_step": self.loop.start_step}) != self.loop:
             self._fail(f"rank {w.rank} computed a different loop ({_loop_text(rep.loop)}) than the others "
                        f"({_loop_text(self.loop)}): every rank, joiners included, must run the same number "
                        "of steps (a resume-from-file block that runs only on some ranks? skip it with "
@@ -337,7 +338,7 @@ class Orchestrator:
             return
         loops = [i.loop for i in self.ranks.values() if i.loop is not None]
         if self.loop is None and len(loops) == self.config.world_size:
-            if any(x != loops[0] for x in loops):
+            if any(x != loops[0] for x in loops):  # initial ranks: the start too
                 detail = ", ".join(f"rank {r}: {_loop_text(m.LoopInfo(**i.loop))}"
                                    for r, i in sorted(self.ranks.items()) if i.loop)
                 self._fail(f"ranks disagree on the step loop ({detail})")
@@ -982,6 +983,7 @@ class Orchestrator:
 
 
 def _loop_text(loop: m.LoopInfo) -> str:
+    start = f" from step {loop.start_step}" if loop.start_step else ""
     if loop.style == "epochs":
-        return f"{loop.epochs} epochs of {loop.steps_per_epoch} steps"
-    return f"{loop.total_steps} steps"
+        return f"{loop.epochs} epochs of {loop.steps_per_epoch} steps{start}"
+    return f"{loop.total_steps} steps{start}"

@@ -71,10 +71,12 @@ def main() -> None:
     best = job.local(acc=0.0)  # rank 0's best accuracy: its own, migrates from its own boundary
 
     start_epoch = 0
-    if args.resume and os.path.exists(args.resume) and not job.joined:
+    if args.resume and os.path.exists(args.resume) and not job.joined:  # a joiner gets all of this from peers
         ckpt = torch.load(args.resume)
         model.module.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
+        scheduler.load_state_dict(ckpt["scheduler"])
+        best.acc = ckpt["acc"]
         start_epoch = ckpt["epoch"] + 1
 
     @job.at_epoch_end
@@ -95,9 +97,10 @@ def main() -> None:
             best.acc = acc
             if args.checkpoint:
                 torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
-                            "epoch": b.epoch, "acc": acc}, args.checkpoint)
+                            "scheduler": scheduler.state_dict(), "epoch": b.epoch, "acc": acc},
+                           args.checkpoint)
 
-    for epoch in job.epochs(args.epochs - start_epoch):
+    for epoch in job.epochs(args.epochs, start=start_epoch):
         for step in epoch:
             with step:
                 images, target = step.batch

@@ -190,27 +190,30 @@ class Job:
         self._rt.units.append(unit)
 
     # ------------------------------------------------------------------ the loop
-    def steps(self, total: int, batches_per_step: int = 1) -> Iterator[Step]:
-        """Yield steps up to `total`; a joiner starts at the step its rank was on."""
+    def steps(self, total: int, batches_per_step: int = 1, start: int = 0) -> Iterator[Step]:
+        """Yield steps `start`..`total`-1 (`start`: where a resume block left off; `step.index`
+        counts from 0 either way); a joiner starts at the step its rank was on."""
         self._check_total(total, "job.steps")
+        self._check_total(start, "job.steps(start=...)")
         rt = self._rt
         rt.feed.per_step = batches_per_step
-        rt.enter_loop("steps", total, None)
+        rt.enter_loop("steps", total, None, start)
         for kind, item in rt.items():
             if kind == "step":
                 yield item
 
-    def epochs(self, total: int, batches_per_step: int = 1) -> Iterator[Epoch]:
-        """Yield epochs up to `total`, each iterating its steps over the tracked loader;
-        a joiner starts in the epoch its rank was in."""
+    def epochs(self, total: int, batches_per_step: int = 1, start: int = 0) -> Iterator[Epoch]:
+        """Yield epochs `start`..`total`-1, each iterating its steps over the tracked loader
+        (`start`: the epoch a resume block loaded); a joiner starts in the epoch its rank was in."""
         self._check_total(total, "job.epochs")
+        self._check_total(start, "job.epochs(start=...)")
         rt = self._rt
         rt.feed.per_step = batches_per_step
         spe = rt.feed.steps_per_epoch()
         if not spe:
             raise UsageError("job.epochs() needs job.track(data=loader) with a loader that has a "
                              "length; use job.steps(total) for endless data")
-        rt.enter_loop("epochs", total * spe, total)
+        rt.enter_loop("epochs", total * spe, total, start * spe)
         items = rt.items()
         for epoch in range(rt.first_epoch(spe), total):
             yield Epoch(epoch, items)

@@ -61,13 +61,15 @@ class Unit:
     at_start: bool = False  # also before the first step
     at_end: bool = False  # after the last step
 
-    def due(self, gap: int, total: int, spe: int | None) -> bool:
+    def due(self, gap: int, total: int, spe: int | None, start: int = 0) -> bool:
+        """Whether it runs after `gap` completed steps of a loop that began at `start`
+        (a resumed loop does not redo the end work of the epoch it resumed after)."""
         if self.at_end:
-            return gap == total
+            return gap == total and gap > start
         if self.epoch_end:
-            return bool(spe) and gap > 0 and gap % spe == 0  # type: ignore[operator]
+            return bool(spe) and gap > start and gap % spe == 0  # type: ignore[operator]
         if self.every:
-            return (gap > 0 or self.at_start) and gap % self.every == 0
+            return (gap > start or self.at_start) and gap % self.every == 0
         return False
 
 
@@ -154,7 +156,8 @@ class Runtime:
         self.ctl.started = self.total
 
     def _due(self, gap: int) -> list[Unit]:
-        return [u for u in self.units if u.due(gap, self.total, self.spe)]
+        start = self.loop.start_step if self.loop else 0
+        return [u for u in self.units if u.due(gap, self.total, self.spe, start)]
 
     def first_epoch(self, spe: int) -> int:
         """The epoch an epoch-style loop starts in: a joiner may start where end work is pending."""
@@ -163,7 +166,7 @@ class Runtime:
             return k // spe - 1
         return k // spe
 
-    def enter_loop(self, style: str, total: int, epochs: int | None) -> None:
+    def enter_loop(self, style: str, total: int, epochs: int | None, start: int = 0) -> None:
         if self.loop_started:
             raise UsageError("job.steps()/job.epochs() can be used once per job")
         self.loop_started = True
@@ -176,16 +179,23 @@ class Runtime:
             opt.register_step_post_hook(self._on_optimizer_step)
         codec.encode(self.tracked.replicated())  # refuse untransferable state now, not mid-failure
         self.spe = self.feed.steps_per_epoch()
+        if not 0 <= start <= total:
+            raise ValueError(f"the loop's start ({start}) must lie between 0 and its total ({total})")
         self.loop = m.LoopInfo(style=style, total_steps=total, epochs=epochs,
-                               steps_per_epoch=self.spe if style == "epochs" else None)
+                               steps_per_epoch=self.spe if style == "epochs" else None, start_step=start)
+        if start and not self.joiner:  # resumed from the script's own checkpoint
+            self.pos = (start, 0)
+            position = self.feed.position_at(start)
+            if position is not None:
+                self.feed.seek(position)
         log.info("loop: %s (tracking %s)", self.loop, sorted(self.tracked.objects))
-        start, start_rng = self._capture_at((0, 0))
+        start_bundle, start_rng = self._capture_at(self.pos)
         if self.joiner:
-            self.ctl.report_now(m.Ready(loop=self.loop, bundle=_text(start), joined=True))
+            self.ctl.report_now(m.Ready(loop=self.loop, bundle=_text(start_bundle), joined=True))
             self._join()
         else:
-            self.at_pos, self.at_pos_rng = start, start_rng
-            self.ctl.report_now(m.Ready(loop=self.loop, bundle=_text(start)))
+            self.at_pos, self.at_pos_rng = start_bundle, start_rng
+            self.ctl.report_now(m.Ready(loop=self.loop, bundle=_text(start_bundle)))
 
     def _boundary(self) -> bool:
         """The hot-path check before each step: one uncontended lock and a few reads."""
@@ -452,8 +462,10 @@ class Runtime:
     def publish(self, generation: int, full: bool) -> None:
         from baton.worker.ddp import export_state
 
+        assert self.loop is not None
         state: dict[str, Any] = {"replicated": self.tracked.replicated(), "pos": list(self.pos),
-                                 "ddp": [export_state(d) for d in self.tracked.ddps]}
+                                 "ddp": [export_state(d) for d in self.tracked.ddps],
+                                 "loop_start": self.loop.start_step}
         if full:
             assert self.at_pos is not None
             bundle_state = self.at_pos.state()
@@ -582,6 +594,8 @@ class Runtime:
                 if tuple(state["pos"]) != target:
                     raise TransferError(f"sources serve position {state['pos']}, expected {list(target)}")
                 self.tracked.load_replicated(state["replicated"])
+                assert self.loop is not None  # the joiner skipped the resume block: adopt its start
+                self.loop = self.loop.model_copy(update={"start_step": int(state["loop_start"])})
                 from baton.worker.ddp import adopt_state
 
                 for ddp, ddp_state in zip(self.tracked.ddps, state["ddp"]):
