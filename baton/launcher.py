@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from baton.control.api import ApiServer
-from baton.control.orchestrator import Config, Orchestrator
+from baton.control.orchestrator import TICK_S, Config, Orchestrator
 from baton.rundir import RunDir
 from baton.schedulers.local import LocalScheduler
 from baton.store.sqlite import SqliteStore
@@ -123,7 +123,7 @@ def run(opts: RunOptions, listeners: list[Callable[[str, dict[str, Any]], None]]
     if started is not None:
         started(orch, api.url, token)
     try:
-        while not orch.done.wait(0.25):
+        while not orch.done.wait(TICK_S):
             orch.tick()
     finally:
         for s, h in previous.items():

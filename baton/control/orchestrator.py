@@ -43,6 +43,7 @@ from baton.control.state import (
 from baton.store.sqlite import SqliteStore
 
 log = logging.getLogger("baton.orchestrator")
+TICK_S = 0.25  # how often the host calls tick()
 
 
 class RequestError(Exception):
@@ -118,6 +119,7 @@ class Orchestrator:
         self.scheduler = scheduler
         self.mail = Mailboxes()
         self._lock = threading.RLock()
+        self._last_tick = 0.0
         self.slots: dict[str, Slot] = {}
         self.workers: dict[str, Worker] = {}
         self.ranks: dict[int, RankInfo] = {r: RankInfo(rank=r) for r in range(config.world_size)}
@@ -167,6 +169,7 @@ class Orchestrator:
         with self._lock:
             if self.exit_code is not None:
                 return
+            self._forgive_own_stall(now)
             training = self._training()
             for w in list(self.workers.values()):
                 if w.role not in (WorkerRole.RANK, WorkerRole.SPARE, WorkerRole.LEAVING):
@@ -187,6 +190,19 @@ class Orchestrator:
                 self._advance_collect()
             self._replenish()
             self._persist()
+
+    def _forgive_own_stall(self, now: float) -> None:
+        """Time this process itself did not run (paused, starved, a slow disk) is not a
+        worker's silence: their heartbeats could not be read. Move every clock by it."""
+        last, self._last_tick = self._last_tick, now
+        gap = now - last - TICK_S if last else 0.0
+        if gap < min(1.0, self.config.heartbeat_timeout_s / 2):
+            return
+        log.warning("the control plane did not run for %.1fs: heartbeat clocks moved by that much", gap)
+        for w in self.workers.values():
+            w.last_seen = min(now, w.last_seen + gap)
+        if self.op and self.op.collect_deadline:
+            self.op.collect_deadline += gap
 
     # ------------------------------------------------------------------ worker API
     def _post(self, worker_id: str, cmd: BaseModel) -> None:
