@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import signal
+import sqlite3
 import sys
 import threading
 import time
@@ -23,7 +24,7 @@ from typing import Any, Callable
 
 from baton.control.api import ApiServer
 from baton.control.orchestrator import TICK_S, Config, Orchestrator
-from baton.rundir import RunDir
+from baton.rundir import RunDir, RunDirError
 from baton.schedulers.local import LocalScheduler
 from baton.store.sqlite import SqliteStore
 
@@ -89,14 +90,22 @@ def run(opts: RunOptions, listeners: list[Callable[[str, dict[str, Any]], None]]
     logging.basicConfig(level=os.environ.get("BATON_LOG", "WARNING"))
 
     run_dir = RunDir(Path(opts.run_dir))
-    token = run_dir.create()
-    db = SqliteStore(run_dir.db)
+    try:
+        token = run_dir.create()
+    except RunDirError as exc:
+        raise SystemExit(f"baton run: {exc}") from None
+    try:
+        db = SqliteStore(run_dir.db)
+    except sqlite3.Error as exc:
+        raise SystemExit(f"baton run: cannot open the state store {run_dir.db}: {exc}") from None
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=opts.formation_timeout_s))
     config = Config(world_size=opts.nproc, spares=opts.spares, job_id=opts.job_id,
                     op_timeout_s=opts.op_timeout_s, heartbeat_timeout_s=opts.heartbeat_timeout_s,
                     formation_timeout_s=opts.formation_timeout_s, verify_every=opts.verify_every)
     orch = Orchestrator(config, db)
+    db.on_error = lambda text: orch._emit("store-error", {"message": text + " (the job goes on; the ledger "
+                                                          "is kept in memory and written when it can be)"})
     orch.listeners.append(EventPrinter(run_dir, opts.quiet))
     orch.listeners.extend(listeners or [])
     api = ApiServer(orch, token)
@@ -138,4 +147,5 @@ def run(opts: RunOptions, listeners: list[Callable[[str, dict[str, Any]], None]]
     api.stop()
     db.close()
     run_dir.endpoint_file.unlink(missing_ok=True)
+    run_dir.release()
     return code

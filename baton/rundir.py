@@ -2,15 +2,24 @@
 
 It holds `endpoint` (the API URL), `token` (mode 0600), `state.db` (SQLite) and
 `events.jsonl`. `baton status` and friends read the first two; `--url`/`--token`
-override them.
+override them. A running job holds `lock`, so a second job cannot share the directory;
+a new job moves the previous one's ledger to `history/<time>/`, never deleting it.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import secrets
-from dataclasses import dataclass
+import shutil
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
+
+
+class RunDirError(RuntimeError):
+    """The run directory cannot be used (in use by another job, not writable, not a directory)."""
 
 
 def default_dir() -> Path:
@@ -20,6 +29,7 @@ def default_dir() -> Path:
 @dataclass
 class RunDir:
     path: Path
+    _lock: IO[str] | None = field(default=None, repr=False, compare=False)
 
     @property
     def token_file(self) -> Path:
@@ -33,17 +43,63 @@ class RunDir:
     def db(self) -> Path:
         return self.path / "state.db"
 
+    @property
+    def history(self) -> Path:
+        return self.path / "history"
+
     def create(self) -> str:
-        """Prepare a fresh run directory; returns the new job token."""
-        self.path.mkdir(parents=True, exist_ok=True)
-        for stale in (self.db, Path(str(self.db) + "-wal"), Path(str(self.db) + "-shm"), self.endpoint_file):
-            stale.unlink(missing_ok=True)
+        """Lock the directory for this job, keep the previous job's ledger under history/,
+        and write a new job token (returned)."""
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            self._take_lock()
+            self._archive_previous()
+            self.endpoint_file.unlink(missing_ok=True)
+        except OSError as exc:
+            raise RunDirError(f"run directory {self.path} is unusable: {exc.strerror or exc}") from None
         token = secrets.token_urlsafe(32)
         fd = os.open(self.token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(token)
         os.chmod(self.token_file, 0o600)
         return token
+
+    def _take_lock(self) -> None:
+        f = open(self.path / "lock", "a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "unknown"
+            f.close()
+            raise RunDirError(f"run directory {self.path} is in use by a running job (pid {holder}); "
+                              "stop that job or pass another --run-dir") from None
+        f.seek(0)
+        f.truncate()
+        f.write(str(os.getpid()))
+        f.flush()
+        self._lock = f  # held (open) for as long as this process runs the job
+
+    def _archive_previous(self) -> None:
+        old = [p for p in (self.db, Path(str(self.db) + "-wal"), Path(str(self.db) + "-shm"),
+                           self.path / "events.jsonl") if p.exists()]
+        if not old:
+            return
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(self.db.stat().st_mtime if self.db.exists()
+                                                                else time.time()))
+        dest = self.history / stamp
+        n = 1
+        while dest.exists():
+            dest = self.history / f"{stamp}-{n}"
+            n += 1
+        dest.mkdir(parents=True)
+        for p in old:
+            shutil.move(str(p), dest / p.name)
+
+    def release(self) -> None:
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
 
     def write_endpoint(self, url: str) -> None:
         self.endpoint_file.write_text(url)

@@ -17,13 +17,40 @@ def _mr(median: float, lo: float, hi: float, n: int = 3) -> dict:
 
 def _result() -> dict:
     return {
-        "schema": 1, "preset": "quick", "date": "2026-11-21 12:00:00",
+        "schema": 2, "preset": "quick", "date": "2026-11-21 12:00:00",
         "commands": ["make bench", "python bench/run.py --preset quick"], "duration_s": 600.0,
         "machine": {"cpus": 2, "memory_gib": 7.8, "platform": "Linux-test-x86_64", "python": "3.11.7",
                     "torch": "2.13.0+cpu", "torchft": None, "cpu_model": "Test CPU 9000"},
-        "overhead": {"nproc": 3, "steps": 60, "warmup": 10, "runs": 3, "sizes": [
-            {"params": 2166785, "step_s": {"ddp": _mr(0.057, 0.052, 0.062), "baton": _mr(0.058, 0.051, 0.066)},
-             "ratio_vs_ddp": {"baton": _mr(1.04, 0.90, 1.20)}}]},
+        "overhead": {"nproc": 3, "steps": 60, "warmup": 10, "runs": 3, "baton_spares": 1, "verify_every": 10,
+                     "sizes": [
+            {"params": 2166785,
+             "step_s": {"ddp": _mr(0.057, 0.052, 0.062), "baton": _mr(0.058, 0.051, 0.066),
+                        "baton-verify": _mr(0.059, 0.052, 0.067), "torchft": _mr(0.080, 0.070, 0.090)},
+             "ratio_vs_ddp": {"baton": _mr(1.04, 0.90, 1.20), "baton-verify": _mr(1.05, 0.91, 1.21),
+                              "torchft": _mr(1.40, 1.30, 1.50)},
+             "mean_step_s": {"ddp": _mr(0.058, 0.053, 0.063), "baton": _mr(0.059, 0.052, 0.067),
+                             "baton-verify": _mr(0.061, 0.054, 0.069), "torchft": _mr(0.082, 0.072, 0.092)},
+             "mean_ratio_vs_ddp": {"baton": _mr(1.02, 0.95, 1.10), "baton-verify": _mr(1.05, 0.97, 1.12),
+                                   "torchft": _mr(1.41, 1.31, 1.52)},
+             "cpu_s_per_step": {"ddp": _mr(0.0720, 0.0710, 0.0730), "baton": _mr(0.0757, 0.0750, 0.0765),
+                                "baton-verify": _mr(0.0771, 0.0763, 0.0779), "torchft": _mr(0.1010, 0.0990, 0.1030)},
+             "cpu_ratio_vs_ddp": {"baton": _mr(1.052, 1.031, 1.068), "baton-verify": _mr(1.071, 1.050, 1.088),
+                                  "torchft": _mr(1.40, 1.38, 1.43)},
+             "cpu_others_s_per_step": {"ddp": _mr(0.0001, 0.0001, 0.0001), "baton": _mr(0.0016, 0.0015, 0.0017),
+                                       "baton-verify": _mr(0.0016, 0.0015, 0.0018),
+                                       "torchft": _mr(0.0016, 0.0014, 0.0017)},
+             "verify_vs_baton": {"step_s": _mr(1.01, 0.98, 1.03), "mean_step_s": _mr(1.03, 1.01, 1.05),
+                                 "cpu_s_per_step": _mr(1.019, 1.012, 1.026)},
+             "cpu_check": {"ranks_proc_over_self": _mr(0.99, 0.97, 1.01), "max_harness_lag_s": 0.004,
+                           "tick_fallbacks": 0, "processes_exited_in_window": 0, "ranks_not_in_tree": 0,
+                           "notes": []}},
+            {"params": 10563585,
+             "step_s": {"ddp": _mr(0.30, 0.28, 0.32), "baton": _mr(0.31, 0.29, 0.33),
+                        "torchft": _mr(0.30, 0.29, 0.31)},
+             "ratio_vs_ddp": {"baton": _mr(1.005, 1.001, 1.009), "torchft": _mr(1.01, 0.94, 1.13)},
+             "cpu_s_per_step": {"ddp": _mr(0.40, 0.39, 0.41), "baton": _mr(0.402, 0.391, 0.412),
+                                "torchft": _mr(0.45, 0.44, 0.46)},
+             "cpu_ratio_vs_ddp": {"baton": _mr(1.004, 1.002, 1.008), "torchft": _mr(1.12, 1.10, 1.15)}}]},
         "failures": {"nproc": 3, "params": 2166785, "steps": 200, "step_sleep": 0.0, "kill_at": [100], "kill_rank": 1,
                      "runs": 3, "save_s": 0.05, "step_s": 0.06, "mtbf_s": 6.0, "young_daly_k": 12, "other_k": 40,
                      "contenders": [
@@ -71,6 +98,19 @@ def test_page_and_plots(tmp_path):
     assert "make bench" in text and "python bench/run.py --preset quick" in text
     assert "no CUDA device in this test" in text  # a skipped section says why
     assert "1% goal is not demonstrated" in text  # 1.04x with range 0.90-1.20
+    # CPU-seconds per step: its own table, verdicts from its own ranges
+    assert "CPU-seconds per step of the whole process tree" in text
+    assert "baton / plain DDP, CPU-seconds per step = 1.05× (1.03–1.07), n=3: more CPU per step than plain DDP by " \
+           "more than 1% in every round; the 1% goal is missed at this size." in text
+    assert "baton / plain DDP, CPU-seconds per step = 1.00× (1.00–1.01), n=3: within the 1% goal in every round." in text
+    assert "75.7 ms (75.0–76.5)" in text  # baton's CPU per step at 2.2M
+    assert "CPU per step outside the ranks" in text and "baton 1.60 ms (2.1%)" in text
+    # the periodic check, next to baton without it
+    assert "baton --verify-every 10" in text
+    assert "`baton --verify-every 10` / baton within each round: CPU-seconds per step 1.02× (1.01–1.03)" in text
+    assert "Checks on the CPU figure" in text
+    # stall: an absorbed, failed attempt is not progress
+    assert "does not count" in text and "0.300 s (0.250–0.340)" in text
     assert "## Caveats" in text and "## How to reproduce" in text
     for name in ("bench-overhead.png", "bench-failures.png", "bench-downtime.png"):
         png = tmp_path / "docs" / "img" / name
@@ -78,8 +118,39 @@ def test_page_and_plots(tmp_path):
         assert f"img/{name}" in text
 
     rows = report.headline_rows(result)
-    assert 4 <= len(rows) <= 6
+    assert 2 <= len(rows) <= 4
     assert all(isinstance(label, str) and isinstance(value, str) for label, value in rows)
+
+
+def test_headline_has_every_size_and_contender():
+    lines = report.headline_lines(_result())
+    table = "\n".join(lines)
+    assert lines[0].startswith("| steady state, 3 ranks: median (min–max) over 3 rounds | 2.2M params | 10.6M params |")
+    # TorchFT at every size it was measured at, not only the first
+    ft = next(ln for ln in lines if ln.startswith("| step time (median), TorchFT / plain DDP"))
+    assert "1.40× (1.30–1.50)" in ft and "1.01× (0.94–1.13)" in ft
+    cpu = next(ln for ln in lines if ln.startswith("| CPU-seconds per step, whole process tree, baton / plain DDP"))
+    assert "1.05× (1.03–1.07)" in cpu and "1.00× (1.00–1.01)" in cpu
+    verify = next(ln for ln in lines if ln.startswith("| CPU-seconds per step, `baton --verify-every 10` / baton"))
+    assert "1.02× (1.01–1.03)" in verify and verify.rstrip().endswith("| — |")  # not measured at 10.6M
+    assert "| what | result |" in table and "time lost per failure" in table
+
+
+def test_legacy_results_hide_baton_stall_and_say_what_is_missing(tmp_path):
+    result = _result()
+    result["schema"] = 1
+    for size in result["overhead"]["sizes"]:
+        for k in list(size):
+            if k not in ("params", "step_s", "ratio_vs_ddp"):
+                del size[k]
+        for d in (size["step_s"], size["ratio_vs_ddp"]):
+            d.pop("baton-verify", None)
+    del result["overhead"]["verify_every"]
+    text = report.write_report(result, tmp_path / "r.json", tmp_path).read_text()
+    assert "baton's stall is not shown" in text and "0.300 s (0.250–0.340)" in text
+    assert "no CPU-seconds per step" in text
+    assert "--verify-every N` (the periodic replica-agreement check) is not in this results file" in text
+    assert "wall time per step (mean)" not in text  # not measured: not described
 
 
 def test_missing_sections_still_give_a_page(tmp_path):
@@ -102,6 +173,18 @@ def test_readme_headline_table_is_replaced_between_markers(tmp_path):
     text = readme.read_text()
     assert "stale row" not in text and text.startswith("# x\n\nbefore\n") and text.endswith("after\n")
     assert "| what | result |" in text and "docs/benchmarks.md" in text
-    assert text.count("baton / plain DDP") == 1
+    assert text.count("step time (median), baton / plain DDP") == 1
     (tmp_path / "README.md").write_text("no markers\n")
     assert not report.update_readme(_result(), tmp_path / "r.json", tmp_path)
+
+
+def test_readme_move_cost_sentence_is_generated_between_its_markers(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text(f"{report.README_BEGIN}\n{report.README_END}\n\n## Limits\n\n"
+                      f"- {report.README_MOVE_BEGIN}at 1 GB a planned move took ~6×{report.README_MOVE_END}\n- next\n")
+    assert report.update_readme(_result(), tmp_path / "r.json", tmp_path)
+    text = readme.read_text()
+    assert "~6×" not in text
+    # 1 GB: planned 0.99 s, unplanned 0.97 s, raw TCP 0.69 s (medians)
+    assert "at 1 GB a planned move took 1.4× and an unplanned recovery 1.4× a raw loopback TCP copy" in text
+    assert f"- {report.README_MOVE_BEGIN}Moving large state" in text and f"{report.README_MOVE_END}\n- next\n" in text

@@ -120,6 +120,7 @@ class Orchestrator:
         self.mail = Mailboxes()
         self._lock = threading.RLock()
         self._last_tick = 0.0
+        self._retry_moves: list[tuple[int, EventKind, str]] = []  # planned moves whose joiner was lost
         self.slots: dict[str, Slot] = {}
         self.workers: dict[str, Worker] = {}
         self.ranks: dict[int, RankInfo] = {r: RankInfo(rank=r) for r in range(config.world_size)}
@@ -520,7 +521,8 @@ class Orchestrator:
         if rank is None or role not in (WorkerRole.RANK,):
             return
         if self.ranks[rank].worker != w.id:
-            return  # a joiner that never took over, or already replaced
+            self._joiner_lost(w, rank, cause)
+            return
         self.ranks[rank].state = RankState.FAILED
         if not self._training():
             # Before every rank reached its step loop there is no consistent state to hand
@@ -687,7 +689,9 @@ class Orchestrator:
             self._emit("note", {"message": f"failure during {op.kind.value} migration: recovering instead"})
             for rank, move in op.moves.items():
                 ev = self.events[move.event_id - 1]
-                self._close(ev, "failed", "superseded by an unplanned failure during the move")
+                retried = any(r == rank for r, _, _ in self._retry_moves)
+                self._close(ev, "failed", "its joiner was lost; the move runs again with another spare"
+                            if retried else "superseded by an unplanned failure during the move")
                 joiner = self.workers.get(move.to_worker or "")
                 if joiner is None or joiner.role != WorkerRole.RANK:
                     continue
@@ -722,16 +726,38 @@ class Orchestrator:
                                        to_worker=carried.get(dead_rank))
             op.boundaries.pop(dead_rank, None)
             if op.phase in ("forming", "spares"):
-                # Lost someone while forming: everyone goes back to collecting.
-                op.phase = "collect"
-                op.formed.clear()
-                op.collect_deadline = time.time() + self.config.op_timeout_s + self.config.collect_grace_s
-                self.generation += 1
-                op.generation = self.generation
-                for info in self.ranks.values():
-                    if info.worker and self.workers[info.worker].role == WorkerRole.RANK and info.rank not in op.moves:
-                        self._post(info.worker, m.Abort(op=op.id, generation=op.generation))
+                self._restart_collect(op)
         self._advance_collect()
+
+    def _restart_collect(self, op: Operation) -> None:
+        """Lost someone while forming: a new generation, and everyone goes back to collecting."""
+        op.phase = "collect"
+        op.formed.clear()
+        op.collect_deadline = time.time() + self.config.op_timeout_s + self.config.collect_grace_s
+        self.generation += 1
+        op.generation = self.generation
+        for info in self.ranks.values():
+            if info.worker and self.workers[info.worker].role == WorkerRole.RANK and info.rank not in op.moves:
+                self._post(info.worker, m.Abort(op=op.id, generation=op.generation))
+
+    def _joiner_lost(self, w: Worker, rank: int, cause: str) -> None:
+        """A spare taking over `rank` died or hung before it did: another spare takes its place."""
+        op = self.op
+        move = op.moves.get(rank) if op is not None else None
+        if op is None or move is None or move.to_worker != w.id:
+            return  # a joiner from a move that is already over
+        self._emit("note", {"message": f"the spare taking over rank {rank} ({w.id} on {w.slot}) was lost "
+                                       f"({cause}); another spare takes its place"})
+        if op.kind == EventKind.UNPLANNED:
+            move.to_worker = None
+            self._restart_collect(op)
+            self._advance_collect()
+            return
+        # A planned move: its leaver still holds the rank. Every rank re-forms where it stands
+        # (a recovery that moves nobody), then the move starts again with another spare.
+        ev = self.events[move.event_id - 1]
+        self._retry_moves.append((rank, op.kind, ev.cause))
+        self._open_recovery(cause=f"the spare taking over rank {rank} was lost: {cause}")
 
     def _advance_collect(self) -> None:
         op = self.op
@@ -842,10 +868,25 @@ class Orchestrator:
         self.op = None
         for info in self.ranks.values():
             info.reached = max(info.reached, op.target_step or 0)
-        # Taints that arrived while this op ran still need their ranks moved.
+        # Planned moves whose joiner was lost run again; taints that arrived while this op
+        # ran still need their ranks moved.
+        self._retry_lost_moves()
         self._pending_taint_moves()
         self._replenish()
         self._maybe_done()
+
+    def _retry_lost_moves(self) -> None:
+        if self.op is not None or self.exit_code is not None or not self._retry_moves:
+            return
+        if not self._ready_spares():
+            return  # _on_spare_available calls again
+        retry, self._retry_moves = self._retry_moves, []
+        by_kind: dict[tuple[EventKind, str], list[int]] = {}
+        for rank, kind, cause in retry:
+            by_kind.setdefault((kind, cause), []).append(rank)
+        (kind, cause), ranks = next(iter(by_kind.items()))
+        started = self._start_planned(ranks, kind, cause).moves
+        self._retry_moves = [x for x in retry if x[0] not in started]
 
     def _pending_taint_moves(self) -> None:
         if self.op is not None or self.exit_code is not None:
@@ -861,6 +902,7 @@ class Orchestrator:
         if op is not None and op.phase == "spares":
             self._advance_collect()
         elif op is None:
+            self._retry_lost_moves()
             self._pending_taint_moves()
 
     def _replenish(self) -> None:
@@ -881,8 +923,11 @@ class Orchestrator:
             self._emit("spare-starting", {"worker": w.id, "slot": slot.name})
 
     def _ready_spares(self) -> list[Worker]:
-        return [w for w in self.workers.values()
-                if w.role == WorkerRole.SPARE and self.slots[w.slot].healthy]
+        """Spares on healthy slots that were heard from lately (a stopped one is not ready)."""
+        fresh = time.time() - 2 * self.config.heartbeat_timeout_s
+        ready = [w for w in self.workers.values()
+                 if w.role == WorkerRole.SPARE and self.slots[w.slot].healthy and w.last_seen >= fresh]
+        return sorted(ready, key=lambda w: -w.last_seen)
 
     def _close(self, ev: Event, status: str, note: str) -> None:
         ev.status, ev.note = status, note
@@ -992,7 +1037,9 @@ class Orchestrator:
         rows: list[tuple[str, str, dict[str, Any]]] = []
         rows += [("slot", s.name, to_json(s)) for s in self.slots.values()]
         rows += [("worker", w.id, to_json(w)) for w in self.workers.values()]
-        rows += [("rank", str(r), to_json(i)) for r, i in self.ranks.items()]
+        # Held bundles are memory-only: rewriting them (base64) every second would be most of the I/O.
+        rows += [("rank", str(r), {k: v for k, v in to_json(i).items() if k != "held"})
+                 for r, i in self.ranks.items()]
         rows.append(("job", self.config.job_id, {"generation": self.generation, "exit_code": self.exit_code,
                                                  "world_size": self.config.world_size}))
         self.store.put_many(rows)

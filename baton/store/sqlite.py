@@ -2,15 +2,22 @@
 
 A restarted orchestrator reads the same rows back; the ledger (events) is
 append-mostly and is what `baton events` shows after the job ended.
+
+A write that fails (disk full, a corrupted or vanished file) never takes the job down:
+memory stays the truth, the failure is reported through `on_error` once per kind of
+error, and the rows that did not land are written again with the next write that works.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import sqlite3
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
+
+log = logging.getLogger("baton.store")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS entities (
@@ -29,33 +36,62 @@ CREATE TABLE IF NOT EXISTS events (
 class SqliteStore:
     """Thread-safe key/JSON store over one SQLite file (WAL, synchronous=NORMAL)."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, on_error: Callable[[str], None] | None = None):
         self.path = Path(path)
+        self.on_error = on_error
+        self.error: str | None = None  # the last write error, None once writes work again
         self._lock = threading.Lock()
+        self._pending_events: dict[int, str] = {}
+        self._pending_rows: dict[tuple[str, str], str] = {}
         self._db = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(_SCHEMA)
 
     def put(self, kind: str, key: str, body: dict[str, Any]) -> None:
-        with self._lock:
-            self._db.execute(
-                "INSERT OR REPLACE INTO entities(kind, key, body) VALUES (?, ?, ?)",
-                (kind, key, json.dumps(body)),
-            )
+        self.put_many([(kind, key, body)])
 
     def put_many(self, rows: list[tuple[str, str, dict[str, Any]]]) -> None:
         with self._lock:
+            self._pending_rows.update({(k, key): json.dumps(b) for k, key, b in rows})
+            self._flush()
+
+    def _flush(self) -> None:
+        """Write whatever has not landed yet, in one transaction; keep it on failure."""
+        if not self._pending_rows and not self._pending_events:
+            return
+        try:
             self._db.execute("BEGIN")
-            self._db.executemany(
-                "INSERT OR REPLACE INTO entities(kind, key, body) VALUES (?, ?, ?)",
-                [(k, key, json.dumps(b)) for k, key, b in rows],
-            )
+            self._db.executemany("INSERT OR REPLACE INTO entities(kind, key, body) VALUES (?, ?, ?)",
+                                 [(k, key, b) for (k, key), b in self._pending_rows.items()])
+            self._db.executemany("INSERT OR REPLACE INTO events(id, body) VALUES (?, ?)",
+                                 list(self._pending_events.items()))
             self._db.execute("COMMIT")
+        except (sqlite3.Error, OSError) as exc:
+            try:
+                self._db.execute("ROLLBACK")
+            except sqlite3.Error:
+                pass
+            text = f"{type(exc).__name__}: {exc}"
+            if text != self.error:
+                self.error = text
+                log.warning("state store %s: write failed (%s); continuing from memory", self.path, text)
+                if self.on_error is not None:
+                    self.on_error(text)
+            return
+        self._pending_rows.clear()
+        self._pending_events.clear()
+        if self.error is not None:
+            log.warning("state store %s: writes work again", self.path)
+            self.error = None
 
     def delete(self, kind: str, key: str) -> None:
         with self._lock:
-            self._db.execute("DELETE FROM entities WHERE kind=? AND key=?", (kind, key))
+            self._pending_rows.pop((kind, key), None)
+            try:
+                self._db.execute("DELETE FROM entities WHERE kind=? AND key=?", (kind, key))
+            except (sqlite3.Error, OSError) as exc:
+                log.warning("state store %s: delete failed (%s)", self.path, exc)
 
     def all(self, kind: str) -> dict[str, dict[str, Any]]:
         with self._lock:
@@ -64,9 +100,8 @@ class SqliteStore:
 
     def put_event(self, event_id: int, body: dict[str, Any]) -> None:
         with self._lock:
-            self._db.execute(
-                "INSERT OR REPLACE INTO events(id, body) VALUES (?, ?)", (event_id, json.dumps(body))
-            )
+            self._pending_events[event_id] = json.dumps(body)
+            self._flush()
 
     def events(self) -> list[dict[str, Any]]:
         with self._lock:
@@ -75,4 +110,5 @@ class SqliteStore:
 
     def close(self) -> None:
         with self._lock:
+            self._flush()
             self._db.close()

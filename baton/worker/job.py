@@ -41,7 +41,7 @@ import torch.distributed as dist
 from baton.control import messages as m
 from baton.transfer import TransferServer
 from baton.worker import ddp as ddp_mod
-from baton.worker import discover
+from baton.worker import discover, orphan
 from baton.worker.control import ControlChannel, OrchestratorGone
 from baton.worker.data import DataFeed
 from baton.worker.runtime import Runtime, Unit, exit_quietly
@@ -247,6 +247,7 @@ def init() -> Job:
     missing = [k for k in (ENV_URL, ENV_TOKEN, ENV_WORKER, ENV_STORE) if not os.environ.get(k)]
     if missing:
         raise RuntimeError("baton.init() must run under `baton run` (missing " + ", ".join(missing) + ")")
+    orphan.die_with_parent()
     if os.environ.get("BATON_LOG"):
         logging.basicConfig(level=os.environ["BATON_LOG"],
                             format=f"%(created).3f [{os.environ.get(ENV_WORKER)}] %(name)s: %(message)s")

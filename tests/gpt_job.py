@@ -1,0 +1,64 @@
+"""Test helper: the nanoGPT-shaped example (baton/examples/gpt.py) as a job, and the checks
+that compare every rank's full final state with the failure-free run."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import torch
+
+from tests.jobs import Job
+
+GPT = Path(__file__).resolve().parent.parent / "baton" / "examples" / "gpt.py"
+NPROC = 3
+EVAL_EVERY = 15
+ARGS = ["--max-iters", "45", "--eval-interval", str(EVAL_EVERY), "--step-sleep", "0.04", "--eval-sleep", "1.0"]
+
+
+def gpt_job(tmp: Path, name: str, spares: int = 1, extra: list[str] | None = None,
+            run_args: list[str] | None = None, run_dir: Path | None = None) -> Job:
+    out_dir = tmp / name / "ckpt"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return Job(tmp, nproc=NPROC, spares=spares, steps=0, script=GPT, name=name, run_args=run_args, run_dir=run_dir,
+               script_args=[*ARGS, "--out-dir", str(out_dir), *(extra or [])])
+
+
+def states(job: Job) -> list[dict[str, torch.Tensor]]:
+    return [torch.load(f"{job.out}.rank{r}") for r in range(NPROC)]
+
+
+def diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
+    return [k for k in sorted(set(a) | set(b))
+            if k not in a or k not in b or a[k].dtype != b[k].dtype or not torch.equal(a[k], b[k])]
+
+
+def reference_run(tmp: Path) -> tuple[list[dict[str, torch.Tensor]], bytes]:
+    job = gpt_job(tmp, "ref", spares=0)
+    assert job.wait(timeout=180) == 0, job.log()
+    got = states(job)
+    # Parameters are shared; random streams are each rank's own (per-rank seed, own draws).
+    assert not [k for k in diff(got[0], got[2]) if k.startswith("model.")]
+    assert not torch.equal(got[0]["rng"], got[1]["rng"])
+    assert float(got[0]["best"]) < 1e9, "rank 0 never recorded a validation loss"
+    return got, (job.dir / "ckpt" / "ckpt.pt").read_bytes()
+
+
+def check_equal(job: Job, reference, timeout: float = 240) -> list[dict]:
+    """The job ends with exit 0, every rank's state and rank 0's checkpoint equal to the
+    failure-free run's; returns the ledger."""
+    want_states, ckpt = reference
+    assert job.wait(timeout=timeout) == 0, job.log()
+    for rank, (got, want) in enumerate(zip(states(job), want_states)):
+        d = diff(got, want)
+        assert not d, f"rank {rank} differs from the failure-free run in {d}:\n{job.log()}"
+    got = torch.load(job.dir / "ckpt" / "ckpt.pt")
+    want = torch.load(io.BytesIO(ckpt))
+    assert got["iter_num"] == want["iter_num"] and got["best_val_loss"] == want["best_val_loss"]
+    assert all(torch.equal(got["model"][k], want["model"][k]) for k in want["model"])
+    return job.events()
+
+
+def in_eval(job: Job) -> None:
+    """Wait until every rank has finished step 15 and is inside the 1 s evaluation."""
+    job.wait_until(lambda st: min(r["step"] for r in st["ranks"]) >= EVAL_EVERY, what="evaluation")
