@@ -8,7 +8,19 @@ a run with no kills is a failure-free run; its step times are the overhead figur
     checkpoint-restart torchrun --max-restarts R --rdzv-backend c10d, workload --ckpt-every K
     TorchFT            its lighthouse + one `torchrun --nproc-per-node 1 --max-restarts R`
                        per replica group (peers venv)
-    baton              baton run --nproc N --spares S
+    baton              baton run --nproc N --spares S [--verify-every V]
+
+Steady-state CPU (run_job(..., cpu_window=True)): the CPU-seconds that the whole process
+tree of a run spends between the end of warm-up and the last step, per step. The window is
+the one the step-time figures use: from rank 0 reporting step `warmup` to rank 0 reporting
+the last step. Each rank reads its own CPU time (getrusage, every thread) at its own two
+boundaries (workload.py writes cpu.rank<R>.json); every other process of the tree (launcher,
+torchrun agents, baton's warm spare, TorchFT's lighthouse, anything they started) is read
+from /proc by this harness when it sees rank 0's two reports (see CpuWindow). The tree is
+every process descending (by parent pid) from what the harness launched, or in the session
+of one of those; a process or thread that exits inside the window counts with the last value
+read (the harness re-reads the known processes every 0.5 s), one that starts inside it
+counts from zero.
 """
 
 from __future__ import annotations
@@ -19,8 +31,10 @@ import signal
 import statistics
 import subprocess
 import time
+from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from common import free_port
 
@@ -36,10 +50,11 @@ class Workload:
     steps: int = 60
     nproc: int = 3
     step_sleep: float = 0.0
-    warmup: int = 10  # steps left out of the step-time median
+    warmup: int = 10  # steps left out of the step-time median and the CPU window
 
     def args(self) -> list[str]:
-        return ["--params-m", str(self.params_m), "--steps", str(self.steps), "--step-sleep", str(self.step_sleep)]
+        return ["--params-m", str(self.params_m), "--steps", str(self.steps), "--step-sleep", str(self.step_sleep),
+                "--warmup", str(self.warmup)]
 
 
 @dataclass(frozen=True)
@@ -50,11 +65,16 @@ class Contender:
     python: str
     ckpt_every: int = 0  # ddp: checkpoint-restart when > 0
     spares: int = 0  # baton
+    verify_every: int = 0  # baton: `--verify-every N`, the periodic replica-agreement check
     restarts: int = 0  # ddp (whole job) / torchft (per replica group)
 
     @property
     def key(self) -> str:
-        return f"ckpt-k{self.ckpt_every}" if self.kind == "ddp" and self.ckpt_every else self.kind
+        if self.kind == "ddp" and self.ckpt_every:
+            return f"ckpt-k{self.ckpt_every}"
+        if self.kind == "baton" and self.verify_every:
+            return "baton-verify"
+        return self.kind
 
 
 @dataclass
@@ -64,6 +84,9 @@ class Launched:
 
     def running(self) -> bool:
         return any(p.poll() is None for p in self.procs)
+
+    def roots(self) -> list[int]:
+        return [p.pid for p in [*self.procs, *self.helpers]]
 
     def kill_all(self) -> None:
         for p in [*self.procs, *self.helpers]:
@@ -91,8 +114,9 @@ def launch(c: Contender, w: Workload, run_dir: Path) -> Launched:
         cmd = [c.python, "-m", "torch.distributed.run", "--nproc-per-node", str(w.nproc), *rdzv, *script, *ckpt]
         return Launched([_spawn(cmd, run_dir / "launcher.log")])
     if c.kind == "baton":
+        verify = ["--verify-every", str(c.verify_every)] if c.verify_every else []
         cmd = [c.python, "-m", "baton.cli", "run", "--nproc", str(w.nproc), "--spares", str(c.spares), "--quiet",
-               "--run-dir", str(run_dir / "baton"), *script]
+               *verify, "--run-dir", str(run_dir / "baton"), *script]
         return Launched([_spawn(cmd, run_dir / "launcher.log")])
     if c.kind == "torchft":
         lh_port = free_port()
@@ -109,6 +133,142 @@ def launch(c: Contender, w: Workload, run_dir: Path) -> Launched:
             procs.append(_spawn(cmd, run_dir / f"replica{r}.log", env))
         return Launched(procs, [lighthouse])
     raise ValueError(f"unknown contender kind {c.kind!r}")
+
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def _stat(pid: int | str) -> tuple[int, int, float, str] | None:
+    """(parent pid, session id, utime + stime in seconds, command name) from /proc/<pid>/stat."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    head, _, tail = data.rpartition(b")")
+    rest = tail.split()  # rest[0] is field 3 (state): ppid 4, session 6, utime 14, stime 15
+    try:
+        return (int(rest[1]), int(rest[3]), (int(rest[11]) + int(rest[12])) / CLK_TCK,
+                head.partition(b"(")[2].decode(errors="replace"))
+    except (IndexError, ValueError):
+        return None
+
+
+def tree_cpu(roots: list[int]) -> dict[int, tuple[float, str]]:
+    """{pid: (CPU seconds so far, command name)} for every live process in the trees under
+    `roots`: their descendants by parent pid, and every process in a root's session."""
+    procs = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            st = _stat(name)
+            if st is not None:
+                procs[int(name)] = st
+    children: dict[int, list[int]] = defaultdict(list)
+    for pid, (ppid, _, _, _) in procs.items():
+        children[ppid].append(pid)
+    sessions = set(roots)
+    found = {pid for pid, (_, sid, _, _) in procs.items() if sid in sessions or pid in sessions}
+    todo = list(found)
+    while todo:  # and everything below them (a rank its launcher started in a session of its own)
+        for c in children.get(todo.pop(), []):
+            if c not in found:
+                found.add(c)
+                todo.append(c)
+    return {pid: (procs[pid][2], procs[pid][3]) for pid in found}
+
+
+def threads_ns(pid: int) -> dict[int, int]:
+    """{thread id: CPU nanoseconds} of every live thread of `pid` (/proc/<pid>/task/*/schedstat)."""
+    out = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                out[int(tid)] = int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            pass
+    return out
+
+
+class CpuWindow:
+    """The harness's reads of the whole process tree at the two edges of the steady-state window.
+
+    Every process but the ranks is read twice over: utime + stime from /proc/<pid>/stat (the
+    whole process, threads that exited included, but in 10 ms clock ticks) and the nanosecond
+    runtime of each of its threads (/proc/<pid>/task/*/schedstat). The thread sum is the
+    figure; a process whose tick count grew more than 2 ticks beyond it had threads that came
+    and went between two reads, and its tick count is used instead (counted in "tick_fallbacks").
+    """
+
+    POLL_S = 0.5
+
+    def __init__(self, roots: list[int], rank_pids: Callable[[], set[int]]):
+        self.roots = roots
+        self.rank_pids = rank_pids  # the ranks read their own CPU time: no need to follow their threads
+        self.start: dict[int, dict] | None = None
+        self.end: dict[int, dict] | None = None
+        self.last: dict[int, dict] = {}  # latest read of every process seen in the window
+        self.exited: list[int] = []
+        self.t_start = self.t_end = 0.0
+        self._polled = 0.0
+
+    def _read(self, pid: int, ticks: float, comm: str, ranks: set[int]) -> dict:
+        return {"comm": comm, "ticks_s": ticks, "threads": {} if pid in ranks else threads_ns(pid)}
+
+    def _snapshot(self) -> dict[int, dict]:
+        ranks = self.rank_pids()
+        return {pid: self._read(pid, ticks, comm, ranks) for pid, (ticks, comm) in tree_cpu(self.roots).items()}
+
+    def _merge(self, pid: int, new: dict) -> None:
+        """Fold a new read of `pid` into `last`, keeping the last value of threads that exited."""
+        old = self.last.get(pid)
+        if old is not None:
+            new["threads"] = {**old["threads"], **new["threads"]}
+        self.last[pid] = new
+
+    def mark_start(self) -> None:
+        self.t_start = time.time()
+        self.start = self._snapshot()
+        self.last = {pid: {**v, "threads": dict(v["threads"])} for pid, v in self.start.items()}
+
+    def poll(self) -> None:
+        """Inside the window: re-read the known processes, in case a process or thread exits before the end."""
+        now = time.monotonic()
+        if self.start is None or self.end is not None or now - self._polled < self.POLL_S:
+            return
+        self._polled = now
+        ranks = self.rank_pids()
+        for pid, v in list(self.last.items()):
+            st = _stat(pid)
+            if st is not None:
+                self._merge(pid, self._read(pid, st[2], v["comm"], ranks))
+
+    def mark_end(self) -> None:
+        self.t_end = time.time()
+        now = self._snapshot()
+        self.exited = [pid for pid in self.last if pid not in now]
+        for pid, v in now.items():
+            self._merge(pid, v)
+        self.end = self.last
+
+    def others(self, exclude: set[int]) -> tuple[float, dict[str, float], int]:
+        """CPU seconds in the window of every process but `exclude` (the ranks), per process, and
+        how many processes fell back to their tick count."""
+        assert self.start is not None and self.end is not None
+        per, fallbacks = {}, 0
+        for pid, v in self.end.items():
+            if pid in exclude:
+                continue
+            s0 = self.start.get(pid, {"ticks_s": 0.0, "threads": {}})
+            ticks = v["ticks_s"] - s0["ticks_s"]
+            precise = sum(ns - s0["threads"].get(tid, 0) for tid, ns in v["threads"].items()) / 1e9
+            if ticks - precise > 2 / CLK_TCK:
+                precise, fallbacks = ticks, fallbacks + 1
+            per[f"{v['comm']}[{pid}]"] = precise
+        return sum(per.values()), per, fallbacks
 
 
 def _read_events(path: Path, offset: int = 0) -> tuple[list[dict], int]:
@@ -129,13 +289,16 @@ def _read_events(path: Path, offset: int = 0) -> tuple[list[dict], int]:
 
 
 def run_job(c: Contender, w: Workload, run_dir: Path, *, kill_at: tuple[int, ...] = (), kill_rank: int = 1,
-            timeout: float = 600, straggler_grace: float = 20.0) -> dict:
+            timeout: float = 600, straggler_grace: float = 20.0, cpu_window: bool = False) -> dict:
     """Run one job to completion, `kill -9` rank `kill_rank` the first time rank 0 reports
     each step in `kill_at` (the next kill waits until a replacement process holds the rank),
-    and summarise the progress log. Raises if the job fails or times out."""
+    and summarise the progress log. With `cpu_window` (runs without kills), also the
+    CPU-seconds per step of the whole process tree between warm-up and the last step.
+    Raises if the job fails or times out."""
     progress = run_dir / "progress.jsonl"
     t0 = time.time()
     job = launch(c, w, run_dir)
+    cpu = CpuWindow(job.roots(), lambda: _rank_pids(run_dir, w.nproc)) if cpu_window and not kill_at else None
     pending, kills, offset, seen = list(kill_at), [], 0, []
     reached, since = -1, 0.0  # highest step rank 0 reported after the last kill, and when that was
     t_done = None
@@ -149,6 +312,13 @@ def run_job(c: Contender, w: Workload, run_dir: Path, *, kill_at: tuple[int, ...
             reached = max([reached, *(e["step"] for e in events if e["ev"] == "step" and e["t"] > since)])
             if t_done is None and any(e["ev"] == "done" for e in events):
                 t_done = now
+            if cpu is not None:
+                done_steps = [e["step"] for e in events if e["ev"] == "step"]
+                if cpu.start is None and any(k >= w.warmup for k in done_steps):
+                    cpu.mark_start()
+                if cpu.start is not None and cpu.end is None and any(k >= w.steps for k in done_steps):
+                    cpu.mark_end()
+                cpu.poll()
             if t_done is not None and now - t_done > straggler_grace:
                 break  # TorchFT: a restarted replica that never caught up waits for a quorum forever
             if pending:
@@ -169,18 +339,80 @@ def run_job(c: Contender, w: Workload, run_dir: Path, *, kill_at: tuple[int, ...
     if not any(e["ev"] == "done" for e in seen) or not (run_dir / "final.pt").exists():
         raise RuntimeError(f"{c.key} did not finish its {w.steps} steps (exit codes "
                            f"{[p.returncode for p in job.procs]}): see {run_dir}")
-    return summarise(seen, kills, w, total_s=(t_done or t_end) - t0, run_dir=run_dir)
+    out = summarise(seen, kills, w, total_s=(t_done or t_end) - t0, run_dir=run_dir)
+    if cpu is not None:
+        out.update(cpu_summary(cpu, seen, w, run_dir))
+    return out
+
+
+def _rank_pids(run_dir: Path, nproc: int) -> set[int]:
+    pids = set()
+    for r in range(nproc):
+        try:
+            pids.add(int((run_dir / f"pid.rank{r}").read_text()))
+        except (OSError, ValueError):
+            pass
+    return pids
+
+
+def cpu_summary(cpu: CpuWindow, events: list[dict], w: Workload, run_dir: Path) -> dict:
+    """The steady-state CPU figure of one run (see the module docstring); None with a reason
+    in "cpu_note" when a part is missing."""
+    n = w.steps - w.warmup
+    out: dict = {"cpu_s_per_step": None, "cpu_others_s_per_step": None, "mean_step_s": None}
+    steps = [e for e in events if e["ev"] == "step"]
+    t_warm = next((e["t"] for e in steps if e["step"] >= w.warmup), None)
+    t_last = next((e["t"] for e in steps if e["step"] >= w.steps), None)
+    if t_warm is not None and t_last is not None and n > 0:
+        out["mean_step_s"] = (t_last - t_warm) / n  # wall time per step over the window: periodic work included
+    ranks = []
+    for r in range(w.nproc):
+        f = run_dir / f"cpu.rank{r}.json"
+        if not f.exists():
+            return {**out, "cpu_note": f"no {f.name}"}
+        ranks.append(json.loads(f.read_text()))
+    if any(rk["warm"]["step"] != w.warmup or rk["end"]["step"] != w.steps for rk in ranks):
+        return {**out, "cpu_note": "a rank's window is not warmup..steps"}
+    if cpu.start is None or cpu.end is None:
+        return {**out, "cpu_note": "the harness did not see both edges of the window"}
+    ranks_s = sum(rk["end"]["cpu_s"] - rk["warm"]["cpu_s"] for rk in ranks)
+    rank_pids = {rk["pid"] for rk in ranks}
+    others_s, per_process, fallbacks = cpu.others(rank_pids)
+    missing = rank_pids - set(cpu.end)
+    out.update({
+        "cpu_s_per_step": (ranks_s + others_s) / n,
+        "cpu_others_s_per_step": others_s / n,
+        "cpu_detail": {
+            "window_steps": n,
+            "ranks_s": ranks_s,
+            "others_s": others_s,
+            "others_by_process_s": per_process,
+            "others_processes": len(per_process),
+            # what the same window looks like when the ranks too are read from /proc (a cross-check)
+            "ranks_proc_s": sum(cpu.end[p]["ticks_s"] - cpu.start[p]["ticks_s"] for p in rank_pids
+                                if p in cpu.end and p in cpu.start),
+            "ranks_not_in_tree": len(missing),
+            "exited_in_window": len(cpu.exited),
+            # how late the harness read /proc after rank 0's report at each edge
+            "harness_lag_s": [cpu.t_start - (t_warm or cpu.t_start), cpu.t_end - (t_last or cpu.t_end)],
+            # processes read by their tick count (10 ms resolution) instead of their threads' ns
+            "tick_fallbacks": fallbacks,
+        },
+    })
+    return out
 
 
 def summarise(events: list[dict], kills: list[dict], w: Workload, *, total_s: float, run_dir: Path) -> dict:
     steps = [e for e in events if e["ev"] == "step"]
+    absorbed = [e for e in events if e["ev"] == "absorbed"]
     done = next(e for e in events if e["ev"] == "done")
     # step time: gaps between consecutive step reports of one process, after warm-up
     gaps = [b["t"] - a["t"] for a, b in zip(steps, steps[1:])
             if a["step"] >= w.warmup and b["step"] == a["step"] + 1 and a.get("attempt") == b.get("attempt")]
     failures = []
     for k in kills:
-        # back past the step it had reached when the rank was killed
+        # back past the step it had reached when the rank was killed: a completed step; an attempt
+        # that failed and was absorbed ("absorbed" events, baton) is not progress
         regained = next((e for e in steps if e["t"] > k["t"] and e["step"] > k["step"]), None)
         failures.append({"killed_at_step": k["step"], "stall_s": regained["t"] - k["t"] if regained else None})
     saves = [e["save_s"] for e in events if e["ev"] == "save"]
@@ -188,8 +420,9 @@ def summarise(events: list[dict], kills: list[dict], w: Workload, *, total_s: fl
         "total_s": total_s,
         "train_s": done["t"] - steps[0]["t"],
         "step_s": statistics.median(gaps) if gaps else None,
-        "steps_executed": len(steps),
-        "steps_recomputed": len(steps) - w.steps,  # TorchFT: iterations not committed
+        "steps_executed": len(steps) + len(absorbed),
+        # TorchFT: iterations not committed; baton: attempts absorbed and run again
+        "steps_recomputed": len(steps) + len(absorbed) - w.steps,
         "kills": len(kills),
         "failures": failures,
         "save_s": statistics.median(saves) if saves else None,

@@ -1,9 +1,17 @@
-"""Steady-state overhead: the step time of the same model, data and world size under
-plain DDP (torchrun), baton (job.wrap + job.steps, one warm spare waiting) and TorchFT
-(its DDP wrapper, replica groups of one rank, lighthouse running), interleaved.
+"""Steady-state overhead: the same model, data and world size under plain DDP (torchrun),
+baton (job.wrap + job.steps, one warm spare waiting), baton with `--verify-every N` (the
+periodic replica-agreement check) and TorchFT (its DDP wrapper, replica groups of one rank,
+lighthouse running), interleaved.
 
-Each run's figure is its median step time after warm-up; a contender's ratio to plain
-DDP is taken within each round, and the median over rounds is reported.
+Per run, over the same window for every contender (from rank 0 reporting step `warmup` to
+rank 0 reporting the last step):
+  step_s          median step time (gaps between rank 0's step reports)
+  mean_step_s     window wall time / steps in it: includes work done every N steps, which the
+                  median leaves out (the periodic check)
+  cpu_s_per_step  CPU-seconds of the whole process tree (ranks, launcher and agents, spares,
+                  lighthouse) in the window / steps in it; see contenders.py
+A contender's ratio to plain DDP is taken within each round, and the median (min-max) over
+rounds is reported; baton-verify is also compared with baton, round by round.
 """
 
 from __future__ import annotations
@@ -13,10 +21,18 @@ from pathlib import Path
 from common import interleave, median_range
 from contenders import Contender, Workload, run_job
 
+METRICS = {"step_s": "ratio_vs_ddp", "mean_step_s": "mean_ratio_vs_ddp", "cpu_s_per_step": "cpu_ratio_vs_ddp"}
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
 
 def bench_overhead(py: str, peer_py: str | None, *, sizes_m: list[float], steps: int, warmup: int, nproc: int,
-                   rounds: int, tmp: Path) -> dict:
+                   rounds: int, tmp: Path, verify_every: int = 10) -> dict:
     contenders = {"ddp": Contender("ddp", py), "baton": Contender("baton", py, spares=1)}
+    if verify_every:
+        contenders["baton-verify"] = Contender("baton", py, spares=1, verify_every=verify_every)
     if peer_py:
         contenders["torchft"] = Contender("torchft", peer_py)
     out = []
@@ -24,16 +40,42 @@ def bench_overhead(py: str, peer_py: str | None, *, sizes_m: list[float], steps:
         w = Workload(params_m=size, steps=steps, nproc=nproc, warmup=warmup)
 
         def one(key: str, i: int) -> dict:
-            r = run_job(contenders[key], w, tmp / f"overhead-{size}M-{key}-{i}")
-            print(f"  {size}M params round {i + 1}/{rounds} {key:>8}: {r['step_s'] * 1e3:.1f} ms/step", flush=True)
+            r = run_job(contenders[key], w, tmp / f"overhead-{size}M-{key}-{i}", cpu_window=True)
+            cpu = r.get("cpu_s_per_step")
+            others = r.get("cpu_others_s_per_step")
+            print(f"  {size}M params round {i + 1}/{rounds} {key:>12}: step {r['step_s'] * 1e3:.1f} ms (median), "
+                  + (f"{r['mean_step_s'] * 1e3:.1f} ms (mean), " if r.get("mean_step_s") else "")
+                  + (f"CPU {cpu * 1e3:.1f} ms/step, of which {others * 1e3:.1f} outside the ranks"
+                     if cpu is not None else f"CPU: none ({r.get('cpu_note')})"), flush=True)
             return r
 
         results = interleave(list(contenders), rounds, one)
-        out.append({
-            "params": results[0]["ddp"]["params"],
-            "step_s": {k: median_range(rnd[k]["step_s"] for rnd in results) for k in contenders},
-            "ratio_vs_ddp": {k: median_range(rnd[k]["step_s"] / rnd["ddp"]["step_s"] for rnd in results)
-                             for k in contenders if k != "ddp"},
-        })
+        row: dict = {"params": results[0]["ddp"]["params"]}
+        for metric, ratio_key in METRICS.items():
+            row[metric] = {k: median_range(rnd[k].get(metric) for rnd in results) for k in contenders}
+            row[ratio_key] = {k: median_range(_ratio(rnd[k].get(metric), rnd["ddp"].get(metric)) for rnd in results)
+                              for k in contenders if k != "ddp"}
+        row["cpu_others_s_per_step"] = {k: median_range(rnd[k].get("cpu_others_s_per_step") for rnd in results)
+                                        for k in contenders}
+        if "baton-verify" in contenders:
+            row["verify_vs_baton"] = {
+                metric: median_range(_ratio(rnd["baton-verify"].get(metric), rnd["baton"].get(metric))
+                                     for rnd in results) for metric in METRICS}
+        details = [rnd[k].get("cpu_detail") for rnd in results for k in contenders]
+        details = [d for d in details if d]
+        row["cpu_check"] = {
+            # the ranks read from /proc by the harness vs by themselves: how far apart the two reads are
+            "ranks_proc_over_self": median_range(d["ranks_proc_s"] / d["ranks_s"] for d in details if d["ranks_s"]),
+            "max_harness_lag_s": max((max(d["harness_lag_s"]) for d in details), default=None),
+            "tick_fallbacks": sum(d["tick_fallbacks"] for d in details),
+            "processes_exited_in_window": sum(d["exited_in_window"] for d in details),
+            "ranks_not_in_tree": sum(d["ranks_not_in_tree"] for d in details),
+            "notes": sorted({rnd[k]["cpu_note"] for rnd in results for k in contenders if rnd[k].get("cpu_note")}),
+        }
+        out.append(row)
     return {"nproc": nproc, "steps": steps, "warmup": warmup, "runs": rounds,
-            "baton_spares": 1, "sizes": out}
+            "baton_spares": 1, "verify_every": verify_every if "baton-verify" in contenders else None,
+            "cpu_method": "whole process tree: each rank by getrusage(RUSAGE_SELF) at its own window edges, "
+                          "every other process by the harness from /proc (its threads' schedstat runtime) "
+                          "when rank 0 reports each edge",
+            "sizes": out}

@@ -5,7 +5,8 @@
     python bench/report.py RESULTS --repo /tmp/somewhere    # write <repo>/docs/... elsewhere
 
 The harness (bench/run.py) calls `write_report(result, results_path, repo)` at the end of
-`make bench`; `headline_rows(result)` gives the few (label, value) pairs for the README.
+`make bench`; `headline_lines(result)` gives the README's tables (`update_readme` writes them,
+and the sentence on what moving large state costs, between the README's markers).
 
 Every figure on the page is printed as median (min-max) with n; comparisons are ratios
 taken within the same results file. Verdicts are derived from the numbers (a ratio whose
@@ -31,8 +32,9 @@ OVERHEAD_GOAL = 1.01  # baton / plain DDP steady-state step time
 DOWNTIME_SLOPE_GOAL = 1.5  # downtime vs raw TCP copy of the same bytes, fit slope
 DASH = "–"  # en dash for ranges
 NONE = "—"  # em dash for "no value"
-LABELS = {"ddp": "plain DDP", "baton": "baton", "torchft": "TorchFT"}
-COLORS = {"ddp": "#7f8c8d", "baton": "#27ae60", "torchft": "#2980b9", "ckpt": "#c0392b"}
+LABELS = {"ddp": "plain DDP", "baton": "baton", "baton-verify": "baton + check", "torchft": "TorchFT"}
+COLORS = {"ddp": "#7f8c8d", "baton": "#27ae60", "baton-verify": "#1e8449", "torchft": "#2980b9", "ckpt": "#c0392b"}
+OVERHEAD_ORDER = ("ddp", "baton", "baton-verify", "torchft")
 SECTIONS = (("overhead", "1. Steady-state overhead"), ("failures", "2. Failures: time lost per failure"),
             ("downtime", "3. Migration downtime vs state size"), ("gpu", "4. GPU state capture"))
 
@@ -48,6 +50,11 @@ def _section(result: dict, name: str) -> tuple[dict | None, str | None]:
     if "skipped" in sec:
         return None, f"skipped: {sec['skipped']}"
     return sec, None
+
+
+def _schema(result: dict) -> int:
+    v = result.get("schema", 1)
+    return v if isinstance(v, int) else 1
 
 
 def _is_mr(x: Any) -> bool:
@@ -219,19 +226,22 @@ def _reference_ddp(contenders: list[dict]) -> dict | None:
 
 
 # ----------------------------------------------------------------------------- verdicts
-def _overhead_verdict(who: str, r: Any) -> str:
+_MORE = {"step time": "slower than plain DDP", "CPU-seconds per step": "more CPU per step than plain DDP"}
+
+
+def _overhead_verdict(who: str, r: Any, what: str = "step time") -> str:
     """One sentence on a contender/plain DDP ratio against the 1% goal, from its range."""
     if not _is_mr(r):
-        return f"{who}: no ratio in the results."
+        return f"{who}: no {what} ratio in the results."
     med, lo, hi = r["median"], r.get("min", r["median"]), r.get("max", r["median"])
-    head = f"{who} / plain DDP = {_ratio(r, with_n=True)}: "
+    more = _MORE.get(what, f"more {what} than plain DDP")
+    head = f"{who} / plain DDP, {what} = {_ratio(r, with_n=True)}: "
     if hi <= OVERHEAD_GOAL:
         return head + "within the 1% goal in every round."
     if lo > OVERHEAD_GOAL:
-        return head + ("slower than plain DDP by more than 1% in every round; "
-                       "the 1% goal is missed at this size.")
+        return head + f"{more} by more than 1% in every round; the 1% goal is missed at this size."
     if lo >= 1.0:
-        return head + (f"never faster than plain DDP, median overhead {100 * (med - 1):.1f}%; "
+        return head + (f"never below plain DDP, median overhead {100 * (med - 1):.1f}%; "
                        f"the 1% goal is not demonstrated at this noise level.")
     out = head + ("the spread between rounds is wider than the 1% being tested, so the 1% goal is not "
                   "demonstrated at this noise level; neither is an overhead.")
@@ -240,41 +250,66 @@ def _overhead_verdict(who: str, r: Any) -> str:
     return out
 
 
-def _plain_ratio_sentence(who: str, r: Any) -> str:
+def _plain_ratio_sentence(who: str, r: Any, what: str = "step time", versus: str = "plain DDP") -> str:
     if not _is_mr(r):
-        return f"{who}: no ratio in the results."
+        return f"{who}: no {what} ratio in the results."
     lo, hi = r.get("min", r["median"]), r.get("max", r["median"])
-    out = f"{who} / plain DDP = {_ratio(r, with_n=True)}"
+    out = f"{who} / {versus}, {what} = {_ratio(r, with_n=True)}"
     if lo > 1.0:
-        out += ": slower than plain DDP in every round."
+        out += f": above {versus} in every round."
     elif hi < 1.0:
-        out += ": faster than plain DDP in every round."
+        out += f": below {versus} in every round."
     else:
         out += ": the range includes 1.00."
     return out
 
 
-# ----------------------------------------------------------------------------- headline rows
-def headline_rows(result: dict) -> list[tuple[str, str]]:
-    """4–6 short (label, value) pairs for the README's results table (fewer when sections are missing)."""
-    cands: list[tuple[int, int, str, str]] = []  # (priority, order on the page, label, value)
+def _label(key: str, ov: dict | None = None) -> str:
+    """A contender's name; baton-verify says its N."""
+    if key == "baton-verify" and ov and ov.get("verify_every"):
+        return f"baton --verify-every {ov['verify_every']}"
+    return LABELS.get(key, key)
 
+
+def _overhead_keys(sizes: list[dict], field: str = "step_s") -> list[str]:
+    keys = [k for k in OVERHEAD_ORDER if any(k in (s.get(field) or {}) for s in sizes)]
+    return keys + sorted({k for s in sizes for k in (s.get(field) or {})} - set(keys))
+
+
+# ----------------------------------------------------------------------------- headline
+def headline_overhead(result: dict) -> list[str]:
+    """The README's steady-state table: one column per model size (every size measured), one row
+    per ratio; empty when the section is missing."""
     ov, _ = _section(result, "overhead")
-    if ov:
-        sizes = [s for s in ov.get("sizes") or [] if isinstance(s, dict)]
-        nproc = ov.get("nproc")
-        ranks = f", {nproc} ranks" if nproc else ""
-        for i, s in enumerate(sizes[:1] + sizes[1:][-1:]):
-            r = (s.get("ratio_vs_ddp") or {}).get("baton")
-            if _is_mr(r):
-                cands.append((1 if i == 0 else 5, 10 + i,
-                              f"steady-state step time, baton / plain DDP ({_params(s.get('params'))} params{ranks})",
-                              _ratio(r, with_n=True)))
-        for s in sizes[:1]:
-            r = (s.get("ratio_vs_ddp") or {}).get("torchft")
-            if _is_mr(r):
-                cands.append((6, 12, f"steady-state step time, TorchFT / plain DDP ({_params(s.get('params'))} params)",
-                              _ratio(r, with_n=True)))
+    if not ov:
+        return []
+    sizes = [s for s in ov.get("sizes") or [] if isinstance(s, dict)]
+    verify = _label("baton-verify", ov)
+    rows = [("step time (median), baton / plain DDP", "ratio_vs_ddp", "baton"),
+            ("CPU-seconds per step, whole process tree, baton / plain DDP", "cpu_ratio_vs_ddp", "baton"),
+            (f"CPU-seconds per step, `{verify}` / baton", "verify_vs_baton", "cpu_s_per_step"),
+            (f"wall time per step (mean, includes the checks), `{verify}` / baton", "verify_vs_baton",
+             "mean_step_s"),
+            ("step time (median), TorchFT / plain DDP", "ratio_vs_ddp", "torchft"),
+            ("CPU-seconds per step, whole process tree, TorchFT / plain DDP", "cpu_ratio_vs_ddp", "torchft")]
+    cells = [(label, [(s.get(field) or {}).get(key) for s in sizes]) for label, field, key in rows]
+    cells = [(label, mrs) for label, mrs in cells if any(_is_mr(m) for m in mrs)]
+    if not cells:
+        return []
+    note, per_cell = _n_note([m for _, mrs in cells for m in mrs])
+    nproc = ov.get("nproc")
+    head = "steady state" + (f", {nproc} ranks" if nproc else "") + ": median (min–max) over " + \
+        (f"{note.removeprefix('n = ')} rounds" if note else "rounds")
+    out = [f"| {head} | " + " | ".join(f"{_params(s.get('params'))} params" for s in sizes) + " |",
+           "|---|" + "---:|" * len(sizes)]
+    out += [f"| {label} | " + " | ".join(_ratio(m, per_cell) for m in mrs) + " |" for label, mrs in cells]
+    return out
+
+
+def headline_rows(result: dict) -> list[tuple[str, str]]:
+    """(label, value) rows of the README's second table: failures, downtime, GPU (fewer when
+    sections are missing). The steady-state figures are in headline_overhead's table."""
+    cands: list[tuple[int, str, str]] = []  # (order on the page, label, value)
 
     fa, _ = _section(result, "failures")
     if fa:
@@ -286,10 +321,10 @@ def headline_rows(result: dict) -> list[tuple[str, str]]:
             n = f", n={b['n']}" if b.get("n") is not None else ""
             if ck and _is_mr(ck.get("lost_per_failure_s")):
                 c = ck["lost_per_failure_s"]
-                cands.append((2, 20, f"time lost per failure: {_short_name(ck)} / baton",
+                cands.append((20, f"time lost per failure: {_short_name(ck)} / baton",
                               f"{_secs_pair(c['median'], b['median'])} (medians{n})"))
             else:
-                cands.append((2, 20, "time lost per failure, baton", _mr(b, "s", with_n=True)))
+                cands.append((20, "time lost per failure, baton", _mr(b, "s", with_n=True)))
 
     dt, _ = _section(result, "downtime")
     if dt:
@@ -300,12 +335,12 @@ def headline_rows(result: dict) -> list[tuple[str, str]]:
             p, u, t = _med(big.get("planned_s")), _med(big.get("unplanned_s")), _med(big.get("raw_tcp_s"))
             if p is not None:
                 val = f"{_secs_pair(p, t)} = {p / t:.1f}×" if t else _secs(p)
-                cands.append((3, 30, f"planned move of {size}: downtime / raw TCP copy", val))
+                cands.append((30, f"planned move of {size}: downtime / raw TCP copy", val))
             if u is not None:
                 val = _mr_time(big.get("unplanned_s"), _time_unit([u]))
                 if t:
                     val += f", {u / t:.1f}× raw TCP"
-                cands.append((4, 31, f"unplanned recovery of {size}: kill -9 → all ranks running", val))
+                cands.append((31, f"unplanned recovery of {size}: kill -9 → all ranks running", val))
 
     gpu, _ = _section(result, "gpu")
     if gpu and _is_mr(gpu.get("capture_gbs")):
@@ -313,10 +348,36 @@ def headline_rows(result: dict) -> list[tuple[str, str]]:
         frac = _gpu_capture_frac(gpu)
         if frac is not None:
             val += f", {100 * frac:.0f}% of raw D2H"
-        cands.append((7, 40, f"GPU state capture ({gpu.get('device', '?')})", val))
+        cands.append((40, f"GPU state capture ({gpu.get('device', '?')})", val))
+    return [(label, value) for _, label, value in sorted(cands)]
 
-    keep = sorted(cands)[:6]
-    return [(label, value) for _, _, label, value in sorted(keep, key=lambda c: c[1])]
+
+def headline_lines(result: dict) -> list[str]:
+    """The README's and the page summary's tables: steady state, then everything else."""
+    out = headline_overhead(result)
+    rows = headline_rows(result)
+    if rows:
+        out += ([""] if out else []) + ["| what | result |", "|---|---|"]
+        out += [f"| {label} | {value} |" for label, value in rows]
+    return out
+
+
+def move_cost_sentence(result: dict) -> str | None:
+    """The README's 'Limits' sentence on what moving large state costs, from the downtime section."""
+    dt, _ = _section(result, "downtime")
+    sizes = [s for s in (dt or {}).get("sizes") or [] if isinstance(s, dict) and s.get("state_bytes")]
+    if not sizes:
+        return None
+    big = max(sizes, key=lambda s: s["state_bytes"])
+    p, u, t = _med(big.get("planned_s")), _med(big.get("unplanned_s")), _med(big.get("raw_tcp_s"))
+    if not t or (p is None and u is None):
+        return None
+    parts = ([f"a planned move took {p / t:.1f}×"] if p is not None else []) + \
+        ([f"an unplanned recovery {u / t:.1f}×"] if u is not None else [])
+    return (f"Moving large state costs several raw copies of it: at {_bytes(big['state_bytes'])} "
+            f"{' and '.join(parts)} a raw loopback TCP copy of the same bytes (medians, measured "
+            f"{result.get('date', '?')}; the joiner receives into fresh memory and both sides checksum every "
+            "chunk); see [docs/benchmarks.md](docs/benchmarks.md).")
 
 
 # ----------------------------------------------------------------------------- page sections
@@ -363,12 +424,10 @@ def _header(result: dict, results_path: Path, repo: Path, page_dir: Path) -> lis
 
 
 def _summary(result: dict) -> list[str]:
-    rows = headline_rows(result)
-    if not rows:
+    lines = headline_lines(result)
+    if not lines:
         return []
-    out = ["## Summary", "", "| what | result |", "|---|---|"]
-    out += [f"| {label} | {value} |" for label, value in rows]
-    return out + ["", "Details, definitions and the losing cases are in the sections below.", ""]
+    return ["## Summary", "", *lines, "", "Details, definitions and the losing cases are in the sections below.", ""]
 
 
 def _reproduce() -> list[str]:
@@ -378,6 +437,8 @@ def _reproduce() -> list[str]:
         "```bash",
         "make bench                     # quick preset; writes bench/results/bench-<timestamp>.json and this page",
         "python bench/run.py --full     # full preset: more runs and sizes",
+        "python bench/run.py --preset tiny   # smoke test of the harness (minutes); results to a temp dir, "
+        "this page untouched",
         "python bench/report.py [bench/results/bench-<timestamp>.json]   # regenerate this page only",
         "```",
         "",
@@ -395,59 +456,141 @@ def _kills(n: int | None) -> str:
     return f"{n if n is not None else '?'} kill" + ("" if n == 1 else "s")
 
 
+def _buddies(nproc: Any) -> str:
+    n = min(2, nproc - 1) if isinstance(nproc, int) else 2
+    return {0: "no buddy rank", 1: "one buddy rank"}.get(n, "two buddy ranks")
+
+
+def _overhead_table(sizes: list[dict], ov: dict, field: str, ratio_field: str, what: str) -> list[str]:
+    """One table: `field` per contender and each contender's ratio to plain DDP, per model size."""
+    keys = _overhead_keys(sizes, field)
+    keys = [k for k in keys if any(_is_mr((s.get(field) or {}).get(k)) for s in sizes)]
+    if not keys:
+        return []
+    rkeys = [k for k in keys if k != "ddp" and any(_is_mr((s.get(ratio_field) or {}).get(k)) for s in sizes)]
+    mrs = [m for s in sizes for m in [*(s.get(field) or {}).values(), *(s.get(ratio_field) or {}).values()]]
+    note, per_cell = _n_note(mrs)
+    unit = _time_unit([_med(m) for s in sizes for m in (s.get(field) or {}).values() if _is_mr(m)])
+    out = [f"{what}, per launcher, and ratio to plain DDP{f' ({note} per figure)' if note else ''}:", "",
+           "| params | " + " | ".join(_label(k, ov) for k in keys) + " | "
+           + " | ".join(f"{_label(k, ov)} / plain DDP" for k in rkeys) + " |",
+           "|---:|" + "---:|" * (len(keys) + len(rkeys))]
+    for s in sizes:
+        st, rt = s.get(field) or {}, s.get(ratio_field) or {}
+        out.append(f"| {_params(s.get('params'))} | " + " | ".join(_mr_time(st.get(k), unit, per_cell) for k in keys)
+                   + " | " + " | ".join(_ratio(rt.get(k), per_cell) for k in rkeys) + " |")
+    return out + [""]
+
+
 def _overhead_md(sec: dict, img: str | None) -> list[str]:
     sizes = [s for s in sec.get("sizes") or [] if isinstance(s, dict)]
     nproc, steps, warmup, runs = sec.get("nproc"), sec.get("steps"), sec.get("warmup"), sec.get("runs")
+    n_verify = sec.get("verify_every")
+    has_cpu = any(_is_mr(m) for s in sizes for m in (s.get("cpu_s_per_step") or {}).values())
+    has_mean = any(_is_mr(m) for s in sizes for m in (s.get("mean_step_s") or {}).values())
+    window = f"steps {warmup}–{steps}" if isinstance(warmup, int) and isinstance(steps, int) else "after warm-up"
     out = [
         "**What is measured.** The same model, synthetic data and world size "
         f"({nproc} ranks, one process each, gloo over loopback) trained for {steps} steps under each "
         "launcher: plain `DistributedDataParallel` under `torchrun` (the baseline), baton "
-        f"(`baton run`, `job.wrap` + `job.steps`, {_spares(sec.get('baton_spares', 0))} waiting) and TorchFT (its DDP wrapper, replica "
-        f"groups of one rank, lighthouse). The first {warmup} steps are left out; a run's figure is "
-        f"its median step time, and each cell is the median over {runs} runs with min–max. The "
-        "contenders run in rounds, back to back, and each ratio is contender / plain DDP within one "
-        "round, so a slow period of the machine affects both sides of the ratio; the ratio columns "
-        "are the median (min–max) over rounds, not the ratio of the step-time medians.",
+        f"(`baton run`, `job.wrap` + `job.steps`, {_spares(sec.get('baton_spares', 0))} waiting, its per-step "
+        "work as in any run: the step-boundary check, the capture of each rank's random streams at the "
+        f"step's first gradient bucket and its push to {_buddies(nproc)}, which hold back their last bucket "
+        "until it has arrived)"
+        + (f", baton with `--verify-every {n_verify}` (the same, plus a replica-agreement check — every "
+           f"rank digests its replicated state and the ranks compare digests — at every {n_verify}th step "
+           "boundary)" if n_verify else "")
+        + " and TorchFT (its DDP wrapper, replica groups of one rank, lighthouse). Every figure covers the "
+        f"same window of each run, {window}: from rank 0 reporting step {warmup} done to rank 0 reporting the "
+        "last one, so warm-up and start-up are left out. **step time** is the median gap between rank "
+        "0's step reports in the window; being a median, it leaves out work done only every few steps."
+        + (" **wall time per step (mean)** is the window's wall time / its steps, which includes that work."
+           if has_mean else "")
+        + (" **CPU-seconds per step** is the CPU time (user + system, every thread) of the run's whole "
+           "process tree in the window / its steps: every rank (read by the rank itself, `getrusage`, at "
+           "its own edges of the window) plus every other process — the launcher (`baton run` with its "
+           "orchestrator and API, or `torchrun`'s agent), baton's warm spare, TorchFT's lighthouse and "
+           "agents, anything they started — read from `/proc` by the harness as rank 0 reports each edge. "
+           "It charges every contender for everything it runs, and unlike wall time it does not count "
+           "the time a process waits for a core on an oversubscribed machine."
+           if has_cpu else "")
+        + f" Each cell is the median over {runs} runs with min–max. The contenders run in rounds, back to "
+        "back, and each ratio is taken within one round, so a slow period of the machine affects both "
+        "sides of it; the ratio columns are the median (min–max) over rounds, not the ratio of the "
+        "medians.",
         "",
     ]
     if not sizes:
         return out + ["No model sizes in the results.", ""]
-    keys = [k for k in ("ddp", "baton", "torchft") if any(k in (s.get("step_s") or {}) for s in sizes)]
-    keys += sorted({k for s in sizes for k in (s.get("step_s") or {})} - set(keys))
-    rkeys = [k for k in keys if k != "ddp" and any(k in (s.get("ratio_vs_ddp") or {}) for s in sizes)]
-    all_mrs = [m for s in sizes for m in [*(s.get("step_s") or {}).values(), *(s.get("ratio_vs_ddp") or {}).values()]]
-    note, per_cell = _n_note(all_mrs)
-    unit = _time_unit([_med(m) for s in sizes for m in (s.get("step_s") or {}).values() if _is_mr(m)])
-    out += [
-        f"Step time per launcher and ratio to plain DDP{f' ({note} per figure)' if note else ''}:",
-        "",
-        "| params | " + " | ".join(f"{LABELS.get(k, k)} step" for k in keys) + " | "
-        + " | ".join(f"{LABELS.get(k, k)} / plain DDP" for k in rkeys) + " |",
-        "|---:|" + "---:|" * (len(keys) + len(rkeys)),
-    ]
+    out += _overhead_table(sizes, sec, "step_s", "ratio_vs_ddp", "Step time (median)")
+    out += _overhead_table(sizes, sec, "cpu_s_per_step", "cpu_ratio_vs_ddp",
+                           "CPU-seconds per step of the whole process tree, in ms of CPU time")
+    out += _overhead_table(sizes, sec, "mean_step_s", "mean_ratio_vs_ddp", "Wall time per step (mean over the window)")
+    bullets: list[str] = []
     for s in sizes:
-        st, rt = s.get("step_s") or {}, s.get("ratio_vs_ddp") or {}
-        out.append(f"| {_params(s.get('params'))} | "
-                   + " | ".join(_mr_time(st.get(k), unit, per_cell) for k in keys) + " | "
-                   + " | ".join(_ratio(rt.get(k), per_cell) for k in rkeys) + " |")
-    out += [""]
-    for s in sizes:
-        rt = s.get("ratio_vs_ddp") or {}
+        rt, ct = s.get("ratio_vs_ddp") or {}, s.get("cpu_ratio_vs_ddp") or {}
         label = f"{_params(s.get('params'))} params"
-        out.append(f"- {label}: " + _overhead_verdict("baton", rt.get("baton")))
-        if "torchft" in rt:
-            out.append(f"- {label}: " + _plain_ratio_sentence("TorchFT", rt.get("torchft")))
-        for k in rkeys:
-            if k not in ("baton", "torchft") and k in rt:
-                out.append(f"- {label}: " + _plain_ratio_sentence(LABELS.get(k, k), rt.get(k)))
-    out.append("")
+        bullets.append(f"{label}: " + _overhead_verdict("baton", rt.get("baton")))
+        if "baton" in ct:
+            bullets.append(f"{label}: " + _overhead_verdict("baton", ct.get("baton"), "CPU-seconds per step"))
+        vb = s.get("verify_vs_baton") or {}
+        if any(_is_mr(v) for v in vb.values()):
+            who = _label("baton-verify", sec)
+            parts = [f"{name} {_ratio(vb.get(m), with_n=True)}" for m, name in
+                     (("cpu_s_per_step", "CPU-seconds per step"), ("mean_step_s", "wall time per step (mean)"),
+                      ("step_s", "step time (median)")) if _is_mr(vb.get(m))]
+            bullets.append(f"{label}: the periodic check, `{who}` / baton within each round: " + ", ".join(parts)
+                           + ". The median step time leaves the checked boundaries out; the other two include them.")
+        for k in ("torchft", *[k for k in rt if k not in ("baton", "baton-verify", "torchft")]):
+            if k in rt:
+                bullets.append(f"{label}: " + _plain_ratio_sentence(_label(k, sec), rt.get(k)))
+            if k in ct:
+                bullets.append(f"{label}: " + _plain_ratio_sentence(_label(k, sec), ct.get(k), "CPU-seconds per step"))
+        others = s.get("cpu_others_s_per_step") or {}
+        total = s.get("cpu_s_per_step") or {}
+        shares = [f"{_label(k, sec)} {1e3 * _med(others[k]):.2f} ms ({100 * _med(others[k]) / _med(total[k]):.1f}%)"
+                  for k in _overhead_keys([s], "cpu_others_s_per_step")
+                  if _is_mr(others.get(k)) and _is_mr(total.get(k)) and _med(total[k])]
+        if shares:
+            bullets.append(f"{label}: CPU per step outside the ranks (launcher, agents, spare, lighthouse), median: "
+                           + ", ".join(shares) + ".")
+    checks = [s.get("cpu_check") for s in sizes if isinstance(s.get("cpu_check"), dict)]
+    if checks:
+        agree = [c["ranks_proc_over_self"] for c in checks if _is_mr(c.get("ranks_proc_over_self"))]
+        lag = max((c["max_harness_lag_s"] for c in checks if isinstance(c.get("max_harness_lag_s"), (int, float))),
+                  default=None)
+        bits = []
+        if agree:
+            lo = min(a.get("min", a["median"]) for a in agree)
+            hi = max(a.get("max", a["median"]) for a in agree)
+            bits.append(f"the ranks' CPU read from `/proc` by the harness is {lo:.2f}–{hi:.2f}× what they read "
+                        "themselves (the harness reads a few ms late, in 10 ms ticks)")
+        if lag is not None:
+            bits.append(f"the harness read the other processes at most {_secs(lag)} after rank 0's report")
+        fallbacks = sum(c.get("tick_fallbacks") or 0 for c in checks)
+        exited = sum(c.get("processes_exited_in_window") or 0 for c in checks)
+        bits.append(f"{exited} process{'es' if exited != 1 else ''} exited inside a window, and "
+                    f"{fallbacks} process{'es were' if fallbacks != 1 else ' was'} read in clock ticks because "
+                    "threads came and went between the harness's reads")
+        notes = sorted({n for c in checks for n in c.get("notes") or []})
+        if notes:
+            bits.append("runs without a CPU figure: " + "; ".join(notes))
+        bullets.append("Checks on the CPU figure: " + "; ".join(bits) + ".")
+    out += [f"- {b}" for b in bullets] + [""]
     if img:
-        out += [f"![steady-state step time per launcher and model size](img/{img})", ""]
+        what = "step time and CPU-seconds per step" if has_cpu else "step time"
+        out += [f"![steady-state {what} per launcher and model size](img/{img})", ""]
     return out
 
 
-def _failures_md(sec: dict, img: str | None) -> list[str]:
+def _failures_md(sec: dict, img: str | None, legacy_stall: bool = False) -> list[str]:
+    """legacy_stall: a results file from before schema 2, whose baton stall counted the absorbed
+    (failed) attempt at the interrupted step as progress; that figure is not shown."""
     cs = _failure_contenders(sec)
+    hidden_stall = None
+    if legacy_stall:
+        cs = [{**c, "stall_s": None} if c.get("key") == "baton" else c for c in cs]
+        hidden_stall = next((c.get("stall_s") for c in _failure_contenders(sec) if c.get("key") == "baton"), None)
     kill_at = sec.get("kill_at") or []
     ykey = f"ckpt-k{sec.get('young_daly_k')}"
     save_s, mtbf_s, step_s = sec.get("save_s"), sec.get("mtbf_s"), sec.get("step_s")
@@ -471,7 +614,9 @@ def _failures_md(sec: dict, img: str | None) -> list[str]:
         "**total** is the wall time of the whole job including process start-up; **train** is first "
         "step to last step; **lost per failure** is (train − plain DDP's failure-free train in the same "
         "round) / kills, so it also contains the contender's steady-state overhead over the whole job; "
-        "**stall** is kill → surviving rank 0 makes progress again; **params equal** "
+        "**stall** is kill → surviving rank 0 completes a step beyond the last one it had reported before "
+        "the kill (an attempt at a step that failed and was absorbed, to be run again, does not count); "
+        "**params equal** "
         "says whether the final parameters are bitwise equal to the same contender's own run without "
         "kills.",
         "",
@@ -559,6 +704,11 @@ def _failures_md(sec: dict, img: str | None) -> list[str]:
         bullets.append(f"No checkpoint-restart result at the Young/Daly K = {sec.get('young_daly_k')}.")
     if bat is None:
         bullets.append("**baton has no result in this section.**")
+    if _is_mr(hidden_stall):
+        bullets.append(f"baton's stall is not shown: this results file predates schema 2, and its figure "
+                       f"({_mr(hidden_stall, 's')}) counted baton's absorbed, failed attempt at the interrupted "
+                       "step as progress, so it timed the failure being absorbed, not training moving on. "
+                       "Time lost per failure is unaffected.")
     out += [f"- {b}" for b in bullets] + ([""] if bullets else [])
 
     notes = [(c.get("name") or c.get("key"), c.get("reference"), c.get("notes")) for c in cs]
@@ -704,6 +854,9 @@ def _caveats(result: dict, missing: dict[str, str]) -> list[str]:
         cav.append(f"Some figures rest on n = {n} runs: their min–max is the range of {n} values.")
     if result.get("preset") == "quick":
         cav.append("Quick preset: fewer runs and sizes than `python bench/run.py --full`.")
+    if result.get("preset") == "tiny":
+        cav.append("**Tiny preset: a smoke test of the harness. One small model, one round, a few steps: "
+                   "its figures mean nothing.**")
     ov, _ = _section(result, "overhead")
     if ov:
         sizes = [s for s in ov.get("sizes") or [] if isinstance(s, dict)]
@@ -716,9 +869,21 @@ def _caveats(result: dict, missing: dict[str, str]) -> list[str]:
         lows = [_params(s.get("params")) for s in sizes
                 if _is_mr((s.get("ratio_vs_ddp") or {}).get("baton")) and s["ratio_vs_ddp"]["baton"].get("min", 1) < 1]
         if lows:
-            cav.append(f"baton / plain DDP dips below 1.00 in some rounds ({', '.join(lows)} params). baton "
-                       "runs the same DDP plus a control plane, so those rounds measure noise; read the "
+            cav.append(f"baton / plain DDP step time dips below 1.00 in some rounds ({', '.join(lows)} params). "
+                       "baton runs the same DDP plus a control plane, so those rounds measure noise; read the "
                        "range, not the median.")
+        has_cpu = any(_is_mr(v) for s in sizes for v in (s.get("cpu_s_per_step") or {}).values())
+        if sizes and not has_cpu:
+            cav.append("This results file has no CPU-seconds per step (the harness measures them since "
+                       "schema 2): the steady-state comparison rests on wall time alone.")
+        elif has_cpu:
+            cav.append("CPU-seconds per step do not count waiting for a core, but they are not free of noise: "
+                       "other load on a shared machine contends for caches and memory bandwidth and stretches "
+                       "the same work, and a rank that waits in a collective may spin. A CPU ratio's range is "
+                       "its noise, as for step time.")
+        if sizes and not any("baton-verify" in (s.get("step_s") or {}) for s in sizes):
+            cav.append("The cost of `baton run --verify-every N` (the periodic replica-agreement check) is not "
+                       "in this results file.")
     fa, _ = _section(result, "failures")
     if fa:
         cav.append("Failures are `kill -9` of a local process, and the warm spare is on the same host. "
@@ -764,31 +929,41 @@ def _err(mrs: list[Any], scale: float = 1.0) -> tuple[list[float], list[list[flo
 
 
 def plot_overhead(sec: dict, path: Path) -> Path | None:
+    """One column per model size; a row for step time and, when measured, one for CPU per step."""
     sizes = [s for s in sec.get("sizes") or []
              if isinstance(s, dict) and any(_is_mr(v) for v in (s.get("step_s") or {}).values())]
     if not sizes:
         return None
+    rows = [("step_s", "ratio_vs_ddp", "step time, median (ms)")]
+    if any(_is_mr(v) for s in sizes for v in (s.get("cpu_s_per_step") or {}).values()):
+        rows.append(("cpu_s_per_step", "cpu_ratio_vs_ddp", "CPU-seconds per step,\nwhole process tree (ms)"))
     plt = _plt()
-    fig, axes = plt.subplots(1, len(sizes), figsize=(3.0 * len(sizes) + 1.2, 3.8), dpi=110, squeeze=False)
-    for ax, s in zip(axes[0], sizes):
-        st, rt = s.get("step_s") or {}, s.get("ratio_vs_ddp") or {}
-        keys = [k for k in ("ddp", "baton", "torchft") if _is_mr(st.get(k))]
-        keys += [k for k in st if k not in keys and _is_mr(st.get(k))]
-        meds, yerr = _err([st[k] for k in keys], 1e3)
-        xs = range(len(keys))
-        ax.bar(xs, meds, yerr=yerr, capsize=4, color=[_contender_color(k) for k in keys], width=0.65)
-        top = max(m + e for m, e in zip(meds, yerr[1]))
-        for x, k, med, e in zip(xs, keys, meds, yerr[1]):
-            r = rt.get(k)
-            if _is_mr(r):
-                ax.text(x, med + e + 0.03 * top, f"{r['median']:.2f}×\n({r.get('min', r['median']):.2f}"
-                        f"{DASH}{r.get('max', r['median']):.2f})", ha="center", va="bottom", fontsize=8)
-        ax.set_xticks(list(xs), [LABELS.get(k, k) for k in keys], fontsize=9)
-        ax.set_ylim(0, top * 1.3)
-        ax.set_title(f"{_params(s.get('params'))} params", fontsize=10)
-        ax.grid(axis="y", alpha=0.3)
-    axes[0][0].set_ylabel("step time (ms)")
-    fig.suptitle(f"Steady-state step time, {sec.get('nproc')} ranks: median, min–max bars, ratio to plain DDP",
+    fig, axes = plt.subplots(len(rows), len(sizes), figsize=(3.6 * len(sizes) + 1.2, 3.6 * len(rows)), dpi=110,
+                             squeeze=False)
+    for r_i, (field, ratio_field, ylabel) in enumerate(rows):
+        for ax, s in zip(axes[r_i], sizes):
+            st, rt = s.get(field) or {}, s.get(ratio_field) or {}
+            keys = [k for k in _overhead_keys([s], field) if _is_mr(st.get(k))]
+            if not keys:
+                ax.set_axis_off()
+                continue
+            meds, yerr = _err([st[k] for k in keys], 1e3)
+            xs = range(len(keys))
+            ax.bar(xs, meds, yerr=yerr, capsize=4, color=[_contender_color(k) for k in keys], width=0.65)
+            top = max(m + e for m, e in zip(meds, yerr[1]))
+            for x, k, med, e in zip(xs, keys, meds, yerr[1]):
+                r = rt.get(k)
+                if _is_mr(r):
+                    ax.text(x, med + e + 0.03 * top, f"{r['median']:.2f}×\n({r.get('min', r['median']):.2f}"
+                            f"{DASH}{r.get('max', r['median']):.2f})", ha="center", va="bottom", fontsize=8)
+            ax.set_xticks(list(xs), [LABELS.get(k, k).replace(" + ", "\n+ ") for k in keys], fontsize=8)
+            ax.set_ylim(0, top * 1.35)
+            if r_i == 0:
+                ax.set_title(f"{_params(s.get('params'))} params", fontsize=10)
+            ax.grid(axis="y", alpha=0.3)
+        axes[r_i][0].set_ylabel(ylabel)
+    check = f"; baton + check = --verify-every {sec['verify_every']}" if sec.get("verify_every") else ""
+    fig.suptitle(f"Steady state, {sec.get('nproc')} ranks: median, min–max bars, ratio to plain DDP{check}",
                  fontsize=10)
     return _save(fig, plt, path)
 
@@ -923,7 +1098,7 @@ def write_report(result: dict, results_path: Path, repo: Path) -> Path:
         if name == "overhead":
             lines += _overhead_md(secs[name], images.get(name))
         elif name == "failures":
-            lines += _failures_md(secs[name], images.get(name))
+            lines += _failures_md(secs[name], images.get(name), legacy_stall=_schema(result) < 2)
         elif name == "downtime":
             lines += _downtime_md(secs[name], images.get(name))
         else:
@@ -963,26 +1138,40 @@ def _torchft_stable_md(repo: Path) -> list[str]:
 
 README_BEGIN = "<!-- bench:headline (generated by bench/report.py) -->"
 README_END = "<!-- /bench:headline -->"
+README_MOVE_BEGIN = "<!-- bench:move-cost (generated by bench/report.py) -->"
+README_MOVE_END = "<!-- /bench:move-cost -->"
+
+
+def _replace_between(text: str, begin: str, end: str, body: str, inline: bool = False) -> str | None:
+    if begin not in text or end not in text:
+        return None
+    head, rest = text.split(begin, 1)
+    tail = rest.split(end, 1)[1]
+    sep = "" if inline else "\n"
+    return head + begin + sep + body + sep + end + tail
 
 
 def update_readme(result: dict, results_path: Path, repo: Path) -> bool:
-    """Rewrite the headline table between the README's bench markers; False if it has none."""
+    """Rewrite the headline tables between the README's bench markers (and the sentence on what
+    moving large state costs, between its own markers, where the README has them); False if
+    the README has no headline markers."""
     readme = Path(repo) / "README.md"
     if not readme.exists():
         return False
     text = readme.read_text()
-    if README_BEGIN not in text or README_END not in text:
-        return False
     machine = result.get("machine") or {}
     rows = [f"Measured {result.get('date', '?')} on {machine.get('cpus', '?')} CPU cores "
             f"({machine.get('cpu_model') or 'unknown CPU'}), torch {machine.get('torch', '?')}, "
-            f"`make bench` ({result.get('preset', '?')} preset); medians over interleaved runs, min–max in "
-            f"brackets. Every figure, how it was measured and where baton loses: "
-            f"[docs/benchmarks.md](docs/benchmarks.md).", "", "| what | result |", "|---|---|"]
-    rows += [f"| {label} | {value} |" for label, value in headline_rows(result)]
-    head, rest = text.split(README_BEGIN, 1)
-    tail = rest.split(README_END, 1)[1]
-    readme.write_text(head + README_BEGIN + "\n" + "\n".join(rows) + "\n" + README_END + tail)
+            f"`{(result.get('commands') or ['make bench'])[0]}` ({result.get('preset', '?')} preset); medians over "
+            "interleaved runs, min–max in brackets. Every figure, how it was measured and where baton loses: "
+            "[docs/benchmarks.md](docs/benchmarks.md).", "", *headline_lines(result)]
+    new = _replace_between(text, README_BEGIN, README_END, "\n".join(rows))
+    if new is None:
+        return False
+    sentence = move_cost_sentence(result)
+    if sentence is not None:
+        new = _replace_between(new, README_MOVE_BEGIN, README_MOVE_END, sentence, inline=True) or new
+    readme.write_text(new)
     return True
 
 
@@ -1008,9 +1197,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"report.py: cannot read {path}: {e}", file=sys.stderr)
         return 2
     out = write_report(result, Path(path), a.repo)
-    print(f"wrote {out}" + (" and the README's headline table" if update_readme(result, Path(path), a.repo) else ""))
-    for label, value in headline_rows(result):
-        print(f"  {label}: {value}")
+    print(f"wrote {out}" + (" and the README's headline tables" if update_readme(result, Path(path), a.repo) else ""))
+    for line in headline_lines(result):
+        print(f"  {line}")
     return 0
 
 

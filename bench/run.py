@@ -1,11 +1,14 @@
 """baton's benchmarks, side by side with what users would run instead, in one run.
 
-    make bench                          # quick preset (under 20 minutes on 2 cores)
+    make bench                          # quick preset (about 21 minutes on 2 cores)
     .venv/bin/python bench/run.py --full
     .venv/bin/python bench/run.py --only overhead,failures --rounds 3
+    .venv/bin/python bench/run.py --preset tiny --only overhead   # does it work? (a minute or two;
+                                        # results to a temp dir, the page is left alone)
 
 Sections (each figure: a median over interleaved runs, with min-max):
-  overhead   step time: plain DDP vs baton vs TorchFT, same model/data/world size
+  overhead   step time and CPU-seconds per step of the whole process tree: plain DDP vs
+             baton vs baton --verify-every N vs TorchFT, same model/data/world size
   failures   job time with kill -9 on a fixed schedule: checkpoint-restart (two K),
              TorchFT, baton with a warm spare; time lost per failure, steps recomputed,
              final parameters vs the failure-free run
@@ -37,19 +40,28 @@ PEERS_PY = BENCH / ".peers-venv" / "bin" / "python"
 
 PRESETS = {
     "quick": {
-        "overhead": {"sizes_m": [2, 10], "steps": 25, "warmup": 5, "nproc": 3},
+        "overhead": {"sizes_m": [2, 10], "steps": 25, "warmup": 5, "nproc": 3, "verify_every": 10},
         "failures": {"params_m": 2, "steps": 48, "nproc": 3, "step_sleep": 0.05, "kill_at": [24], "kill_rank": 1},
         "downtime": {"sizes_mb": [10, 100, 1000]},
         "gpu": {"state_gb": 10},
         "rounds": 5,
     },
     "full": {
-        "overhead": {"sizes_m": [2, 10, 50], "steps": 60, "warmup": 10, "nproc": 3},
+        "overhead": {"sizes_m": [2, 10, 50], "steps": 60, "warmup": 10, "nproc": 3, "verify_every": 10},
         "failures": {"params_m": 2, "steps": 150, "nproc": 3, "step_sleep": 0.05, "kill_at": [50, 100],
                      "kill_rank": 1},
         "downtime": {"sizes_mb": [10, 30, 100, 300, 1000]},
         "gpu": {"state_gb": 10},
         "rounds": 7,
+    },
+    # Checks that every section runs end to end; its figures mean nothing. Never written to
+    # bench/results or the page unless --results-dir says where.
+    "tiny": {
+        "overhead": {"sizes_m": [0.5], "steps": 14, "warmup": 4, "nproc": 3, "verify_every": 10},
+        "failures": {"params_m": 0.5, "steps": 16, "nproc": 3, "step_sleep": 0.05, "kill_at": [8], "kill_rank": 1},
+        "downtime": {"sizes_mb": [10]},
+        "gpu": {"state_gb": 1},
+        "rounds": 1,
     },
 }
 SECTIONS = ("overhead", "failures", "downtime", "gpu")
@@ -85,15 +97,27 @@ def install_peers() -> tuple[str | None, str | None]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--full", action="store_true", help="the full preset: 3 model sizes, 2 kills, 5 state sizes")
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                   help="quick (default, `make bench`), full (= --full) or tiny (a smoke test: one small size, "
+                        "one round; results go to a temp dir and the page is not rewritten)")
+    p.add_argument("--results-dir", type=Path, default=None,
+                   help="where bench-<timestamp>.json goes (default bench/results; tiny: a temp dir)")
     p.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)}")
     p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (runs per contender); "
                    "at least 5 for published figures")
     p.add_argument("--no-report", action="store_true", help="do not regenerate docs/benchmarks.md")
+    p.add_argument("--keep-runs", action="store_true", help="keep every run's directory (logs, progress, "
+                   "cpu.rank*.json) and print where")
     args = p.parse_args(argv)
     sys.path.insert(0, str(BENCH))
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    preset_name = "full" if args.full else "quick"
+    if args.full and args.preset not in (None, "full"):
+        p.error("--full and --preset disagree")
+    preset_name = args.preset or ("full" if args.full else "quick")
     preset = PRESETS[preset_name]
+    if preset_name == "tiny" and args.results_dir is None:
+        args.results_dir = Path(tempfile.mkdtemp(prefix="baton-bench-tiny-"))
+        args.no_report = True  # a smoke test's figures must not become the published page
     rounds = args.rounds or preset["rounds"]
     only = [s for s in args.only.split(",") if s]
     unknown = set(only) - set(SECTIONS)
@@ -102,9 +126,14 @@ def main(argv: list[str] | None = None) -> int:
 
     t_start = time.time()
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    out = REPO / "bench" / "results" / f"bench-{stamp}.json"
-    result: dict = {"schema": 1, "preset": preset_name, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-                    "commands": ["make bench" if not args.full else "make bench ARGS=--full",
+    results_dir = (args.results_dir or REPO / "bench" / "results").resolve()
+    results_dir.mkdir(parents=True, exist_ok=True)
+    out = results_dir / f"bench-{stamp}.json"
+    # schema 2: overhead has CPU-seconds per step and baton-verify; failures' baton stall no
+    # longer counts an absorbed (failed) attempt as progress
+    result: dict = {"schema": 2, "preset": preset_name, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+                    "commands": [{"quick": "make bench", "full": "make bench ARGS=--full"}.get(
+                                     preset_name, f"make bench ARGS='--preset {preset_name}'"),
                                  " ".join(["python bench/run.py", *(argv if argv is not None else sys.argv[1:])])],
                     "machine": machine(), "rounds": rounds}
     py = sys.executable
@@ -132,11 +161,16 @@ def main(argv: list[str] | None = None) -> int:
                 result[section] = {"skipped": f"failed: {type(e).__name__}: {e}"}
                 print(f"  {section} FAILED: {e}", flush=True)
             print(f"  ({section}: {time.time() - t0:.0f} s)", flush=True)
+            result.setdefault("section_s", {})[section] = round(time.time() - t0, 1)
             save()
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if args.keep_runs:
+            print(f"run directories kept in {tmp}")
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
     save()
-    print(f"\nresults: {out.relative_to(REPO)} ({(time.time() - t_start) / 60:.1f} min)")
+    shown = out.relative_to(REPO) if out.is_relative_to(REPO) else out
+    print(f"\nresults: {shown} ({(time.time() - t_start) / 60:.1f} min)")
     if not args.no_report:
         from report import update_readme, write_report
 

@@ -11,8 +11,13 @@ only in the harness around the step. What the workload leaves in --run-dir:
 
   progress.jsonl  rank 0 only, one JSON line per event, wall-clock "t" (time.time()):
                   {"ev": "start", "process_start"} / {"ev": "resume", "step", "load_s"} /
-                  {"ev": "step", "step"} (steps done) / {"ev": "save", "step", "save_s"} / {"ev": "done"}
+                  {"ev": "step", "step"} (steps done) / {"ev": "absorbed", "step"} (baton: an attempt
+                  at that step failed, was absorbed and will run again; not progress) /
+                  {"ev": "save", "step", "save_s"} / {"ev": "done"}
   pid.rank<R>     the pid of the process that is rank R now (rewritten by a restart or a spare)
+  cpu.rank<R>.json  this rank's own CPU time (getrusage RUSAGE_SELF: every thread, µs resolution)
+                  when it had done --warmup steps and when it had done all --steps, with the
+                  wall-clock time of each mark: the ranks' share of the steady-state CPU figure
   ckpt/           checkpoint-restart only: step-<N>.pt, written atomically by rank 0
   final.pt        rank 0's final parameters
 """
@@ -23,6 +28,7 @@ import argparse
 import itertools
 import json
 import os
+import resource
 import time
 from pathlib import Path
 
@@ -63,11 +69,19 @@ def batches_from(loader: DataLoader, step: int):
         epoch, skip = epoch + 1, 0
 
 
-class Progress:
-    """Rank 0's event log and every rank's pid file, for the drivers that kill and time."""
+def _cpu_mark(done: int) -> dict:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return {"t": time.time(), "cpu_s": ru.ru_utime + ru.ru_stime, "step": done}
 
-    def __init__(self, run_dir: str | None, rank: int, **tags):
+
+class Progress:
+    """Rank 0's event log and every rank's pid and CPU files, for the drivers that kill and time."""
+
+    def __init__(self, run_dir: str | None, rank: int, window: tuple[int, int] | None = None, **tags):
         self.dir = Path(run_dir) if run_dir else None
+        self.rank = rank
+        self.window = window  # (warmup, steps): when to read this process's CPU time
+        self.marks: dict[str, dict] = {}
         self.tags = tags
         self.log = None
         if self.dir is not None:
@@ -79,6 +93,20 @@ class Progress:
     def emit(self, ev: str, **kw) -> None:
         if self.log is not None:
             self.log.write(json.dumps({"ev": ev, "t": time.time(), **self.tags, **kw}) + "\n")
+
+    def step(self, done: int, **kw) -> None:
+        """`done` steps are complete: read this process's CPU time at the window's edges (before
+        the event, so rank 0's event, which the harness acts on, follows every mark it pairs with)."""
+        if self.dir is not None and self.window is not None:
+            warmup, steps = self.window
+            if "warm" not in self.marks and done >= warmup:
+                self.marks["warm"] = _cpu_mark(done)
+            if "end" not in self.marks and "warm" in self.marks and done >= steps:
+                self.marks["end"] = _cpu_mark(done)
+                tmp = self.dir / f".cpu.rank{self.rank}.json.tmp"
+                tmp.write_text(json.dumps({"pid": os.getpid(), **self.marks}))
+                os.replace(tmp, self.dir / f"cpu.rank{self.rank}.json")
+        self.emit("step", step=done, **kw)
 
 
 def _latest_checkpoint(ckpt_dir: Path) -> Path | None:
@@ -115,7 +143,7 @@ def run_ddp(args) -> None:
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     _init_ddp_group(attempt)
     rank, world = dist.get_rank(), dist.get_world_size()
-    progress = Progress(args.run_dir, rank, attempt=attempt)
+    progress = Progress(args.run_dir, rank, _window(args), attempt=attempt)
     progress.emit("start", process_start=T_PROCESS_START)
     torch.manual_seed(0)
     # DDP rebuilds its buckets after the first step in gradient-ready order, so the first step
@@ -140,7 +168,7 @@ def run_ddp(args) -> None:
             break
         _step(model, opt, batch, args.step_sleep)
         done = step + 1
-        progress.emit("step", step=done)
+        progress.step(done)
         if args.ckpt_every and rank == 0 and done % args.ckpt_every == 0 and done < args.steps:
             t0 = time.perf_counter()
             tmp = ckpt_dir / f".step-{done}.pt.tmp"
@@ -155,7 +183,7 @@ def run_baton(args) -> None:
     import baton
 
     job = baton.init()
-    progress = Progress(args.run_dir, job.rank)
+    progress = Progress(args.run_dir, job.rank, _window(args))
     progress.emit("start", process_start=T_PROCESS_START)
     torch.manual_seed(0)
     model = job.wrap(build_model(args.params_m))
@@ -164,7 +192,10 @@ def run_baton(args) -> None:
     for s in job.steps(args.steps):
         with s:
             _step(model, opt, s.batch, args.step_sleep)
-        progress.emit("step", step=s.index + 1)
+        if s.failed:  # absorbed: this attempt did not count and the loop yields the same step again
+            progress.emit("absorbed", step=s.index + 1)
+            continue
+        progress.step(s.index + 1)
     _finish(progress, job.rank, model.module, args)
     job.finish()
 
@@ -178,7 +209,8 @@ def run_torchft(args) -> None:
     from torchft import DistributedDataParallel, Manager, Optimizer, ProcessGroupGloo
 
     replica, groups = int(os.environ["REPLICA_GROUP_ID"]), int(os.environ["NUM_REPLICA_GROUPS"])
-    progress = Progress(args.run_dir, replica, attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+    progress = Progress(args.run_dir, replica, _window(args),
+                        attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
     progress.emit("start", process_start=T_PROCESS_START)
     if args.run_dir and progress.tags["attempt"] == 0:
         _wait_for_pid_files(Path(args.run_dir), groups)
@@ -213,10 +245,14 @@ def run_torchft(args) -> None:
         if args.step_sleep:
             time.sleep(args.step_sleep)
         at += 1  # an uncommitted step leaves current_step behind: the same batch is retried
-        progress.emit("step", step=manager.current_step(), committed=manager.current_step() > before,
+        progress.step(manager.current_step(), committed=manager.current_step() > before,
                       participants=manager.num_participants(), batches=manager.batches_committed())
     _finish(progress, replica, model, args)
     manager.shutdown(wait=False)
+
+
+def _window(args) -> tuple[int, int] | None:
+    return (args.warmup, args.steps) if args.warmup is not None else None
 
 
 def _wait_for_pid_files(run_dir: Path, n: int, timeout: float = 120) -> None:
@@ -244,6 +280,8 @@ def main() -> None:
     p.add_argument("--step-sleep", type=float, default=0.0, help="idle seconds per step (a longer step "
                    "without more CPU: stands in for a GPU step on a 2-core machine)")
     p.add_argument("--ckpt-every", type=int, default=0, help="ddp: save a checkpoint every K steps, resume")
+    p.add_argument("--warmup", type=int, default=None, help="write cpu.rank<R>.json: this process's CPU time "
+                   "after WARMUP steps and after the last step")
     p.add_argument("--run-dir", default=None)
     args = p.parse_args()
     torch.set_num_threads(1)
