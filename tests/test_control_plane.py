@@ -237,3 +237,15 @@ def test_a_full_disk_under_the_state_store_is_survived(tmp_path, gpt_reference):
             job.kill()
     finally:
         subprocess.run(["umount", "-l", str(mnt)])
+
+
+def test_a_short_formation_timeout_neither_hangs_nor_fails(tmp_path):
+    job = Job(tmp_path, nproc=3, spares=1, steps=40, script_args=["--step-sleep", "0.05"],
+              run_args=["--formation-timeout", "0.2"])
+    try:
+        job.wait_step(5)
+        job.signal_rank(1, signal.SIGKILL)
+        assert job.wait(timeout=120) == 0, job.log()
+        assert _kinds(job.events()) == [("unplanned", "resolved")]
+    finally:
+        job.kill()
