@@ -34,6 +34,22 @@ class Net(nn.Module):
         return self.fc(self.drop(torch.flatten(x, 1)))
 
 
+class Augmented(torch.utils.data.Dataset):
+    """Random flips and noise per sample, drawn in the loader's worker processes."""
+
+    def __init__(self, base: TensorDataset):
+        self.base = base
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitem__(self, i: int):
+        x, y = self.base[i]
+        if torch.rand(()) < 0.5:
+            x = x.flip(-1)
+        return x + 0.05 * torch.randn_like(x), y
+
+
 def synthetic(n: int, seed: int) -> TensorDataset:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 3, 8, 8, generator=g)
@@ -48,6 +64,8 @@ def main() -> None:
     p.add_argument("--train-samples", type=int, default=384)
     p.add_argument("--width", type=int, default=8)
     p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--workers", type=int, default=0, help="DataLoader worker processes")
+    p.add_argument("--augment", action="store_true", help="random flips and noise per training sample")
     p.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step (tests)")
     p.add_argument("--val-sleep", type=float, default=0.0, help="extra seconds in validation (tests)")
     p.add_argument("--out", default=None, help="save the final state here (rank 0) and .rankN copies")
@@ -62,9 +80,11 @@ def main() -> None:
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
     scaler = torch.amp.GradScaler("cpu")
     train = synthetic(args.train_samples, 1)
+    if args.augment:
+        train = Augmented(train)
     val = synthetic(96, 2)
     sampler = DistributedSampler(train, num_replicas=job.world_size, rank=job.rank, shuffle=True, seed=3)
-    loader = DataLoader(train, batch_size=args.batch, sampler=sampler, drop_last=True)
+    loader = DataLoader(train, batch_size=args.batch, sampler=sampler, drop_last=True, num_workers=args.workers)
     val_loader = DataLoader(val, batch_size=16,
                             sampler=DistributedSampler(val, job.world_size, job.rank, shuffle=False))
     job.track(data=loader)  # model, optimizer, scheduler and scaler are found by baton

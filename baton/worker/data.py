@@ -9,6 +9,14 @@ Rebuilding must also reproduce the epoch's shuffle. `iter(loader)` draws seeds f
 torch's generator (or the loader's own): the generator states just before the
 epoch's iterator was created are kept as the *epoch record*, part of the rank's
 bundle, and a rebuild recreates the iterator from them.
+
+Loader worker processes (`num_workers > 0`) are seeded from that same draw, and each
+one's random stream then advances with every sample it transforms (random crops,
+flips, noise). Skipping on indices would hand a worker a fresh stream, so with workers
+the rebuild loads the epoch's earlier batches and drops them: slower (the time to load
+them, in parallel workers), but each worker's stream is exactly where it was.
+`persistent_workers=True` keeps streams across epochs, which no rebuild can reproduce,
+so it is refused up front.
 """
 
 from __future__ import annotations
@@ -62,6 +70,12 @@ def _generators(data: Any) -> list[torch.Generator]:
 
 class DataFeed:
     def __init__(self, data: Any | None, batches_per_step: int = 1):
+        if isinstance(data, DataLoader) and data.num_workers > 0 and data.persistent_workers:
+            from baton.worker.tracked import UsageError
+
+            raise UsageError("job.track(data=...): a DataLoader with persistent_workers=True keeps its workers' "
+                             "random streams across epochs, which a replacement rank cannot reproduce; "
+                             "use persistent_workers=False")
         self.data = data
         self.per_step = batches_per_step
         self.epoch = 0
@@ -162,12 +176,12 @@ class DataFeed:
         data = self.data
         if skip == 0:
             it = iter(data)
-        elif isinstance(data, DataLoader) and data.batch_sampler is not None and \
+        elif isinstance(data, DataLoader) and data.batch_sampler is not None and data.num_workers == 0 and \
                 not isinstance(data.dataset, IterableDataset):
             it = iter(_loader_from(data, skip))
         else:
             it = iter(data)
-            for _ in range(skip):  # generic iterables: no way around reading them
+            for _ in range(skip):  # loader workers, generic iterables: read and drop
                 next(it)
             return it
         # Draw what the first next() draws (a RandomSampler's seed) now, as the original
