@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, TypeAdapter
+from pydantic import PositiveFloat, BaseModel, ConfigDict, Field, NonNegativeInt, TypeAdapter
 
 Pos = tuple[NonNegativeInt, NonNegativeInt]
 Addr = tuple[Annotated[str, Field(min_length=1, max_length=255)], Annotated[int, Field(ge=1, le=65535)]]
@@ -201,6 +201,7 @@ class Form(_Msg):
     lost: LostRank | None = None
     buddies: list[Addr] = []  # where this rank pushes its bundles in the new generation
     verify: bool = True
+    formation_timeout_s: PositiveFloat | None = None  # longer than configured on a retry
 
 
 class Abort(_Msg):

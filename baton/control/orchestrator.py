@@ -43,6 +43,7 @@ from baton.control.state import (
 from baton.store.sqlite import SqliteStore
 
 log = logging.getLogger("baton.orchestrator")
+EXIT_PEER_LOST = 75  # a rank's exit code for "died of a lost peer" (baton.worker.job)
 TICK_S = 0.25  # how often the host calls tick()
 
 
@@ -110,6 +111,8 @@ class Operation:
     rerun: bool = False  # some survivor discarded a partial step and re-runs it
     target: tuple[int, int] | None = None  # the position the new generation forms at
     failed_at: float | None = None  # when the failure happened (not when it was detected)
+    form_deadline: float | None = None  # forming must be over by then, or it is retried
+    form_tries: int = 0
 
 
 class Orchestrator:
@@ -181,6 +184,7 @@ class Orchestrator:
                     else max(30.0, 10 * self.config.heartbeat_timeout_s)
                 if now - w.last_seen > limit:
                     self._worker_lost(w, f"no heartbeat for {now - w.last_seen:.1f}s (hung)")
+            self._check_forming(now)
             op = self.op
             if op and op.phase == "collect" and op.collect_deadline and now > op.collect_deadline:
                 for r, info in self.ranks.items():
@@ -472,6 +476,10 @@ class Orchestrator:
                     self._emit("note", {"message": f"rank {w.rank} exited with code {returncode} after "
                                                    "job.finish()"})
                 self._maybe_end_after_finish()
+            elif returncode == EXIT_PEER_LOST and prev == WorkerRole.RANK:
+                # The script died of a lost peer where it could not absorb it: not its bug.
+                self._worker_lost(w, "exited after a lost peer (the failure reached code outside a step)",
+                                  failed_at=time.time())
             elif returncode > 0 and prev == WorkerRole.RANK:
                 # The script ended with an error of its own: a bug, not a hardware failure.
                 self.failure = self.failure or f"rank {w.rank} exited with code {returncode}"
@@ -649,20 +657,23 @@ class Orchestrator:
         assert op is not None
         if op.phase != "pausing" or len(op.paused) < len(self.ranks):
             return
-        op.phase = "forming"
+        self._enter_forming(op)
         pos = op.target or (op.target_step or 0, 0)
         op.target_step = pos[0]
+        ft = self._formation_timeout(op)
         for r, info in self.ranks.items():
             assert info.worker
             move = op.moves.get(r)
             if move is None:
-                self._post(info.worker, m.Form(generation=op.generation, pos=pos, buddies=self._buddy_addr(r, op)))
+                self._post(info.worker, m.Form(generation=op.generation, pos=pos, buddies=self._buddy_addr(r, op),
+                                               formation_timeout_s=ft))
                 continue
             leaver = self.workers[move.from_worker or ""]
             self._post(leaver.id, m.Publish(generation=op.generation, pos=pos, leave=True))
             assert move.to_worker and leaver.transfer_addr
             self._post(move.to_worker, m.Form(generation=op.generation, pos=pos, fetch_from=[leaver.transfer_addr],
-                                              full_state=True, buddies=self._buddy_addr(r, op)))
+                                              full_state=True, buddies=self._buddy_addr(r, op),
+                                              formation_timeout_s=ft))
 
     # ------------------------------------------------------------------ unplanned
     def _redundancy(self) -> int:
@@ -729,6 +740,40 @@ class Orchestrator:
                 self._restart_collect(op)
         self._advance_collect()
 
+    FORM_TRIES = 4
+
+    def _formation_timeout(self, op: Operation) -> float:
+        """The configured formation timeout, doubled for every attempt that ran out of it."""
+        return self.config.formation_timeout_s * (2 ** op.form_tries)
+
+    def _enter_forming(self, op: Operation) -> None:
+        op.phase = "forming"
+        op.form_deadline = (time.time() + self._formation_timeout(op) + self.config.op_timeout_s
+                            + self.config.collect_grace_s)
+
+    def _check_forming(self, now: float) -> None:
+        """The forming phase's deadline: try again with twice the time, then fail clearly."""
+        op = self.op
+        if op is None or op.phase != "forming" or op.form_deadline is None or now < op.form_deadline:
+            return
+        op.form_tries += 1
+        waited = self.config.formation_timeout_s * (2 ** (op.form_tries - 1))
+        if op.form_tries >= self.FORM_TRIES:
+            self._lost_everything(op, f"generation {op.generation} did not form after {op.form_tries} attempts "
+                                      f"(the last allowed {waited:.1f}s); raise --formation-timeout (now "
+                                      f"{self.config.formation_timeout_s}s) if ranks are slow to start or fetch "
+                                      "state")
+            return
+        self._emit("note", {"message": f"generation {op.generation} did not form within {waited:.1f}s; "
+                                       f"trying again with {2 * waited:.1f}s"})
+        if op.kind == EventKind.UNPLANNED:
+            self._restart_collect(op)
+            self._advance_collect()
+            return
+        for rank, move in op.moves.items():
+            self._retry_moves.append((rank, op.kind, self.events[move.event_id - 1].cause))
+        self._open_recovery(cause=f"generation {op.generation} of a {op.kind.value} move did not form in time")
+
     def _restart_collect(self, op: Operation) -> None:
         """Lost someone while forming: a new generation, and everyone goes back to collecting."""
         op.phase = "collect"
@@ -786,8 +831,9 @@ class Orchestrator:
                     return
                 move.to_worker = spares[0].id
                 self._assign_joiner(spares[0], rank, op)
-        op.phase = "forming"
+        self._enter_forming(op)
         op.waiting_message = None
+        ft = self._formation_timeout(op)
         sources = [r for r in survivors if op.boundaries[r] == target]
         addrs = [self.workers[self.ranks[r].worker or ""].transfer_addr for r in sources]
         for r in survivors:
@@ -795,14 +841,15 @@ class Orchestrator:
             assert wid
             if op.boundaries[r] == target:
                 self._post(wid, m.Form(generation=op.generation, pos=target, publish=True,
-                                       buddies=self._buddy_addr(r, op)))
+                                       buddies=self._buddy_addr(r, op), formation_timeout_s=ft))
             else:
                 self._post(wid, m.Form(generation=op.generation, pos=target, fetch_from=addrs,
-                                       buddies=self._buddy_addr(r, op)))
+                                       buddies=self._buddy_addr(r, op), formation_timeout_s=ft))
         for rank, move in op.moves.items():
             assert move.to_worker
             self._post(move.to_worker, m.Form(generation=op.generation, pos=target, fetch_from=addrs,
-                                              lost=self._lost_rank(rank, op), buddies=self._buddy_addr(rank, op)))
+                                              lost=self._lost_rank(rank, op), buddies=self._buddy_addr(rank, op),
+                                              formation_timeout_s=ft))
 
     def _lost_rank(self, rank: int, op: Operation) -> m.LostRank:
         """Where the rank-local state of a lost rank lives: its old buddy, and what is held here."""

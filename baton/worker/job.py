@@ -87,7 +87,7 @@ class Step:
             return False
         if issubclass(exc_type, (KeyboardInterrupt, SystemExit, GeneratorExit)):
             return False
-        if not rt.committed and rt._is_peer_failure(exc):
+        if not rt.committed and rt.is_peer_failure(exc):
             self.failed = True
             self.error = f"{exc_type.__name__}: {exc}"[:2000]
             return True
@@ -278,6 +278,7 @@ def init() -> Job:
     os.environ.update(RANK=str(cmd.rank), WORLD_SIZE=str(cmd.world_size), LOCAL_RANK=str(cmd.rank),
                       LOCAL_WORLD_SIZE=str(cmd.world_size))
     rt = Runtime(ctl, server, store, cmd.rank, cmd.world_size, cmd.joiner, config, token)
+    _RUNTIME[0] = rt
     return Job(rt)
 
 
@@ -308,6 +309,10 @@ def _warm_up() -> None:
 
 
 _EXIT_CODE = [0]
+_RUNTIME: list[Runtime | None] = [None]
+# A rank whose script died of a lost peer (not of its own bug) exits with this code, and the
+# orchestrator recovers it like any lost rank instead of ending the job as a script error.
+EXIT_PEER_LOST = 75
 
 
 def _exit_now() -> None:
@@ -332,6 +337,12 @@ def _install_excepthook(ctl: ControlChannel) -> None:
 
     def hook(exc_type, exc, tb):  # noqa: ANN001
         _EXIT_CODE[0] = 1
+        rt = _RUNTIME[0]
+        if rt is not None and not issubclass(exc_type, (KeyboardInterrupt, UsageError)) and \
+                rt.is_peer_failure(exc):
+            log.error("a peer was lost and the script could not absorb it here (%s: %s); this rank "
+                      "will be replaced", exc_type.__name__, exc)
+            exit_quietly(EXIT_PEER_LOST)
         if not issubclass(exc_type, KeyboardInterrupt):
             try:
                 text = "".join(traceback.format_exception(exc_type, exc, tb))

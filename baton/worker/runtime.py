@@ -125,7 +125,7 @@ class Runtime:
         ctl.on_abort = lambda: self.group.note_failure("a peer was lost (orchestrator abort)")
         if not joiner:
             cmd = self.wait_for(m.Form)
-            self.form(cmd.generation, cmd.buddies)
+            self.form(cmd.generation, cmd.buddies, cmd.formation_timeout_s)
             self.ctl.report(m.Formed(generation=cmd.generation, pos=(0, 0)))
 
     # ================================================================ the loop
@@ -287,16 +287,28 @@ class Runtime:
             self.ctl.report_now(m.UnitDone(pos=after, bundle=_text(bundle)))
             reported = True
             with self.group.internal():  # nobody moves on until every rank's bundle is durable
-                self.group.barrier().wait(timedelta(seconds=self.op_timeout))
+                self._wait_internal(self.group.barrier(), "the barrier after a boundary function")
         except BaseException as exc:
             self.scope = self.tracked.scope = None
-            if not self._is_peer_failure(exc):
+            if not self.is_peer_failure(exc):
                 raise
             self._reset_ddp()
             self.recover(in_step=False, error=f"{type(exc).__name__}: {exc}",
                          unit=(start_pos, small, start_bundle, start_rng, reported))
             return
         self.pos, self.at_pos, self.at_pos_rng = after, bundle, after_rng
+
+    def _wait_internal(self, work: dist.Work, what: str) -> None:
+        """Wait for one of baton's own collectives. Work.wait's timeout raises a bare
+        RuntimeError, before gloo's own op timeout fails the future: that is a lost peer too."""
+        try:
+            work.wait(timedelta(seconds=self.op_timeout))
+        except CollectiveFailure:
+            raise
+        except RuntimeError as exc:
+            err = CollectiveFailure(f"{what} did not complete: {exc} (peer lost)")
+            self.group.note_failure(err)
+            raise err from exc
 
     def _check_no_stray_draws(self, where: str) -> None:
         if self.at_pos_rng is None:
@@ -397,7 +409,7 @@ class Runtime:
         where = "a boundary function" if self.scope == "boundary" else "outside `with step:`"
         raise UsageError(f"optimizer.step() ran in {where}: parameters may only change inside steps")
 
-    def _is_peer_failure(self, exc: BaseException) -> bool:
+    def is_peer_failure(self, exc: BaseException) -> bool:
         if isinstance(exc, (UsageError, KeyboardInterrupt, SystemExit, GeneratorExit)):
             return False
         if self.group.failed.is_set():
@@ -424,7 +436,7 @@ class Runtime:
                 continue
             if isinstance(cmd, m.Form):
                 try:
-                    self.form(cmd.generation, cmd.buddies)
+                    self.form(cmd.generation, cmd.buddies, cmd.formation_timeout_s)
                     if cmd.verify:
                         self.verify_state(cmd.generation, None)
                 except (CollectiveFailure, dist.DistError, TransferError) as exc:
@@ -507,7 +519,7 @@ class Runtime:
                     self.at_pos, self.at_pos_rng = self._capture_at(target)
                 elif target == pos:
                     self.pos = target
-                elif self.capture is not None and target == self.capture.pos:
+                elif self.capture is not None and target == self.capture.bundle.pos:
                     # Others completed the step this rank abandoned: take their result.
                     self._fetch_replicated(cmd.fetch_from, cmd.generation, target)
                     self._apply_bundle(self.capture.bundle.state())
@@ -519,7 +531,7 @@ class Runtime:
                 if cmd.publish:
                     self.publish(cmd.generation, full=False)
                 self._clear_abort(cmd.generation)
-                self.form(cmd.generation, cmd.buddies)
+                self.form(cmd.generation, cmd.buddies, cmd.formation_timeout_s)
                 if cmd.verify:
                     self.verify_state(cmd.generation, None)
             except (CollectiveFailure, dist.DistError, TransferError, OSError) as exc:
@@ -589,7 +601,7 @@ class Runtime:
             try:
                 t0 = time.perf_counter()
                 flat, stats = fetch_state([tuple(s) for s in cmd.fetch_from], gen, self.token,
-                                          timeout=self.formation_timeout)
+                                          timeout=cmd.formation_timeout_s or self.formation_timeout)
                 state = codec.decode(flat.meta, flat.tensors)
                 if tuple(state["pos"]) != target:
                     raise TransferError(f"sources serve position {state['pos']}, expected {list(target)}")
@@ -610,7 +622,7 @@ class Runtime:
                 self.at_pos = Bundle.of(self.rank, target, gen, 0, bundle_state)  # type: ignore[arg-type]
                 self.at_pos_rng = bundle_state["rng"]
                 self._clear_abort(gen)
-                self.form(gen, cmd.buddies)
+                self.form(gen, cmd.buddies, cmd.formation_timeout_s)
                 secs = time.perf_counter() - t0
                 self.verify_state(gen, expected, bundle_state=bundle_state)
             except (CollectiveFailure, dist.DistError, TransferError, OSError) as exc:
@@ -647,12 +659,12 @@ class Runtime:
         return state
 
     # ================================================================ forming and checking
-    def form(self, generation: int, buddies: list[Any]) -> None:
+    def form(self, generation: int, buddies: list[Any], timeout: float | None = None) -> None:
         def superseded() -> bool:
             with self.ctl.lock:
                 return self.ctl.abort_generation is not None and self.ctl.abort_generation > generation
 
-        self.group.form(self.store, generation, self.op_timeout, self.formation_timeout, superseded)
+        self.group.form(self.store, generation, self.op_timeout, timeout or self.formation_timeout, superseded)
         self.pusher.set_buddies([tuple(b) for b in buddies])
 
     def _full_digests(self, replicated: dict[str, Any], bundle_state: dict[str, Any]) -> dict[str, int]:
@@ -672,7 +684,7 @@ class Runtime:
         t = torch.tensor([verify.to_signed(mine)], dtype=torch.int64)
         out = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
         with self.group.internal():
-            self.group.allgather([out], [t]).wait(timedelta(seconds=self.op_timeout))
+            self._wait_internal(self.group.allgather([out], [t]), "the state check")
         values = [int(x.item()) for x in out]
         differing: list[str] = []
         detail = ""
