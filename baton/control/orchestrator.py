@@ -27,7 +27,9 @@ from typing import Any, Callable, Protocol
 
 from pydantic import BaseModel
 
+from baton.control import effects as fx
 from baton.control import messages as m
+from baton.control.effects import DecisionLock
 from baton.control.mailbox import Mailboxes
 from baton.control.state import (
     Event,
@@ -121,7 +123,7 @@ class Orchestrator:
         self.store = store
         self.scheduler = scheduler
         self.mail = Mailboxes()
-        self._lock = threading.RLock()
+        self._lock = DecisionLock(self._apply)
         self._last_tick = 0.0
         self._retry_moves: list[tuple[int, EventKind, str]] = []  # planned moves whose joiner was lost
         self.slots: dict[str, Slot] = {}
@@ -163,9 +165,37 @@ class Orchestrator:
         self._worker_ids += 1
         worker = Worker(id=wid, slot=slot, intended_rank=intended_rank)
         self.workers[wid] = worker
-        assert self.scheduler is not None
-        worker.pid = self.scheduler.start(wid, slot)
+        self._lock.add(fx.StartWorker(wid, slot))
         return worker
+
+    def _kill(self, worker_id: str, dump_stacks: bool = False) -> None:
+        self._lock.add(fx.KillWorker(worker_id, dump_stacks))
+
+    def _apply(self, effect: fx.Effect) -> None:
+        """Carry out one decided effect, outside the decision lock."""
+        if isinstance(effect, fx.StartWorker):
+            assert self.scheduler is not None
+            try:
+                pid = self.scheduler.start(effect.worker_id, effect.slot)
+            except OSError as exc:
+                log.error("could not start %s on %s: %s", effect.worker_id, effect.slot, exc)
+                self.worker_exited(effect.worker_id, 127)
+                return
+            with self._lock:
+                self.workers[effect.worker_id].pid = self.workers[effect.worker_id].pid or pid
+        elif isinstance(effect, fx.KillWorker):
+            if self.scheduler is not None:
+                self.scheduler.kill(effect.worker_id, dump_stacks=effect.dump_stacks)
+        elif isinstance(effect, fx.Emit):
+            for fn in self.listeners:
+                try:
+                    fn(effect.kind, effect.data)
+                except Exception:  # a listener must never break the brain
+                    log.exception("listener failed")
+        elif isinstance(effect, fx.WriteEvent):
+            self.store.put_event(effect.event_id, effect.body)
+        elif isinstance(effect, fx.WriteRows):
+            self.store.put_many(effect.rows)
 
     def tick(self) -> None:
         """Periodic checks: hung workers, collect deadlines, spare replenishment."""
@@ -380,7 +410,7 @@ class Orchestrator:
         ev.status, ev.step = "failed", rep.pos[0]
         ev.note = "differing: " + ", ".join(rep.differing[:50])
         ev.resolved_without_rollback = False
-        self.store.put_event(ev.id, ev.to_json())
+        self._lock.add(fx.WriteEvent(ev.id, ev.to_json()))
         self._emit("divergence", {"rank": w.rank, "detail": rep.detail, "differing": rep.differing[:50]})
         self._fail(f"state check failed at step {rep.pos[0]} on rank {w.rank}: {rep.detail}; differing "
                    f"entries: {', '.join(rep.differing[:20])}")
@@ -405,7 +435,7 @@ class Orchestrator:
                 if joiner is not None and joiner.role == WorkerRole.RANK and joiner.id != self.ranks[move.rank].worker:
                     joiner.role = WorkerRole.GONE
                     if self.scheduler is not None:
-                        self.scheduler.kill(joiner.id)
+                        self._kill(joiner.id)
             self._emit("cancelled", {"op": op.id, "reason": "job finished first"})
             self.op = None
         elif op is not None:
@@ -422,7 +452,7 @@ class Orchestrator:
                 spare.role = WorkerRole.GONE
                 self._post(spare.id, m.Stop(reason="training finished"))
                 if self.scheduler is not None and spare.pid is None:
-                    self.scheduler.kill(spare.id)
+                    self._kill(spare.id)
         self._maybe_end_after_finish()
 
     def _maybe_end_after_finish(self) -> None:
@@ -524,7 +554,7 @@ class Orchestrator:
         role, rank = w.role, w.rank
         w.role = WorkerRole.GONE
         if self.scheduler is not None:
-            self.scheduler.kill(w.id, dump_stacks="hung" in cause)
+            self._kill(w.id, dump_stacks="hung" in cause)
         self._emit("worker-lost", {"worker": w.id, "slot": w.slot, "rank": rank, "cause": cause})
         if rank is None or role not in (WorkerRole.RANK,):
             return
@@ -713,7 +743,7 @@ class Orchestrator:
                     # script as that rank) cannot serve another rank: stop it, free the slot.
                     joiner.role = WorkerRole.GONE
                     if self.scheduler is not None:
-                        self.scheduler.kill(joiner.id)
+                        self._kill(joiner.id)
             op = None
             self.op = None
         if op is None:
@@ -910,7 +940,7 @@ class Orchestrator:
             ev.steps_rerun = 1 if op.rerun else 0
             ev.resolved_without_rollback = ev.steps_lost == 0
             ev.status = "resolved"
-            self.store.put_event(ev.id, ev.to_json())
+            self._lock.add(fx.WriteEvent(ev.id, ev.to_json()))
             self._emit("resolved", ev.to_json())
         self.op = None
         for info in self.ranks.values():
@@ -978,13 +1008,13 @@ class Orchestrator:
 
     def _close(self, ev: Event, status: str, note: str) -> None:
         ev.status, ev.note = status, note
-        self.store.put_event(ev.id, ev.to_json())
+        self._lock.add(fx.WriteEvent(ev.id, ev.to_json()))
 
     def _new_event(self, kind: EventKind, cause: str, rank: int | None, from_slot: str | None) -> Event:
         ev = Event(id=len(self.events) + 1, kind=kind, cause=cause, rank=rank, from_slot=from_slot,
                    to_slot=None, detected_at=time.time())
         self.events.append(ev)
-        self.store.put_event(ev.id, ev.to_json())
+        self._lock.add(fx.WriteEvent(ev.id, ev.to_json()))
         return ev
 
     def _end(self, code: int, spare_worker: str | None = None) -> None:
@@ -998,7 +1028,7 @@ class Orchestrator:
             for w in self.workers.values():
                 # The worker that reported the error exits by itself, printing its traceback.
                 if w.role != WorkerRole.GONE and self.scheduler is not None and w.id != spare_worker:
-                    self.scheduler.kill(w.id)
+                    self._kill(w.id)
         self.done.set()
 
     def _check_running(self) -> None:
@@ -1022,11 +1052,7 @@ class Orchestrator:
 
     def _emit(self, kind: str, data: dict[str, Any]) -> None:
         log.info("%s %s", kind, data)
-        for fn in self.listeners:
-            try:
-                fn(kind, data)
-            except Exception:  # a listener must never break the brain
-                log.exception("listener failed")
+        self._lock.add(fx.Emit(kind, data))
 
     # ------------------------------------------------------------------ views
     def yoco_ratio(self) -> float | None:
@@ -1089,7 +1115,7 @@ class Orchestrator:
                  for r, i in self.ranks.items()]
         rows.append(("job", self.config.job_id, {"generation": self.generation, "exit_code": self.exit_code,
                                                  "world_size": self.config.world_size}))
-        self.store.put_many(rows)
+        self._lock.add(fx.WriteRows(rows))
 
 
 def _loop_text(loop: m.LoopInfo) -> str:
