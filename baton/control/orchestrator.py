@@ -1,10 +1,11 @@
 """The orchestrator: the one brain. It owns every decision about ranks, spares, taints and moves.
 
-Inputs arrive as method calls (from the HTTP API: worker reports, CLI requests;
-from the scheduler: process exits; from its own ticker: heartbeat deadlines).
-Outputs leave as commands in worker mailboxes and as scheduler calls. All state
-changes happen under one lock and are persisted before the lock is released, so
-what the API shows is what SQLite holds.
+Inputs arrive as typed reports and method calls (from the HTTP API: worker reports,
+CLI requests; from the scheduler: process exits; from its own ticker: deadlines).
+Outputs leave as commands in worker mailboxes and as typed effects (start or kill a
+worker, write the ledger, print) that are applied in order after the decision lock
+is released (`effects.py`). The protocols live in their own modules, mixed in here:
+`planned.py`, `recovery.py`, `spares.py`; one move in flight is an `Operation`.
 
 Protocols (see DESIGN.md):
 - planned / pre-emptive: agree on a boundary step T with every rank (pause/ack,
@@ -19,10 +20,9 @@ Protocols (see DESIGN.md):
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 from pydantic import BaseModel
@@ -31,6 +31,10 @@ from baton.control import effects as fx
 from baton.control import messages as m
 from baton.control.effects import DecisionLock
 from baton.control.mailbox import Mailboxes
+from baton.control.operation import Operation
+from baton.control.planned import PlannedMoves
+from baton.control.recovery import Recovery
+from baton.control.spares import SparePool
 from baton.control.state import (
     Event,
     EventKind,
@@ -83,41 +87,7 @@ class Config:
     redundancy: int = 2  # buddies holding each rank's own state (simultaneous losses survived)
 
 
-@dataclass
-class Move:
-    rank: int
-    event_id: int
-    from_worker: str | None
-    to_worker: str | None = None
-
-
-@dataclass
-class Operation:
-    """One reconfiguration: the ranks moving and the generation being formed."""
-
-    id: int
-    kind: EventKind
-    generation: int
-    moves: dict[int, Move]
-    phase: str  # agree | pausing | collect | spares | forming | done
-    started_at: float = field(default_factory=time.time)
-    target_step: int | None = None
-    acks: dict[int, dict[str, Any]] = field(default_factory=dict)
-    paused: dict[int, float] = field(default_factory=dict)
-    boundaries: dict[int, int] = field(default_factory=dict)
-    formed: dict[int, float] = field(default_factory=dict)
-    collect_deadline: float | None = None
-    transfer_bytes: int = 0
-    transfer_s: float = 0.0
-    waiting_message: str | None = None
-    rerun: bool = False  # some survivor discarded a partial step and re-runs it
-    target: tuple[int, int] | None = None  # the position the new generation forms at
-    failed_at: float | None = None  # when the failure happened (not when it was detected)
-    form_deadline: float | None = None  # forming must be over by then, or it is retried
-    form_tries: int = 0
-
-
-class Orchestrator:
+class Orchestrator(PlannedMoves, Recovery, SparePool):
     def __init__(self, config: Config, store: SqliteStore, scheduler: Scheduler | None = None):
         self.config = config
         self.store = store
@@ -312,48 +282,6 @@ class Orchestrator:
                 info.metrics = dict(rep.metrics)
             if rep.step_time is not None:
                 info.metrics["step_time"] = rep.step_time
-
-    def _on_pause_ack(self, w: Worker, rep: m.PauseAck) -> None:
-        op = self.op
-        if op is None or rep.op != op.id or w.rank is None or op.phase != "agree":
-            return
-        op.acks[w.rank] = {"ok": rep.ok, "next_step": rep.next_step}
-        self._advance_agree()
-
-    def _on_paused(self, w: Worker, rep: m.Paused) -> None:
-        op = self.op
-        if op is None or rep.op != op.id or w.rank is None:
-            return
-        op.paused[w.rank] = time.time()
-        op.target = max(op.target or tuple(rep.pos), tuple(rep.pos))  # type: ignore[assignment]
-        self.ranks[w.rank].state = RankState.PAUSED
-        self.ranks[w.rank].step = rep.pos[0]
-        self._advance_pausing()
-
-    def _on_recover(self, w: Worker, rep: m.Recover) -> None:
-        """A survivor absorbed a lost peer; its state is at position `rep.pos`."""
-        if w.rank is None or w.role != WorkerRole.RANK:
-            return
-        info = self.ranks[w.rank]
-        info.state = RankState.RECOVERING
-        info.step = rep.pos[0]
-        op = self.op
-        if op is None or op.kind != EventKind.UNPLANNED:
-            # The survivor saw the failure first (e.g. a hung peer): open the recovery now;
-            # the culprit is found by heartbeats or by not reporting.
-            self._open_recovery(cause=f"rank {w.rank} saw a failed collective: {rep.error[:200]}")
-            op = self.op
-        assert op is not None
-        if w.rank not in op.moves:
-            pos = tuple(rep.pos)
-            if rep.unit_reported and self._unit_durable_everywhere((pos[0], pos[1] + 1)):
-                pos = (pos[0], pos[1] + 1)  # every rank finished that boundary function
-            op.boundaries[w.rank] = pos  # type: ignore[assignment]
-            op.rerun = op.rerun or rep.in_step
-        self._advance_collect()
-
-    def _unit_durable_everywhere(self, pos: tuple[int, int]) -> bool:
-        return all(i.held is not None and tuple(i.held["pos"]) >= pos for i in self.ranks.values())
 
     def _on_formed(self, w: Worker, rep: m.Formed) -> None:
         op = self.op
@@ -625,291 +553,8 @@ class Orchestrator:
             return {"slot": slot, "was": was}
 
     # ------------------------------------------------------------------ planned / pre-emptive
-    def _start_planned(self, ranks: list[int], kind: EventKind, cause: str) -> Operation:
-        spares = self._ready_spares()
-        ranks = ranks[: len(spares)]
-        self.generation += 1
-        self._op_ids += 1
-        op = Operation(id=self._op_ids, kind=kind, generation=self.generation, moves={}, phase="agree")
-        for rank, spare in zip(ranks, spares):
-            leaver = self.workers[self.ranks[rank].worker or ""]
-            ev = self._new_event(kind, cause, rank, leaver.slot)
-            move = Move(rank=rank, event_id=ev.id, from_worker=leaver.id, to_worker=spare.id)
-            op.moves[rank] = move
-            self._assign_joiner(spare, rank, op)
-            self.ranks[rank].state = RankState.MIGRATING
-        self.op = op
-        op.target_step = self._estimate_target()
-        self._emit("migration", {"kind": kind.value, "ranks": ranks, "cause": cause, "at_step": op.target_step})
-        for r, info in self.ranks.items():
-            assert info.worker
-            self._post(info.worker, m.Pause(op=op.id, at_step=op.target_step))
-        return op
-
-    def _estimate_target(self) -> int:
-        """Pick a boundary just ahead of where the fastest rank is now.
-
-        Step reports arrive with heartbeats, so each is extrapolated by its age at the
-        rank's step rate, plus ~50 ms for the pause to reach the ranks. Aiming short is
-        safe (a rank already past answers so and the target moves); aiming long only
-        costs steps of waiting for the move to start.
-        """
-        now = time.time()
-        best = 0.0
-        for info in self.ranks.values():
-            step_time = info.metrics.get("step_time", 0.0)
-            guess = float(info.step)
-            if step_time > 0 and info.step_at:
-                guess += (now - info.step_at + 0.05) / step_time
-            best = max(best, guess)
-        return int(math.ceil(best)) + 1
-
-    def _advance_agree(self) -> None:
-        op = self.op
-        assert op is not None
-        if len(op.acks) < len(self.ranks):
-            return
-        late = [a for a in op.acks.values() if not a.get("ok")]
-        if late:
-            new_target = max(int(a.get("next_step", 0)) for a in op.acks.values()) + 2
-            op.target_step = new_target
-            op.acks = {}
-            self._emit("retarget", {"op": op.id, "at_step": new_target})
-            for info in self.ranks.values():
-                assert info.worker
-                self._post(info.worker, m.Pause(op=op.id, at_step=new_target))
-            return
-        op.phase = "pausing"
-        self._advance_pausing()
-
-    def _advance_pausing(self) -> None:
-        op = self.op
-        assert op is not None
-        if op.phase != "pausing" or len(op.paused) < len(self.ranks):
-            return
-        self._enter_forming(op)
-        pos = op.target or (op.target_step or 0, 0)
-        op.target_step = pos[0]
-        ft = self._formation_timeout(op)
-        for r, info in self.ranks.items():
-            assert info.worker
-            move = op.moves.get(r)
-            if move is None:
-                self._post(info.worker, m.Form(generation=op.generation, pos=pos, buddies=self._buddy_addr(r, op),
-                                               formation_timeout_s=ft))
-                continue
-            leaver = self.workers[move.from_worker or ""]
-            self._post(leaver.id, m.Publish(generation=op.generation, pos=pos, leave=True))
-            assert move.to_worker and leaver.transfer_addr
-            self._post(move.to_worker, m.Form(generation=op.generation, pos=pos, fetch_from=[leaver.transfer_addr],
-                                              full_state=True, buddies=self._buddy_addr(r, op),
-                                              formation_timeout_s=ft))
-
-    # ------------------------------------------------------------------ unplanned
-    def _redundancy(self) -> int:
-        return max(0, min(self.config.redundancy, self.config.world_size - 1))
-
-    def _buddy_addr(self, rank: int, op: Operation | None = None) -> list[tuple[str, int]]:
-        """Where `rank` pushes its bundles: the workers holding rank+1.. in the new generation."""
-        out = []
-        for i in range(1, self._redundancy() + 1):
-            b = (rank + i) % self.config.world_size
-            move = op.moves.get(b) if op is not None else None
-            wid = move.to_worker if move is not None and move.to_worker else self.ranks[b].worker
-            w = self.workers.get(wid or "")
-            if w is not None and w.transfer_addr:
-                out.append(tuple(w.transfer_addr))
-        return out  # type: ignore[return-value]
-
-    def _open_recovery(self, cause: str, dead_rank: int | None = None, dead_worker: Worker | None = None,
-                       failed_at: float | None = None) -> None:
-        op = self.op
-        carried: dict[int, str] = {}  # rank -> joiner that can take it over in the recovery
-        if op is not None and op.kind != EventKind.UNPLANNED:
-            # A failure in the middle of a planned move: fold everything into one recovery.
-            self._emit("note", {"message": f"failure during {op.kind.value} migration: recovering instead"})
-            for rank, move in op.moves.items():
-                ev = self.events[move.event_id - 1]
-                retried = any(r == rank for r, _, _ in self._retry_moves)
-                self._close(ev, "failed", "its joiner was lost; the move runs again with another spare"
-                            if retried else "superseded by an unplanned failure during the move")
-                joiner = self.workers.get(move.to_worker or "")
-                if joiner is None or joiner.role != WorkerRole.RANK:
-                    continue
-                if move.from_worker == (dead_worker.id if dead_worker else None):
-                    carried[rank] = joiner.id  # the leaver died: its joiner takes the rank over
-                else:
-                    # The leaver lives on as a survivor; the joiner (already running the
-                    # script as that rank) cannot serve another rank: stop it, free the slot.
-                    joiner.role = WorkerRole.GONE
-                    if self.scheduler is not None:
-                        self._kill(joiner.id)
-            op = None
-            self.op = None
-        if op is None:
-            self.generation += 1
-            self._op_ids += 1
-            op = Operation(id=self._op_ids, kind=EventKind.UNPLANNED, generation=self.generation,
-                           moves={}, phase="collect", failed_at=failed_at or time.time())
-            op.collect_deadline = time.time() + self.config.op_timeout_s + self.config.collect_grace_s
-            self.op = op
-            for info in self.ranks.values():
-                if info.worker and self.workers[info.worker].role == WorkerRole.RANK and info.rank != dead_rank:
-                    self._post(info.worker, m.Abort(op=op.id, generation=op.generation))
-            self._emit("recovery", {"op": op.id, "cause": cause})
-        if dead_rank is not None and dead_rank not in op.moves:
-            ev = self._new_event(EventKind.UNPLANNED, cause, dead_rank, dead_worker.slot if dead_worker else None)
-            if failed_at is not None:
-                ev.detected_at = min(ev.detected_at, failed_at)  # downtime counts from the failure
-                op.failed_at = min(op.failed_at or failed_at, failed_at)
-            op.moves[dead_rank] = Move(rank=dead_rank, event_id=ev.id,
-                                       from_worker=dead_worker.id if dead_worker else None,
-                                       to_worker=carried.get(dead_rank))
-            op.boundaries.pop(dead_rank, None)
-            if op.phase in ("forming", "spares"):
-                self._restart_collect(op)
-        self._advance_collect()
-
-    FORM_TRIES = 4
-
-    def _formation_timeout(self, op: Operation) -> float:
-        """The configured formation timeout, doubled for every attempt that ran out of it."""
-        return self.config.formation_timeout_s * (2 ** op.form_tries)
-
-    def _enter_forming(self, op: Operation) -> None:
-        op.phase = "forming"
-        op.form_deadline = (time.time() + self._formation_timeout(op) + self.config.op_timeout_s
-                            + self.config.collect_grace_s)
-
-    def _check_forming(self, now: float) -> None:
-        """The forming phase's deadline: try again with twice the time, then fail clearly."""
-        op = self.op
-        if op is None or op.phase != "forming" or op.form_deadline is None or now < op.form_deadline:
-            return
-        op.form_tries += 1
-        waited = self.config.formation_timeout_s * (2 ** (op.form_tries - 1))
-        if op.form_tries >= self.FORM_TRIES:
-            self._lost_everything(op, f"generation {op.generation} did not form after {op.form_tries} attempts "
-                                      f"(the last allowed {waited:.1f}s); raise --formation-timeout (now "
-                                      f"{self.config.formation_timeout_s}s) if ranks are slow to start or fetch "
-                                      "state")
-            return
-        self._emit("note", {"message": f"generation {op.generation} did not form within {waited:.1f}s; "
-                                       f"trying again with {2 * waited:.1f}s"})
-        if op.kind == EventKind.UNPLANNED:
-            self._restart_collect(op)
-            self._advance_collect()
-            return
-        for rank, move in op.moves.items():
-            self._retry_moves.append((rank, op.kind, self.events[move.event_id - 1].cause))
-        self._open_recovery(cause=f"generation {op.generation} of a {op.kind.value} move did not form in time")
-
-    def _restart_collect(self, op: Operation) -> None:
-        """Lost someone while forming: a new generation, and everyone goes back to collecting."""
-        op.phase = "collect"
-        op.formed.clear()
-        op.collect_deadline = time.time() + self.config.op_timeout_s + self.config.collect_grace_s
-        self.generation += 1
-        op.generation = self.generation
-        for info in self.ranks.values():
-            if info.worker and self.workers[info.worker].role == WorkerRole.RANK and info.rank not in op.moves:
-                self._post(info.worker, m.Abort(op=op.id, generation=op.generation))
-
-    def _joiner_lost(self, w: Worker, rank: int, cause: str) -> None:
-        """A spare taking over `rank` died or hung before it did: another spare takes its place."""
-        op = self.op
-        move = op.moves.get(rank) if op is not None else None
-        if op is None or move is None or move.to_worker != w.id:
-            return  # a joiner from a move that is already over
-        self._emit("note", {"message": f"the spare taking over rank {rank} ({w.id} on {w.slot}) was lost "
-                                       f"({cause}); another spare takes its place"})
-        if op.kind == EventKind.UNPLANNED:
-            move.to_worker = None
-            self._restart_collect(op)
-            self._advance_collect()
-            return
-        # A planned move: its leaver still holds the rank. Every rank re-forms where it stands
-        # (a recovery that moves nobody), then the move starts again with another spare.
-        ev = self.events[move.event_id - 1]
-        self._retry_moves.append((rank, op.kind, ev.cause))
-        self._open_recovery(cause=f"the spare taking over rank {rank} was lost: {cause}")
-
-    def _advance_collect(self) -> None:
-        op = self.op
-        if op is None or op.kind != EventKind.UNPLANNED or op.phase not in ("collect", "spares"):
-            return
-        survivors = [r for r in self.ranks if r not in op.moves]
-        if any(r not in op.boundaries for r in survivors):
-            return
-        if not survivors:
-            self._lost_everything(op, "every rank failed at once: no copy of the training state survived")
-            return
-        target: tuple[int, int] = max(op.boundaries[r] for r in survivors)  # type: ignore[assignment]
-        op.target, op.target_step = target, target[0]
-        # Spares for the dead ranks.
-        for rank, move in sorted(op.moves.items()):
-            if move.to_worker is None:
-                spares = self._ready_spares()
-                if not spares:
-                    op.phase = "spares"
-                    msg = (f"rank {rank} lost and no spare is available: the job is paused until a "
-                           "spare starts (free a slot or untaint one)")
-                    if op.waiting_message != msg:
-                        op.waiting_message = msg
-                        self.ranks[rank].state = RankState.WAITING_SPARE
-                        self._emit("waiting-for-spare", {"rank": rank, "message": msg})
-                    return
-                move.to_worker = spares[0].id
-                self._assign_joiner(spares[0], rank, op)
-        self._enter_forming(op)
-        op.waiting_message = None
-        ft = self._formation_timeout(op)
-        sources = [r for r in survivors if op.boundaries[r] == target]
-        addrs = [self.workers[self.ranks[r].worker or ""].transfer_addr for r in sources]
-        for r in survivors:
-            wid = self.ranks[r].worker
-            assert wid
-            if op.boundaries[r] == target:
-                self._post(wid, m.Form(generation=op.generation, pos=target, publish=True,
-                                       buddies=self._buddy_addr(r, op), formation_timeout_s=ft))
-            else:
-                self._post(wid, m.Form(generation=op.generation, pos=target, fetch_from=addrs,
-                                       buddies=self._buddy_addr(r, op), formation_timeout_s=ft))
-        for rank, move in op.moves.items():
-            assert move.to_worker
-            self._post(move.to_worker, m.Form(generation=op.generation, pos=target, fetch_from=addrs,
-                                              lost=self._lost_rank(rank, op), buddies=self._buddy_addr(rank, op),
-                                              formation_timeout_s=ft))
-
-    def _lost_rank(self, rank: int, op: Operation) -> m.LostRank:
-        """Where the rank-local state of a lost rank lives: its old buddy, and what is held here."""
-        buddies = []
-        for i in range(1, self._redundancy() + 1):
-            b = (rank + i) % self.config.world_size
-            if b != rank and b not in op.moves:
-                w = self.workers.get(self.ranks[b].worker or "")
-                if w is not None and w.transfer_addr and w.role == WorkerRole.RANK:
-                    buddies.append(tuple(w.transfer_addr))
-        held = self.ranks[rank].held
-        return m.LostRank(buddies=buddies, held=m.BundleText(**held) if held else None)
-
-    def _lost_everything(self, op: Operation, message: str) -> None:
-        """No recovery is possible: the events say what was lost, and the job ends now."""
-        reached = min((i.reached for i in self.ranks.values()), default=0)
-        for move in op.moves.values():
-            ev = self.events[move.event_id - 1]
-            ev.resolved_without_rollback = False
-            ev.steps_lost = reached
-            self._close(ev, "failed", message)
-        self.op = None
-        self._fail(message + f" (the job had reached step {reached}; restart it from your last checkpoint)")
 
     # ------------------------------------------------------------------ shared
-    def _assign_joiner(self, spare: Worker, rank: int, op: Operation) -> None:
-        spare.role = WorkerRole.RANK
-        spare.rank = rank
-        self._post(spare.id, m.Assign(rank=rank, generation=op.generation, world_size=self.config.world_size,
-                                      joiner=True))
 
     def _finish_op(self, op: Operation) -> None:
         now = time.time()
@@ -951,60 +596,6 @@ class Orchestrator:
         self._pending_taint_moves()
         self._replenish()
         self._maybe_done()
-
-    def _retry_lost_moves(self) -> None:
-        if self.op is not None or self.exit_code is not None or not self._retry_moves:
-            return
-        if not self._ready_spares():
-            return  # _on_spare_available calls again
-        retry, self._retry_moves = self._retry_moves, []
-        by_kind: dict[tuple[EventKind, str], list[int]] = {}
-        for rank, kind, cause in retry:
-            by_kind.setdefault((kind, cause), []).append(rank)
-        (kind, cause), ranks = next(iter(by_kind.items()))
-        started = self._start_planned(ranks, kind, cause).moves
-        self._retry_moves = [x for x in retry if x[0] not in started]
-
-    def _pending_taint_moves(self) -> None:
-        if self.op is not None or self.exit_code is not None:
-            return
-        for w in self.workers.values():
-            if w.role == WorkerRole.RANK and w.rank is not None and not self.slots[w.slot].healthy:
-                if self._ready_spares():
-                    self._start_planned([w.rank], EventKind.PREEMPTIVE, f"taint: {self.slots[w.slot].taint}")
-                return
-
-    def _on_spare_available(self) -> None:
-        op = self.op
-        if op is not None and op.phase == "spares":
-            self._advance_collect()
-        elif op is None:
-            self._retry_lost_moves()
-            self._pending_taint_moves()
-
-    def _replenish(self) -> None:
-        """Keep `spares` warm spares, each on a healthy slot nobody else uses."""
-        if self.scheduler is None or self.exit_code is not None or self._training_done:
-            return
-        if self.op is not None and self.op.phase != "spares":
-            return  # a move is running: do not steal CPU/IO from it; refill right after
-        live = [w for w in self.workers.values() if w.role != WorkerRole.GONE]
-        spares = [w for w in live if w.role in (WorkerRole.SPARE, WorkerRole.STARTING) and w.intended_rank is None]
-        missing = self.config.spares - len(spares)
-        if missing <= 0:
-            return
-        used = {w.slot for w in live}
-        free = [s for s in self.slots.values() if s.healthy and s.name not in used]
-        for slot in free[:missing]:
-            w = self._launch(slot.name)
-            self._emit("spare-starting", {"worker": w.id, "slot": slot.name})
-
-    def _ready_spares(self) -> list[Worker]:
-        """Spares on healthy slots that were heard from lately (a stopped one is not ready)."""
-        fresh = time.time() - 2 * self.config.heartbeat_timeout_s
-        ready = [w for w in self.workers.values()
-                 if w.role == WorkerRole.SPARE and self.slots[w.slot].healthy and w.last_seen >= fresh]
-        return sorted(ready, key=lambda w: -w.last_seen)
 
     def _close(self, ev: Event, status: str, note: str) -> None:
         ev.status, ev.note = status, note

@@ -1,0 +1,141 @@
+"""Planned and pre-emptive moves: agree on a boundary ahead of every rank, pause there,
+the leaver serves its full state to the joiner, everyone forms the next generation.
+
+A rank already past the proposed boundary says so and the boundary moves; a move whose
+joiner is lost runs again with another spare once the job has re-formed without it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+from baton.control import messages as m
+from baton.control.operation import Move, Operation
+from baton.control.state import EventKind, RankState, Worker, WorkerRole
+
+log = logging.getLogger("baton.orchestrator")
+
+
+class PlannedMoves:
+    """Mixed into the Orchestrator; runs under its decision lock."""
+
+    def _on_pause_ack(self, w: Worker, rep: m.PauseAck) -> None:
+        op = self.op
+        if op is None or rep.op != op.id or w.rank is None or op.phase != "agree":
+            return
+        op.acks[w.rank] = {"ok": rep.ok, "next_step": rep.next_step}
+        self._advance_agree()
+
+    def _on_paused(self, w: Worker, rep: m.Paused) -> None:
+        op = self.op
+        if op is None or rep.op != op.id or w.rank is None:
+            return
+        op.paused[w.rank] = time.time()
+        op.target = max(op.target or tuple(rep.pos), tuple(rep.pos))  # type: ignore[assignment]
+        self.ranks[w.rank].state = RankState.PAUSED
+        self.ranks[w.rank].step = rep.pos[0]
+        self._advance_pausing()
+
+    def _start_planned(self, ranks: list[int], kind: EventKind, cause: str) -> Operation:
+        spares = self._ready_spares()
+        ranks = ranks[: len(spares)]
+        self.generation += 1
+        self._op_ids += 1
+        op = Operation(id=self._op_ids, kind=kind, generation=self.generation, moves={}, phase="agree")
+        for rank, spare in zip(ranks, spares):
+            leaver = self.workers[self.ranks[rank].worker or ""]
+            ev = self._new_event(kind, cause, rank, leaver.slot)
+            move = Move(rank=rank, event_id=ev.id, from_worker=leaver.id, to_worker=spare.id)
+            op.moves[rank] = move
+            self._assign_joiner(spare, rank, op)
+            self.ranks[rank].state = RankState.MIGRATING
+        self.op = op
+        op.target_step = self._estimate_target()
+        self._emit("migration", {"kind": kind.value, "ranks": ranks, "cause": cause, "at_step": op.target_step})
+        for r, info in self.ranks.items():
+            assert info.worker
+            self._post(info.worker, m.Pause(op=op.id, at_step=op.target_step))
+        return op
+
+    def _estimate_target(self) -> int:
+        """Pick a boundary just ahead of where the fastest rank is now.
+
+        Step reports arrive with heartbeats, so each is extrapolated by its age at the
+        rank's step rate, plus ~50 ms for the pause to reach the ranks. Aiming short is
+        safe (a rank already past answers so and the target moves); aiming long only
+        costs steps of waiting for the move to start.
+        """
+        now = time.time()
+        best = 0.0
+        for info in self.ranks.values():
+            step_time = info.metrics.get("step_time", 0.0)
+            guess = float(info.step)
+            if step_time > 0 and info.step_at:
+                guess += (now - info.step_at + 0.05) / step_time
+            best = max(best, guess)
+        return int(math.ceil(best)) + 1
+
+    def _advance_agree(self) -> None:
+        op = self.op
+        assert op is not None
+        if len(op.acks) < len(self.ranks):
+            return
+        late = [a for a in op.acks.values() if not a.get("ok")]
+        if late:
+            new_target = max(int(a.get("next_step", 0)) for a in op.acks.values()) + 2
+            op.target_step = new_target
+            op.acks = {}
+            self._emit("retarget", {"op": op.id, "at_step": new_target})
+            for info in self.ranks.values():
+                assert info.worker
+                self._post(info.worker, m.Pause(op=op.id, at_step=new_target))
+            return
+        op.phase = "pausing"
+        self._advance_pausing()
+
+    def _advance_pausing(self) -> None:
+        op = self.op
+        assert op is not None
+        if op.phase != "pausing" or len(op.paused) < len(self.ranks):
+            return
+        self._enter_forming(op)
+        pos = op.target or (op.target_step or 0, 0)
+        op.target_step = pos[0]
+        ft = self._formation_timeout(op)
+        for r, info in self.ranks.items():
+            assert info.worker
+            move = op.moves.get(r)
+            if move is None:
+                self._post(info.worker, m.Form(generation=op.generation, pos=pos, buddies=self._buddy_addr(r, op),
+                                               formation_timeout_s=ft))
+                continue
+            leaver = self.workers[move.from_worker or ""]
+            self._post(leaver.id, m.Publish(generation=op.generation, pos=pos, leave=True))
+            assert move.to_worker and leaver.transfer_addr
+            self._post(move.to_worker, m.Form(generation=op.generation, pos=pos, fetch_from=[leaver.transfer_addr],
+                                              full_state=True, buddies=self._buddy_addr(r, op),
+                                              formation_timeout_s=ft))
+
+    def _retry_lost_moves(self) -> None:
+        if self.op is not None or self.exit_code is not None or not self._retry_moves:
+            return
+        if not self._ready_spares():
+            return  # _on_spare_available calls again
+        retry, self._retry_moves = self._retry_moves, []
+        by_kind: dict[tuple[EventKind, str], list[int]] = {}
+        for rank, kind, cause in retry:
+            by_kind.setdefault((kind, cause), []).append(rank)
+        (kind, cause), ranks = next(iter(by_kind.items()))
+        started = self._start_planned(ranks, kind, cause).moves
+        self._retry_moves = [x for x in retry if x[0] not in started]
+
+    def _pending_taint_moves(self) -> None:
+        if self.op is not None or self.exit_code is not None:
+            return
+        for w in self.workers.values():
+            if w.role == WorkerRole.RANK and w.rank is not None and not self.slots[w.slot].healthy:
+                if self._ready_spares():
+                    self._start_planned([w.rank], EventKind.PREEMPTIVE, f"taint: {self.slots[w.slot].taint}")
+                return

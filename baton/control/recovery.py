@@ -1,0 +1,246 @@
+"""Unplanned recovery: survivors absorb the failure and report where their state is; the
+most advanced boundary wins; joiners fetch replicated state from every survivor there
+and their own rank-local state from the lost rank's buddies.
+
+Every phase has a deadline: survivors that do not report in time are lost too; a
+generation that does not form in time is tried again with twice the time, then the job
+fails with a clear message; a joiner lost on the way is replaced by another spare.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from baton.control import messages as m
+from baton.control.operation import Move, Operation
+from baton.control.state import EventKind, RankState, Worker, WorkerRole
+
+log = logging.getLogger("baton.orchestrator")
+
+
+class Recovery:
+    """Mixed into the Orchestrator; runs under its decision lock."""
+
+    def _on_recover(self, w: Worker, rep: m.Recover) -> None:
+        """A survivor absorbed a lost peer; its state is at position `rep.pos`."""
+        if w.rank is None or w.role != WorkerRole.RANK:
+            return
+        info = self.ranks[w.rank]
+        info.state = RankState.RECOVERING
+        info.step = rep.pos[0]
+        op = self.op
+        if op is None or op.kind != EventKind.UNPLANNED:
+            # The survivor saw the failure first (e.g. a hung peer): open the recovery now;
+            # the culprit is found by heartbeats or by not reporting.
+            self._open_recovery(cause=f"rank {w.rank} saw a failed collective: {rep.error[:200]}")
+            op = self.op
+        assert op is not None
+        if w.rank not in op.moves:
+            pos = tuple(rep.pos)
+            if rep.unit_reported and self._unit_durable_everywhere((pos[0], pos[1] + 1)):
+                pos = (pos[0], pos[1] + 1)  # every rank finished that boundary function
+            op.boundaries[w.rank] = pos  # type: ignore[assignment]
+            op.rerun = op.rerun or rep.in_step
+        self._advance_collect()
+
+    def _unit_durable_everywhere(self, pos: tuple[int, int]) -> bool:
+        return all(i.held is not None and tuple(i.held["pos"]) >= pos for i in self.ranks.values())
+
+    def _redundancy(self) -> int:
+        return max(0, min(self.config.redundancy, self.config.world_size - 1))
+
+    def _buddy_addr(self, rank: int, op: Operation | None = None) -> list[tuple[str, int]]:
+        """Where `rank` pushes its bundles: the workers holding rank+1.. in the new generation."""
+        out = []
+        for i in range(1, self._redundancy() + 1):
+            b = (rank + i) % self.config.world_size
+            move = op.moves.get(b) if op is not None else None
+            wid = move.to_worker if move is not None and move.to_worker else self.ranks[b].worker
+            w = self.workers.get(wid or "")
+            if w is not None and w.transfer_addr:
+                out.append(tuple(w.transfer_addr))
+        return out  # type: ignore[return-value]
+
+    def _open_recovery(self, cause: str, dead_rank: int | None = None, dead_worker: Worker | None = None,
+                       failed_at: float | None = None) -> None:
+        op = self.op
+        carried: dict[int, str] = {}  # rank -> joiner that can take it over in the recovery
+        if op is not None and op.kind != EventKind.UNPLANNED:
+            # A failure in the middle of a planned move: fold everything into one recovery.
+            self._emit("note", {"message": f"failure during {op.kind.value} migration: recovering instead"})
+            for rank, move in op.moves.items():
+                ev = self.events[move.event_id - 1]
+                retried = any(r == rank for r, _, _ in self._retry_moves)
+                self._close(ev, "failed", "its joiner was lost; the move runs again with another spare"
+                            if retried else "superseded by an unplanned failure during the move")
+                joiner = self.workers.get(move.to_worker or "")
+                if joiner is None or joiner.role != WorkerRole.RANK:
+                    continue
+                if move.from_worker == (dead_worker.id if dead_worker else None):
+                    carried[rank] = joiner.id  # the leaver died: its joiner takes the rank over
+                else:
+                    # The leaver lives on as a survivor; the joiner (already running the
+                    # script as that rank) cannot serve another rank: stop it, free the slot.
+                    joiner.role = WorkerRole.GONE
+                    if self.scheduler is not None:
+                        self._kill(joiner.id)
+            op = None
+            self.op = None
+        if op is None:
+            self.generation += 1
+            self._op_ids += 1
+            op = Operation(id=self._op_ids, kind=EventKind.UNPLANNED, generation=self.generation,
+                           moves={}, phase="collect", failed_at=failed_at or time.time())
+            op.collect_deadline = time.time() + self.config.op_timeout_s + self.config.collect_grace_s
+            self.op = op
+            for info in self.ranks.values():
+                if info.worker and self.workers[info.worker].role == WorkerRole.RANK and info.rank != dead_rank:
+                    self._post(info.worker, m.Abort(op=op.id, generation=op.generation))
+            self._emit("recovery", {"op": op.id, "cause": cause})
+        if dead_rank is not None and dead_rank not in op.moves:
+            ev = self._new_event(EventKind.UNPLANNED, cause, dead_rank, dead_worker.slot if dead_worker else None)
+            if failed_at is not None:
+                ev.detected_at = min(ev.detected_at, failed_at)  # downtime counts from the failure
+                op.failed_at = min(op.failed_at or failed_at, failed_at)
+            op.moves[dead_rank] = Move(rank=dead_rank, event_id=ev.id,
+                                       from_worker=dead_worker.id if dead_worker else None,
+                                       to_worker=carried.get(dead_rank))
+            op.boundaries.pop(dead_rank, None)
+            if op.phase in ("forming", "spares"):
+                self._restart_collect(op)
+        self._advance_collect()
+
+    FORM_TRIES = 4
+
+    def _formation_timeout(self, op: Operation) -> float:
+        """The configured formation timeout, doubled for every attempt that ran out of it."""
+        return self.config.formation_timeout_s * (2 ** op.form_tries)
+
+    def _enter_forming(self, op: Operation) -> None:
+        op.phase = "forming"
+        op.form_deadline = (time.time() + self._formation_timeout(op) + self.config.op_timeout_s
+                            + self.config.collect_grace_s)
+
+    def _check_forming(self, now: float) -> None:
+        """The forming phase's deadline: try again with twice the time, then fail clearly."""
+        op = self.op
+        if op is None or op.phase != "forming" or op.form_deadline is None or now < op.form_deadline:
+            return
+        op.form_tries += 1
+        waited = self.config.formation_timeout_s * (2 ** (op.form_tries - 1))
+        if op.form_tries >= self.FORM_TRIES:
+            self._lost_everything(op, f"generation {op.generation} did not form after {op.form_tries} attempts "
+                                      f"(the last allowed {waited:.1f}s); raise --formation-timeout (now "
+                                      f"{self.config.formation_timeout_s}s) if ranks are slow to start or fetch "
+                                      "state")
+            return
+        self._emit("note", {"message": f"generation {op.generation} did not form within {waited:.1f}s; "
+                                       f"trying again with {2 * waited:.1f}s"})
+        if op.kind == EventKind.UNPLANNED:
+            self._restart_collect(op)
+            self._advance_collect()
+            return
+        for rank, move in op.moves.items():
+            self._retry_moves.append((rank, op.kind, self.events[move.event_id - 1].cause))
+        self._open_recovery(cause=f"generation {op.generation} of a {op.kind.value} move did not form in time")
+
+    def _restart_collect(self, op: Operation) -> None:
+        """Lost someone while forming: a new generation, and everyone goes back to collecting."""
+        op.phase = "collect"
+        op.formed.clear()
+        op.collect_deadline = time.time() + self.config.op_timeout_s + self.config.collect_grace_s
+        self.generation += 1
+        op.generation = self.generation
+        for info in self.ranks.values():
+            if info.worker and self.workers[info.worker].role == WorkerRole.RANK and info.rank not in op.moves:
+                self._post(info.worker, m.Abort(op=op.id, generation=op.generation))
+
+    def _joiner_lost(self, w: Worker, rank: int, cause: str) -> None:
+        """A spare taking over `rank` died or hung before it did: another spare takes its place."""
+        op = self.op
+        move = op.moves.get(rank) if op is not None else None
+        if op is None or move is None or move.to_worker != w.id:
+            return  # a joiner from a move that is already over
+        self._emit("note", {"message": f"the spare taking over rank {rank} ({w.id} on {w.slot}) was lost "
+                                       f"({cause}); another spare takes its place"})
+        if op.kind == EventKind.UNPLANNED:
+            move.to_worker = None
+            self._restart_collect(op)
+            self._advance_collect()
+            return
+        # A planned move: its leaver still holds the rank. Every rank re-forms where it stands
+        # (a recovery that moves nobody), then the move starts again with another spare.
+        ev = self.events[move.event_id - 1]
+        self._retry_moves.append((rank, op.kind, ev.cause))
+        self._open_recovery(cause=f"the spare taking over rank {rank} was lost: {cause}")
+
+    def _advance_collect(self) -> None:
+        op = self.op
+        if op is None or op.kind != EventKind.UNPLANNED or op.phase not in ("collect", "spares"):
+            return
+        survivors = [r for r in self.ranks if r not in op.moves]
+        if any(r not in op.boundaries for r in survivors):
+            return
+        if not survivors:
+            self._lost_everything(op, "every rank failed at once: no copy of the training state survived")
+            return
+        target: tuple[int, int] = max(op.boundaries[r] for r in survivors)  # type: ignore[assignment]
+        op.target, op.target_step = target, target[0]
+        # Spares for the dead ranks.
+        for rank, move in sorted(op.moves.items()):
+            if move.to_worker is None:
+                spares = self._ready_spares()
+                if not spares:
+                    op.phase = "spares"
+                    msg = (f"rank {rank} lost and no spare is available: the job is paused until a "
+                           "spare starts (free a slot or untaint one)")
+                    if op.waiting_message != msg:
+                        op.waiting_message = msg
+                        self.ranks[rank].state = RankState.WAITING_SPARE
+                        self._emit("waiting-for-spare", {"rank": rank, "message": msg})
+                    return
+                move.to_worker = spares[0].id
+                self._assign_joiner(spares[0], rank, op)
+        self._enter_forming(op)
+        op.waiting_message = None
+        ft = self._formation_timeout(op)
+        sources = [r for r in survivors if op.boundaries[r] == target]
+        addrs = [self.workers[self.ranks[r].worker or ""].transfer_addr for r in sources]
+        for r in survivors:
+            wid = self.ranks[r].worker
+            assert wid
+            if op.boundaries[r] == target:
+                self._post(wid, m.Form(generation=op.generation, pos=target, publish=True,
+                                       buddies=self._buddy_addr(r, op), formation_timeout_s=ft))
+            else:
+                self._post(wid, m.Form(generation=op.generation, pos=target, fetch_from=addrs,
+                                       buddies=self._buddy_addr(r, op), formation_timeout_s=ft))
+        for rank, move in op.moves.items():
+            assert move.to_worker
+            self._post(move.to_worker, m.Form(generation=op.generation, pos=target, fetch_from=addrs,
+                                              lost=self._lost_rank(rank, op), buddies=self._buddy_addr(rank, op),
+                                              formation_timeout_s=ft))
+
+    def _lost_rank(self, rank: int, op: Operation) -> m.LostRank:
+        """Where the rank-local state of a lost rank lives: its old buddy, and what is held here."""
+        buddies = []
+        for i in range(1, self._redundancy() + 1):
+            b = (rank + i) % self.config.world_size
+            if b != rank and b not in op.moves:
+                w = self.workers.get(self.ranks[b].worker or "")
+                if w is not None and w.transfer_addr and w.role == WorkerRole.RANK:
+                    buddies.append(tuple(w.transfer_addr))
+        held = self.ranks[rank].held
+        return m.LostRank(buddies=buddies, held=m.BundleText(**held) if held else None)
+
+    def _lost_everything(self, op: Operation, message: str) -> None:
+        """No recovery is possible: the events say what was lost, and the job ends now."""
+        reached = min((i.reached for i in self.ranks.values()), default=0)
+        for move in op.moves.values():
+            ev = self.events[move.event_id - 1]
+            ev.resolved_without_rollback = False
+            ev.steps_lost = reached
+            self._close(ev, "failed", message)
+        self.op = None
+        self._fail(message + f" (the job had reached step {reached}; restart it from your last checkpoint)")
