@@ -4,8 +4,9 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+SOAK_MINUTES ?= 30
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test bench soak clean
 
 $(BIN)/baton: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -24,6 +25,11 @@ test: setup
 
 bench: setup
 	$(BIN)/python bench/run.py $(ARGS)
+
+# Seeded chaos rounds (tests/chaos.py) until SOAK_MINUTES have passed; non-zero exit on any
+# divergence, ledger mismatch or hang. ARGS: --seed N, --faults N, --workdir DIR.
+soak: setup
+	$(BIN)/python -m tests.chaos --minutes $(SOAK_MINUTES) $(ARGS)
 
 clean:
 	rm -rf $(VENV) .baton build *.egg-info

@@ -17,10 +17,11 @@ ARGS = ["--max-iters", "45", "--eval-interval", str(EVAL_EVERY), "--step-sleep",
 
 
 def gpt_job(tmp: Path, name: str, spares: int = 1, extra: list[str] | None = None,
-            run_args: list[str] | None = None, run_dir: Path | None = None) -> Job:
+            run_args: list[str] | None = None, run_dir: Path | None = None,
+            env: dict[str, str] | None = None) -> Job:
     out_dir = tmp / name / "ckpt"
     out_dir.mkdir(parents=True, exist_ok=True)
-    return Job(tmp, nproc=NPROC, spares=spares, steps=0, script=GPT, name=name, run_args=run_args, run_dir=run_dir,
+    return Job(tmp, nproc=NPROC, spares=spares, steps=0, script=GPT, name=name, run_args=run_args, run_dir=run_dir, env=env,
                script_args=[*ARGS, "--out-dir", str(out_dir), *(extra or [])])
 
 

@@ -12,8 +12,10 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
+import torch
 
 from tests.gpt_job import GPT, check_equal, gpt_job
 from tests.jobs import Job
@@ -247,5 +249,38 @@ def test_a_short_formation_timeout_neither_hangs_nor_fails(tmp_path):
         job.signal_rank(1, signal.SIGKILL)
         assert job.wait(timeout=120) == 0, job.log()
         assert _kinds(job.events()) == [("unplanned", "resolved")]
+    finally:
+        job.kill()
+
+
+@pytest.mark.parametrize("script", ["gpt", "train"])
+def test_a_rank_that_lost_a_step_the_others_completed_takes_their_result(tmp_path, script):
+    """Deterministic: rank 0 fails a step after its all-reduce completed (the others complete
+    it). It must take the completed step, never re-run it: parameters, DDP's buffer-sync flag
+    (gpt.py: step 15 is the first after an evaluation) and the next batch (train.py tracks a
+    DataLoader). Found by the chaos test; both ended wrong before (a livelock, a silent
+    divergence with exit 0)."""
+    env = {"PYTHONPATH": str(Path(__file__).resolve().parent / "inject"),
+           "BATON_TEST_FAIL_AFTER_ALLREDUCE": "0:15" if script == "gpt" else "0:20"}
+    fast = ["--step-sleep", "0", "--eval-sleep", "0"]
+    timeouts = ["--op-timeout", "2", "--heartbeat-timeout", "2"]
+    if script == "gpt":
+        ref = gpt_job(tmp_path, "ref", spares=0, extra=fast)
+    else:
+        ref = Job(tmp_path, nproc=3, spares=0, steps=30, name="ref")
+    try:
+        assert ref.wait(timeout=150) == 0, ref.log()
+    finally:
+        ref.kill()
+    if script == "gpt":
+        job = gpt_job(tmp_path, "inj", spares=1, extra=fast, run_args=timeouts, env=env)
+    else:
+        job = Job(tmp_path, nproc=3, spares=1, steps=30, name="inj", env=env, run_args=timeouts)
+    try:
+        assert job.wait(timeout=150) == 0, job.log()
+        assert "injected: rank 0 loses step" in job.log()
+        for r in range(3):
+            a, b = torch.load(f"{ref.out}.rank{r}"), torch.load(f"{job.out}.rank{r}")
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), f"rank {r} diverged"
     finally:
         job.kill()

@@ -522,8 +522,8 @@ class Runtime:
                 elif self.capture is not None and target == self.capture.bundle.pos:
                     # Others completed the step this rank abandoned: take their result.
                     self._fetch_replicated(cmd.fetch_from, cmd.generation, target)
-                    self._apply_bundle(self.capture.bundle.state())
-                    self.feed.advance()
+                    self._apply_bundle(self.capture.bundle.state(), data=False)
+                    self.feed.advance()  # as the step's completion would (a seek too would skip a batch)
                     self.pos = target
                     self.at_pos, self.at_pos_rng = self.capture.bundle, self.capture.rng
                 else:
@@ -578,6 +578,13 @@ class Runtime:
         if tuple(state["pos"]) != tuple(target):
             raise TransferError(f"sources serve position {state['pos']}, expected {list(target)}")
         self.tracked.load_replicated(state["replicated"])
+        # DDP's "broadcast buffers before the next forward" flag as the step left it on the
+        # sources: this rank restored the value from the start of the step it abandoned
+        # (False after an evaluation forward), so it would skip the next broadcast alone.
+        from baton.worker.ddp import adopt_state
+
+        for ddp, ddp_state in zip(self.tracked.ddps, state["ddp"]):
+            adopt_state(ddp, ddp_state)
         return stats.bytes, stats.seconds
 
     def _reset_ddp(self) -> None:
