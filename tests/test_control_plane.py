@@ -284,3 +284,34 @@ def test_a_rank_that_lost_a_step_the_others_completed_takes_their_result(tmp_pat
             assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), f"rank {r} diverged"
     finally:
         job.kill()
+
+
+def test_silent_corruption_is_caught_by_verify_every(tmp_path):
+    """One ulp of one parameter on rank 1 changes after step 12: --verify-every 5 finds it at the
+    step-15 boundary, records a divergence naming the entry, and the job exits non-zero."""
+    env = {"PYTHONPATH": str(Path(__file__).resolve().parent / "inject"), "BATON_TEST_CORRUPT": "1:12"}
+    job = Job(tmp_path, nproc=3, spares=0, steps=40, env=env, run_args=["--verify-every", "5"],
+              script_args=["--step-sleep", "0.02"])
+    try:
+        code = job.wait(timeout=120)
+        log = job.log()
+        assert "injected: rank 1 corrupted" in log
+        assert code != 0 and "state check failed" in log, log
+        (ev,) = [e for e in job.events() if e["kind"] == "divergence"]
+        assert ev["status"] == "failed" and ev["step"] == 15 and "model" in ev["note"], ev
+    finally:
+        job.kill()
+
+
+def test_rank_killed_after_the_step_loop_before_finish(tmp_path, gpt_reference):
+    """Training is over but the script still runs its closing code: a lost rank is replaced at
+    the final position and the replacement runs that code too (saving its state here)."""
+    job = gpt_job(tmp_path, "after-loop", spares=1, extra=["--end-sleep", "3"])
+    try:
+        job.wait_until(lambda st: min(r["step"] for r in st["ranks"]) >= 45, timeout=120, what="loop end")
+        time.sleep(1.5)  # past the last evaluation (1 s), inside the 3 s of closing code
+        job.signal_rank(2, signal.SIGKILL)
+        events = check_equal(job, gpt_reference)
+        assert _kinds(events) == [("unplanned", "resolved")] and events[0]["steps_lost"] == 0, events
+    finally:
+        job.kill()

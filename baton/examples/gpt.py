@@ -135,6 +135,7 @@ def main() -> None:
     p.add_argument("--grad-clip", type=float, default=1.0)
     p.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step (tests)")
     p.add_argument("--eval-sleep", type=float, default=0.0, help="extra seconds per evaluation (tests)")
+    p.add_argument("--end-sleep", type=float, default=0.0, help="seconds after the loop, before saving (tests)")
     p.add_argument("--out-dir", default=None, help="rank 0 writes ckpt.pt here when val loss improves")
     p.add_argument("--resume", action="store_true", help="start from out-dir/ckpt.pt if it exists")
     p.add_argument("--out", default=None, help="save each rank's final state to OUT.rankN")
@@ -216,6 +217,8 @@ def main() -> None:
         if not step.failed:
             job.log(loss=loss.item(), lr=lr)
 
+    if args.end_sleep:
+        time.sleep(args.end_sleep)
     if args.out:
         state = {f"model.{k}": v.clone() for k, v in model.state_dict().items()}
         for i, s in optimizer.state_dict()["state"].items():
