@@ -100,3 +100,26 @@ def test_sigstop_is_detected_and_replaced(tmp_path, reference):
         assert events[0]["kind"] == "unplanned" and "hung" in events[0]["cause"]
     finally:
         job.kill()
+
+
+def test_taint_during_validation(tmp_path, reference):
+    job = _job(tmp_path, "taint-val")
+    try:
+        job.wait_until(lambda st: min(r["step"] for r in st["ranks"]) >= STEPS_PER_EPOCH, what="epoch end")
+        slot = next(r["slot"] for r in job.status()["ranks"] if r["rank"] == 2)
+        job.client.taint(slot, "thermal")
+        events = _check(job, reference)
+        assert [e["kind"] for e in events] == ["pre-emptive"] and events[0]["from_slot"] == slot
+    finally:
+        job.kill()
+
+
+def test_sigstop_during_validation(tmp_path, reference):
+    job = _job(tmp_path, "stop-val", run_args=["--op-timeout", "2", "--heartbeat-timeout", "2"])
+    try:
+        job.wait_until(lambda st: min(r["step"] for r in st["ranks"]) >= STEPS_PER_EPOCH, what="epoch end")
+        job.signal_rank(0, signal.SIGSTOP)
+        events = _check(job, reference)
+        assert events[0]["kind"] == "unplanned" and events[0]["rank"] == 0 and "hung" in events[0]["cause"]
+    finally:
+        job.kill()
