@@ -222,12 +222,14 @@ def test_a_full_disk_under_the_state_store_is_survived(tmp_path, gpt_reference):
         job = gpt_job(tmp_path, "disk-full", spares=1, run_dir=mnt / "run")
         try:
             job.wait_step(4)
-            with open(mnt / "filler", "wb") as f:
-                try:
-                    while True:
-                        f.write(b"\0" * 65536)
-                except OSError:
+            fd = os.open(mnt / "filler", os.O_WRONLY | os.O_CREAT)
+            try:
+                while os.write(fd, b"\0" * 65536):
                     pass
+            except OSError:
+                pass  # the disk is full
+            finally:
+                os.close(fd)
             job.client.migrate(1)  # a move whose ledger rows cannot be written
             job.wait_until(lambda st: st["generation"] >= 1 and all(r["state"] == "running" for r in st["ranks"]),
                            what="the move to finish")
