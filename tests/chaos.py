@@ -45,7 +45,7 @@ import torch
 
 from baton.control.client import ApiError
 from tests.gpt_job import GPT
-from tests.jobs import Job
+from tests.jobs import Job, state_diff
 
 NPROC = 4
 SPARES = 2
@@ -141,32 +141,6 @@ def plan(seed: int, faults: int) -> list[FaultSpec]:
 
 
 # ---------------------------------------------------------------------------- state checks
-def rank_states(job: Job) -> list[dict[str, Any]]:
-    return [torch.load(f"{job.out}.rank{r}") for r in range(NPROC)]
-
-
-def _bytes(t: Any) -> Any:
-    if isinstance(t, torch.Tensor):
-        return t.detach().contiguous().reshape(-1).view(torch.uint8)
-    return t
-
-
-def bitwise_diff(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
-    """Keys whose values differ in any bit (also dtype or shape), or that one side lacks."""
-    out = []
-    for k in sorted(set(a) | set(b)):
-        if k not in a or k not in b:
-            out.append(k)
-            continue
-        x, y = a[k], b[k]
-        if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
-            if x.dtype != y.dtype or x.shape != y.shape or not torch.equal(_bytes(x), _bytes(y)):
-                out.append(k)
-        elif x != y:
-            out.append(k)
-    return out
-
-
 @dataclass
 class Reference:
     max_iters: int
@@ -187,7 +161,7 @@ def reference_run(workdir: Path, max_iters: int) -> Reference:
     finally:
         job.kill()
     ckpt = torch.load(io.BytesIO((workdir / "ref" / "ckpt" / "ckpt.pt").read_bytes()))
-    return Reference(max_iters, rank_states(job), ckpt, time.time() - t0)
+    return Reference(max_iters, job.all_rank_params(NPROC), ckpt, time.time() - t0)
 
 
 # ---------------------------------------------------------------------------- one round
@@ -529,7 +503,7 @@ def run_round(workdir: Path, seed: int, faults: int, reference: Reference | None
             except FileNotFoundError:
                 rnd.problems.append(f"rank {r} wrote no final state")
                 continue
-            d = bitwise_diff(got, want)
+            d = state_diff(got, want)
             rnd.tensors = len(want)
             if d:
                 rnd.problems.append(f"rank {r} differs from the failure-free run in {len(d)} entries: {d[:12]}")
@@ -538,7 +512,7 @@ def run_round(workdir: Path, seed: int, faults: int, reference: Reference | None
         ckpt = torch.load(workdir / "chaos" / "ckpt" / "ckpt.pt")
         want = reference.ckpt
         if ckpt["iter_num"] != want["iter_num"] or ckpt["best_val_loss"] != want["best_val_loss"] or \
-                bitwise_diff(ckpt["model"], want["model"]):
+                state_diff(ckpt["model"], want["model"]):
             rnd.problems.append("rank 0's checkpoint differs from the failure-free run's")
     return rnd
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from tests.jobs import Job
+from tests.jobs import Job, state_diff
 
 GPT = Path(__file__).resolve().parent.parent / "baton" / "examples" / "gpt.py"
 NPROC = 3
@@ -26,12 +26,7 @@ def gpt_job(tmp: Path, name: str, spares: int = 1, extra: list[str] | None = Non
 
 
 def states(job: Job) -> list[dict[str, torch.Tensor]]:
-    return [torch.load(f"{job.out}.rank{r}") for r in range(NPROC)]
-
-
-def diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
-    return [k for k in sorted(set(a) | set(b))
-            if k not in a or k not in b or a[k].dtype != b[k].dtype or not torch.equal(a[k], b[k])]
+    return job.all_rank_params(NPROC)
 
 
 def reference_run(tmp: Path) -> tuple[list[dict[str, torch.Tensor]], bytes]:
@@ -39,7 +34,7 @@ def reference_run(tmp: Path) -> tuple[list[dict[str, torch.Tensor]], bytes]:
     assert job.wait(timeout=180) == 0, job.log()
     got = states(job)
     # Parameters are shared; random streams are each rank's own (per-rank seed, own draws).
-    assert not [k for k in diff(got[0], got[2]) if k.startswith("model.")]
+    assert not [k for k in state_diff(got[0], got[2]) if k.startswith("model.")]
     assert not torch.equal(got[0]["rng"], got[1]["rng"])
     assert float(got[0]["best"]) < 1e9, "rank 0 never recorded a validation loss"
     return got, (job.dir / "ckpt" / "ckpt.pt").read_bytes()
@@ -51,12 +46,12 @@ def check_equal(job: Job, reference, timeout: float = 240) -> list[dict]:
     want_states, ckpt = reference
     assert job.wait(timeout=timeout) == 0, job.log()
     for rank, (got, want) in enumerate(zip(states(job), want_states)):
-        d = diff(got, want)
+        d = state_diff(got, want)
         assert not d, f"rank {rank} differs from the failure-free run in {d}:\n{job.log()}"
     got = torch.load(job.dir / "ckpt" / "ckpt.pt")
     want = torch.load(io.BytesIO(ckpt))
     assert got["iter_num"] == want["iter_num"] and got["best_val_loss"] == want["best_val_loss"]
-    assert all(torch.equal(got["model"][k], want["model"][k]) for k in want["model"])
+    assert not state_diff(got["model"], want["model"])
     return job.events()
 
 

@@ -117,10 +117,28 @@ class Job:
         return torch.load(self.out)
 
     def all_rank_params(self, nproc: int) -> list[dict[str, torch.Tensor]]:
+        """Every rank's final-state file (OUT.rankN)."""
         return [torch.load(f"{self.out}.rank{r}") for r in range(nproc)]
 
 
-def bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(
-        a[k].dtype == b[k].dtype and torch.equal(a[k].view(torch.uint8) if a[k].dim() else a[k], b[k].view(torch.uint8) if b[k].dim() else b[k])
-        for k in a)
+def state_diff(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    """Keys whose values differ in any bit (also dtype or shape), or that one side lacks."""
+    def raw(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+    out = []
+    for k in sorted(set(a) | set(b)):
+        if k not in a or k not in b:
+            out.append(k)
+            continue
+        x, y = a[k], b[k]
+        if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
+            if x.dtype != y.dtype or x.shape != y.shape or not torch.equal(raw(x), raw(y)):
+                out.append(k)
+        elif x != y:
+            out.append(k)
+    return out
+
+
+def bitwise_equal(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return not state_diff(a, b)

@@ -13,7 +13,8 @@ import signal
 import pytest
 import torch
 
-from tests.gpt_job import NPROC, check_equal, diff, gpt_job, in_eval, states
+from tests.gpt_job import NPROC, check_equal, gpt_job, in_eval, states
+from tests.jobs import state_diff
 
 
 def _check(job, reference, kinds: list[str]) -> list[dict]:
@@ -103,5 +104,5 @@ def test_resumed_run_survives_a_kill(tmp_path):
         finally:
             job.kill()
     for rank in range(NPROC):
-        d = diff(runs["resumed-ref"][rank], runs["resumed-kill"][rank])
+        d = state_diff(runs["resumed-ref"][rank], runs["resumed-kill"][rank])
         assert not d, f"rank {rank} differs after a kill in a resumed run: {d}"

@@ -9,9 +9,8 @@ import signal
 from pathlib import Path
 
 import pytest
-import torch
 
-from tests.jobs import Job
+from tests.jobs import Job, state_diff
 
 EPOCHS = Path(__file__).resolve().parent.parent / "baton" / "examples" / "epochs.py"
 NPROC = 3
@@ -22,26 +21,17 @@ def _job(tmp: Path, name: str, spares: int = 1) -> Job:
     return Job(tmp, nproc=NPROC, spares=spares, steps=0, script_args=ARGS, name=name, script=EPOCHS)
 
 
-def _states(job: Job) -> list[dict[str, torch.Tensor]]:
-    return [torch.load(f"{job.out}.rank{r}") for r in range(NPROC)]
-
-
-def _diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
-    return [k for k in sorted(set(a) | set(b))
-            if k not in a or k not in b or a[k].dtype != b[k].dtype or not torch.equal(a[k], b[k])]
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     job = _job(tmp_path_factory.mktemp("ref"), "ref", spares=0)
     assert job.wait(timeout=170) == 0, job.log()
-    return _states(job)
+    return job.all_rank_params(NPROC)
 
 
 def _check(job: Job, reference) -> list[dict]:
     assert job.wait(timeout=170) == 0, job.log()
-    for rank, (got, want) in enumerate(zip(_states(job), reference)):
-        d = _diff(got, want)
+    for rank, (got, want) in enumerate(zip(job.all_rank_params(NPROC), reference)):
+        d = state_diff(got, want)
         assert not d, f"rank {rank} differs from the failure-free run in {d}:\n{job.log()}"
     events = job.events()
     assert events and all(e["status"] == "resolved" and e["steps_lost"] == 0 for e in events), events

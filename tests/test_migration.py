@@ -94,7 +94,7 @@ def test_sigstop_hang_is_detected_and_replaced(tmp_path, reference):
               run_args=["--op-timeout", "2", "--heartbeat-timeout", "2"])
     try:
         job.wait_step(8)
-        pid = job.signal_rank(1, signal.SIGSTOP)
+        job.signal_rank(1, signal.SIGSTOP)
         events = _check(job, reference, "unplanned", rerun_max=1)
         assert events[0]["rank"] == 1 and "hung" in events[0]["cause"]
     finally:

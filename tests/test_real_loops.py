@@ -10,9 +10,8 @@ import signal
 from pathlib import Path
 
 import pytest
-import torch
 
-from tests.jobs import Job
+from tests.jobs import Job, state_diff
 
 EPOCHS = Path(__file__).resolve().parent.parent / "baton" / "examples" / "epochs.py"
 NPROC = 3
@@ -26,29 +25,20 @@ def _job(tmp: Path, name: str, spares: int = 1, run_args: list[str] | None = Non
     return job
 
 
-def _states(job: Job) -> list[dict[str, torch.Tensor]]:
-    return [torch.load(f"{job.out}.rank{r}") for r in range(NPROC)]
-
-
-def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
-    return [k for k in sorted(set(a) | set(b))
-            if k not in a or k not in b or a[k].dtype != b[k].dtype or not torch.equal(a[k], b[k])]
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     job = _job(tmp_path_factory.mktemp("ref"), "ref", spares=0)
     assert job.wait(timeout=180) == 0, job.log()
-    states = _states(job)
+    states = job.all_rank_params(NPROC)
     # BatchNorm statistics and random streams are each rank's own; parameters are shared.
-    assert not [k for k in _equal(states[0], states[1]) if k.startswith("model.conv")]
+    assert not [k for k in state_diff(states[0], states[1]) if k.startswith("model.conv")]
     return states
 
 
 def _check(job: Job, reference) -> list[dict]:
     assert job.wait(timeout=240) == 0, job.log()
-    for rank, (got, want) in enumerate(zip(_states(job), reference)):
-        diff = _equal(got, want)
+    for rank, (got, want) in enumerate(zip(job.all_rank_params(NPROC), reference)):
+        diff = state_diff(got, want)
         assert not diff, f"rank {rank} differs from the failure-free run in {diff}:\n{job.log()}"
     events = job.events()
     assert events and all(e["status"] == "resolved" and e["steps_lost"] == 0 for e in events), events

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import signal
 
 import pytest
 import torch

@@ -124,11 +124,8 @@ class PlannedMoves:
         if not self._ready_spares():
             return  # _on_spare_available calls again
         retry, self._retry_moves = self._retry_moves, []
-        by_kind: dict[tuple[EventKind, str], list[int]] = {}
-        for rank, kind, cause in retry:
-            by_kind.setdefault((kind, cause), []).append(rank)
-        (kind, cause), ranks = next(iter(by_kind.items()))
-        started = self._start_planned(ranks, kind, cause).moves
+        _, kind, cause = retry[0]  # one move at a time: those sharing the first one's kind and cause
+        started = self._start_planned([r for r, k, c in retry if (k, c) == (kind, cause)], kind, cause).moves
         self._retry_moves = [x for x in retry if x[0] not in started]
 
     def _pending_taint_moves(self) -> None:

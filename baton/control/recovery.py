@@ -127,8 +127,8 @@ class Recovery:
         op = self.op
         if op is None or op.phase != "forming" or op.form_deadline is None or now < op.form_deadline:
             return
+        waited = self._formation_timeout(op)
         op.form_tries += 1
-        waited = self.config.formation_timeout_s * (2 ** (op.form_tries - 1))
         if op.form_tries >= self.FORM_TRIES:
             self._lost_everything(op, f"generation {op.generation} did not form after {op.form_tries} attempts "
                                       f"(the last allowed {waited:.1f}s); raise --formation-timeout (now "

@@ -43,19 +43,9 @@ class _SkipBatches:
 
 
 def _loader_from(loader: DataLoader, skip: int) -> DataLoader:
-    kwargs: dict[str, Any] = dict(
-        batch_sampler=_SkipBatches(loader.batch_sampler, skip),
-        num_workers=loader.num_workers,
-        collate_fn=loader.collate_fn,
-        pin_memory=loader.pin_memory,
-        timeout=loader.timeout,
-        worker_init_fn=loader.worker_init_fn,
-        generator=loader.generator,
-    )
-    if loader.num_workers > 0:
-        kwargs.update(prefetch_factor=loader.prefetch_factor,
-                      multiprocessing_context=loader.multiprocessing_context)
-    return DataLoader(loader.dataset, **kwargs)
+    """The same in-process loader (no workers: those are rebuilt by reading) from batch `skip` on."""
+    return DataLoader(loader.dataset, batch_sampler=_SkipBatches(loader.batch_sampler, skip),
+                      collate_fn=loader.collate_fn, pin_memory=loader.pin_memory, generator=loader.generator)
 
 
 def _generators(data: Any) -> list[torch.Generator]:

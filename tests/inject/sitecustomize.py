@@ -5,52 +5,63 @@ all-reduce completed everywhere, just before its optimizer.step(), as a rank doe
 peer is lost at the very end of the all-reduce. The others complete the step; this rank
 must take their result, never re-run it. Random signals reach this path rarely; this
 reaches it every time.
+
+BATON_TEST_CORRUPT="rank:step": after that rank's optimizer step at that step, one float of
+its first parameter changes by one ulp, as silent data corruption in memory would.
 """
 
 import os
 import sys
 
-_spec = os.environ.get("BATON_TEST_FAIL_AFTER_ALLREDUCE")
-if _spec:
-    from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-    _rank, _step = map(int, _spec.split(":"))
-    _fired = [False]
+def _once_at(spec: str):  # noqa: ANN202
+    """A predicate true exactly once: on rank `r` in step `k` of the spec "r:k"."""
+    rank, step = map(int, spec.split(":"))
+    fired = [False]
 
-    def _hook(opt, args, kwargs):  # noqa: ANN001
+    def due() -> bool:
         from baton.worker import job
-        from baton.worker.group import CollectiveFailure
 
         rt = job._RUNTIME[0]
-        if rt is None or _fired[0] or rt.rank != _rank or rt.pos[0] != _step or rt.scope != "step":
+        if fired[0] or rt is None or rt.rank != rank or rt.pos[0] != step or rt.scope != "step":
+            return False
+        fired[0] = True
+        return True
+
+    return due
+
+
+_fail = os.environ.get("BATON_TEST_FAIL_AFTER_ALLREDUCE")
+if _fail:
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    _fail_due = _once_at(_fail)
+
+    def _lose_step(opt, args, kwargs):  # noqa: ANN001
+        if not _fail_due():
             return
-        _fired[0] = True
-        print(f"injected: rank {_rank} loses step {_step} after its all-reduce", file=sys.stderr, flush=True)
+        from baton.worker.group import CollectiveFailure
+
+        print(f"injected: rank {_fail.split(':')[0]} loses step {_fail.split(':')[1]} after its all-reduce",
+              file=sys.stderr, flush=True)
         raise CollectiveFailure("injected: this rank lost the step after its all-reduce completed")
 
-    register_optimizer_step_pre_hook(_hook)
+    register_optimizer_step_pre_hook(_lose_step)
 
-# BATON_TEST_CORRUPT="rank:step": after that rank's optimizer step at that step, one float of
-# its first parameter changes by one ulp, as silent data corruption in memory would.
 _corrupt = os.environ.get("BATON_TEST_CORRUPT")
 if _corrupt:
     import torch
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
-    _c_rank, _c_step = map(int, _corrupt.split(":"))
-    _c_fired = [False]
+    _corrupt_due = _once_at(_corrupt)
 
     def _flip(opt, args, kwargs):  # noqa: ANN001
-        from baton.worker import job
-
-        rt = job._RUNTIME[0]
-        if rt is None or _c_fired[0] or rt.rank != _c_rank or rt.pos[0] != _c_step:
+        if not _corrupt_due():
             return
-        _c_fired[0] = True
-        p = opt.param_groups[0]["params"][0]
         with torch.no_grad():
-            flat = p.view(-1)
+            flat = opt.param_groups[0]["params"][0].view(-1)
             flat[0] = torch.nextafter(flat[0], torch.tensor(float("inf"), dtype=flat.dtype))
-        print(f"injected: rank {_c_rank} corrupted one value at step {_c_step}", file=sys.stderr, flush=True)
+        print(f"injected: rank {_corrupt.split(':')[0]} corrupted one value at step {_corrupt.split(':')[1]}",
+              file=sys.stderr, flush=True)
 
     register_optimizer_step_post_hook(_flip)
