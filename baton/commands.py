@@ -26,6 +26,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                    help="seconds without a heartbeat before a worker is declared hung, default 3")
     p.add_argument("--formation-timeout", type=float, default=120.0,
                    help="seconds to wait for a new process group to form, default 120")
+    p.add_argument("--spare-wait", type=float, default=600.0,
+                   help="seconds a recovery waits for a spare before the job fails, default 600")
     p.add_argument("--verify-every", type=int, default=0, metavar="N",
                    help="also check every N steps that replicas hold identical state (catches silent "
                         "data corruption; 0: only after moves)")
@@ -109,7 +111,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                       slots=args.slots, run_dir=args.run_dir or default_dir(),
                       op_timeout_s=args.op_timeout, heartbeat_timeout_s=args.heartbeat_timeout,
                       formation_timeout_s=args.formation_timeout, verify_every=args.verify_every,
-                      job_id=args.job_id, quiet=args.quiet)
+                      spare_wait_s=args.spare_wait, job_id=args.job_id, quiet=args.quiet)
     return run(opts)
 
 

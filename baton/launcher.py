@@ -40,6 +40,7 @@ class RunOptions:
     op_timeout_s: float = 5.0
     heartbeat_timeout_s: float = 3.0
     formation_timeout_s: float = 120.0
+    spare_wait_s: float = 600.0
     verify_every: int = 0
     job_id: str = "job"
     quiet: bool = False
@@ -75,7 +76,7 @@ def run(opts: RunOptions, listeners: list[Callable[[str, dict[str, Any]], None]]
     if opts.nproc < 1:
         raise SystemExit("baton run: --nproc must be at least 1")
     for flag, value in (("--op-timeout", opts.op_timeout_s), ("--heartbeat-timeout", opts.heartbeat_timeout_s),
-                        ("--formation-timeout", opts.formation_timeout_s)):
+                        ("--formation-timeout", opts.formation_timeout_s), ("--spare-wait", opts.spare_wait_s)):
         if not math.isfinite(value) or value <= 0:
             raise SystemExit(f"baton run: {flag} must be a positive number of seconds, got {value}")
     if opts.verify_every < 0:
@@ -102,7 +103,8 @@ def run(opts: RunOptions, listeners: list[Callable[[str, dict[str, Any]], None]]
                           timeout=timedelta(seconds=opts.formation_timeout_s))
     config = Config(world_size=opts.nproc, spares=opts.spares, job_id=opts.job_id,
                     op_timeout_s=opts.op_timeout_s, heartbeat_timeout_s=opts.heartbeat_timeout_s,
-                    formation_timeout_s=opts.formation_timeout_s, verify_every=opts.verify_every)
+                    formation_timeout_s=opts.formation_timeout_s, verify_every=opts.verify_every,
+                    spare_wait_s=opts.spare_wait_s)
     orch = Orchestrator(config, db)
     db.on_error = lambda text: orch._emit("store-error", {"message": text + " (the job goes on; the ledger "
                                                           "is kept in memory and written when it can be)"})

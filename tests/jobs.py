@@ -102,10 +102,11 @@ class Job:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
 
-    def log(self) -> str:
+    def log(self, tail: int | None = 6000) -> str:
         if not self.stderr.closed:
             self.stderr.flush()
-        return self.stderr_path.read_text()[-6000:]
+        text = self.stderr_path.read_text()
+        return text[-tail:] if tail else text
 
     def events(self) -> list[dict[str, Any]]:
         out = subprocess.run([sys.executable, "-m", "baton.cli", "events", "--json", "--run-dir",

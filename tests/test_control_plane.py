@@ -73,6 +73,32 @@ def test_bystander_killed_during_a_planned_move(tmp_path, gpt_reference):
         job.signal_rank(0, signal.SIGKILL)
         events = check_equal(job, gpt_reference)
         assert ("unplanned", "resolved") in _kinds(events), events
+        # The move that the failure superseded is still wanted: it runs again once a spare is
+        # warm (two new ones start), unless training finishes first, which the log then says.
+        again = _kinds(events)[-1] == ("planned", "resolved") and events[-1]["rank"] == 1
+        assert again or "move of rank 1 (requested) was still waiting to run again" in job.log(), events
+        assert all(e["steps_lost"] == 0 for e in events), events
+    finally:
+        job.kill()
+
+
+def test_rank_hung_in_its_own_code_while_the_others_wait_to_pause(tmp_path, gpt_reference):
+    """During a planned move of rank 0, rank 2 hangs in its own code (not in a collective:
+    the others wait at the agreed boundary, and its heartbeats go on). The pausing phase's
+    deadline declares it hung; the move becomes a recovery, then runs again."""
+    env = {"PYTHONPATH": str(Path(__file__).resolve().parent / "inject"), "BATON_TEST_STALL_WHILE_PAUSING": "2",
+           "BATON_TEST_STALL_MARK": str(tmp_path / "stalled")}
+    job = gpt_job(tmp_path, "pause-stall", spares=3, env=env,
+                  run_args=["--op-timeout", "2", "--heartbeat-timeout", "2"])
+    try:
+        job.wait_step(4)
+        _spare_pids(job, 3)  # the move's joiner is stopped, one replaces rank 2, one runs the move again
+        job.client.migrate(0)
+        events = check_equal(job, gpt_reference)
+        assert "injected: rank 2 hangs" in job.log(tail=None)  # the hung rank's stack dump follows
+        lost = [e for e in events if e["kind"] == "unplanned"]
+        assert len(lost) == 1 and lost[0]["rank"] == 2 and "did not reach the agreed step" in lost[0]["cause"], events
+        assert _kinds(events)[-1] == ("planned", "resolved") and events[-1]["rank"] == 0, events
         assert all(e["steps_lost"] == 0 for e in events), events
     finally:
         job.kill()

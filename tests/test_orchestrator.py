@@ -128,3 +128,57 @@ def test_state_is_persisted_after_transitions(tmp_path):
     orch.taint("local/3", "thermal")
     rows = SqliteStore(tmp_path / "s.db").all("slot")
     assert rows["local/3"]["taint"] == "thermal"
+
+
+def _expire(orch: Orchestrator) -> None:
+    """Let the current phase's deadline pass, as the ticker would see it."""
+    orch.op.deadline = 0.0
+    orch.tick()
+
+
+def test_a_rank_that_never_answers_the_pause_request_is_asked_again_then_lost(tmp_path):
+    orch, sched = _running(tmp_path, spares=2)
+    op = orch.request_migration(0)["op"]
+    report(orch, "w0", {"type": "pause_ack", "op": op, "ok": True, "next_step": 11})
+    _expire(orch)
+    assert orch.op.phase == "agree" and "w1" not in sched.killed
+    assert len([c for c in _commands(orch, "w1") if c["type"] == "pause"]) == 2  # asked once more
+    _expire(orch)
+    assert "w1" in sched.killed
+    assert orch.op.kind.value == "unplanned" and orch.op.phase == "collect"
+    lost = [e for e in orch.event_list() if e["rank"] == 1]
+    assert lost and "did not answer the pause request" in lost[0]["cause"]
+
+
+def test_a_rank_that_stops_short_of_the_agreed_step_is_lost_once_the_others_waited(tmp_path):
+    orch, sched = _running(tmp_path, spares=2)
+    op = orch.request_migration(0)["op"]
+    target = orch.op.target_step
+    for w in ("w0", "w1"):
+        report(orch, w, {"type": "pause_ack", "op": op, "ok": True, "next_step": 11})
+    report(orch, "w0", {"type": "paused", "op": op, "pos": [target, 0]})
+    before = orch.op.deadline
+    report(orch, "w1", {"type": "heartbeat", "step": 11})  # progress toward the boundary
+    assert orch.op.phase == "pausing" and orch.op.deadline >= before
+    _expire(orch)
+    assert "w1" in sched.killed and orch.op.kind.value == "unplanned"
+    lost = [e for e in orch.event_list() if e["rank"] == 1]
+    assert lost and f"did not reach the agreed step {target}" in lost[0]["cause"]
+
+
+def test_no_spare_within_spare_wait_fails_the_job_clearly(tmp_path):
+    sched = RecordingScheduler(2)
+    orch = Orchestrator(Config(world_size=2, spares=0, spare_wait_s=30), SqliteStore(tmp_path / "s.db"), sched)
+    orch.start()
+    for wid, _ in list(sched.started):
+        orch.register(wid, 1, ["127.0.0.1", 1000 + int(wid[1:])])
+    for r in range(2):
+        report(orch, f"w{r}", {"type": "ready", "loop": LOOP, "bundle": _bundle(r)})
+        report(orch, f"w{r}", {"type": "heartbeat", "step": 10})
+    orch.worker_exited("w1", -9)
+    report(orch, "w0", {"type": "recover", "generation": orch.generation, "pos": [10, 0]})
+    assert orch.op.phase == "spares" and orch.status()["jobs"][0]["state"] == "waiting-for-spare"
+    _expire(orch)
+    assert orch.exit_code == 1 and "no spare became ready for rank(s) [1] within 30s" in orch.failure
+    ev = orch.event_list()[0]
+    assert ev["status"] == "failed" and ev["resolved_without_rollback"] is False

@@ -1,12 +1,20 @@
-"""One reconfiguration in flight: the ranks moving and the generation being formed."""
+"""One reconfiguration in flight: the ranks moving and the generation being formed.
+
+An operation is always in exactly one phase, and every phase has a deadline:
+    planned:   agree -> pausing -> forming -> done
+    unplanned: collect -> (spares) -> forming -> done
+What happens when a deadline passes is the orchestrator's `_expired_<phase>`.
+"""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from baton.control.state import EventKind
+
+Phase = Literal["agree", "pausing", "collect", "spares", "forming"]
 
 
 @dataclass
@@ -25,19 +33,24 @@ class Operation:
     kind: EventKind
     generation: int
     moves: dict[int, Move]
-    phase: str  # agree | pausing | collect | spares | forming | done
+    phase: Phase
     started_at: float = field(default_factory=time.time)
     target_step: int | None = None
     acks: dict[int, dict[str, Any]] = field(default_factory=dict)
     paused: dict[int, float] = field(default_factory=dict)
     boundaries: dict[int, int] = field(default_factory=dict)
     formed: dict[int, float] = field(default_factory=dict)
-    collect_deadline: float | None = None
+    deadline: float = float("inf")  # when the current phase has run out of time
     transfer_bytes: int = 0
     transfer_s: float = 0.0
     waiting_message: str | None = None
     rerun: bool = False  # some survivor discarded a partial step and re-runs it
     target: tuple[int, int] | None = None  # the position the new generation forms at
     failed_at: float | None = None  # when the failure happened (not when it was detected)
-    form_deadline: float | None = None  # forming must be over by then, or it is retried
-    form_tries: int = 0
+    form_tries: int = 0  # generations that did not form in time (each retry gets twice the time)
+    agree_tries: int = 0  # pause requests sent again to ranks that had not answered
+
+    def enter(self, phase: Phase, seconds: float) -> None:
+        """Start `phase`, which must be over within `seconds`."""
+        self.phase = phase
+        self.deadline = time.time() + seconds

@@ -83,6 +83,7 @@ class Config:
     op_timeout_s: float = 5.0  # per-collective timeout inside workers
     collect_grace_s: float = 2.0  # extra wait for survivors' reports after op_timeout
     formation_timeout_s: float = 120.0
+    spare_wait_s: float = 600.0  # a recovery waits this long for a spare, then the job fails
     verify_every: int = 0  # also check replicas agree every N steps (0: only after moves)
     redundancy: int = 2  # buddies holding each rank's own state (simultaneous losses survived)
 
@@ -184,17 +185,17 @@ class Orchestrator(PlannedMoves, Recovery, SparePool):
                     else max(30.0, 10 * self.config.heartbeat_timeout_s)
                 if now - w.last_seen > limit:
                     self._worker_lost(w, f"no heartbeat for {now - w.last_seen:.1f}s (hung)")
-            self._check_forming(now)
             op = self.op
-            if op and op.phase == "collect" and op.collect_deadline and now > op.collect_deadline:
-                for r, info in self.ranks.items():
-                    if r not in op.moves and r not in op.boundaries:
-                        w = self.workers.get(info.worker or "")
-                        if w:
-                            self._worker_lost(w, "did not report after the failed step (hung)")
-                self._advance_collect()
+            if op is not None and now > op.deadline:
+                self._expired(op)
             self._replenish()
             self._persist()
+
+    def _expired(self, op: Operation) -> None:
+        """The current phase ran out of time: each phase's fallback (see planned.py, recovery.py)."""
+        log.warning("op %d: %s phase expired", op.id, op.phase)
+        {"agree": self._expired_agree, "pausing": self._expired_pausing, "collect": self._expired_collect,
+         "spares": self._expired_spares, "forming": self._expired_forming}[op.phase](op)
 
     def _forgive_own_stall(self, now: float) -> None:
         """Time this process itself did not run (paused, starved, a slow disk) is not a
@@ -206,8 +207,8 @@ class Orchestrator(PlannedMoves, Recovery, SparePool):
         log.warning("the control plane did not run for %.1fs: heartbeat clocks moved by that much", gap)
         for w in self.workers.values():
             w.last_seen = min(now, w.last_seen + gap)
-        if self.op and self.op.collect_deadline:
-            self.op.collect_deadline += gap
+        if self.op is not None:
+            self.op.deadline += gap
 
     # ------------------------------------------------------------------ worker API
     def _post(self, worker_id: str, cmd: BaseModel) -> None:
@@ -275,6 +276,8 @@ class Orchestrator(PlannedMoves, Recovery, SparePool):
             if info.worker != w.id:
                 return
             if rep.step is not None:
+                if rep.step > info.step:
+                    self._on_step_progress()
                 info.step = rep.step
                 info.step_at = time.time()
                 info.reached = max(info.reached, rep.step)
@@ -369,6 +372,10 @@ class Orchestrator(PlannedMoves, Recovery, SparePool):
         elif op is not None:
             return  # a recovery is still bringing a rank to the end: wait for it
         self._training_done = True
+        for rank, kind, cause in self._retry_moves:
+            self._emit("note", {"message": f"the {kind.value} move of rank {rank} ({cause}) was still waiting "
+                                           "to run again when training finished"})
+        self._retry_moves = []
         self._emit("finished", {})
         for info in self.ranks.values():
             if info.worker:
@@ -590,6 +597,9 @@ class Orchestrator(PlannedMoves, Recovery, SparePool):
         self.op = None
         for info in self.ranks.values():
             info.reached = max(info.reached, op.target_step or 0)
+            # Every rank resumes from the target now: older step reports would make the next
+            # move's boundary estimate extrapolate across the time this move took.
+            info.step, info.step_at = op.target_step or info.step, now
         # Planned moves whose joiner was lost run again; taints that arrived while this op
         # ran still need their ranks moved.
         self._retry_lost_moves()

@@ -3,6 +3,8 @@ the leaver serves its full state to the joiner, everyone forms the next generati
 
 A rank already past the proposed boundary says so and the boundary moves; a move whose
 joiner is lost runs again with another spare once the job has re-formed without it.
+A rank that does not answer the pause request (asked twice), or stops making progress
+short of the boundary while the others wait, is hung: the move becomes a recovery.
 """
 
 from __future__ import annotations
@@ -36,7 +38,48 @@ class PlannedMoves:
         op.target = max(op.target or tuple(rep.pos), tuple(rep.pos))  # type: ignore[assignment]
         self.ranks[w.rank].state = RankState.PAUSED
         self.ranks[w.rank].step = rep.pos[0]
+        if op.phase == "pausing":
+            op.enter("pausing", self._pause_window())  # progress: the others get a full window again
         self._advance_pausing()
+
+    def _pause_window(self) -> float:
+        """How long ranks may take to reach the agreed step after the last sign of progress.
+
+        A rank that lags the others by more than --op-timeout would already be declared
+        hung by their next collective; two of the slowest step times cover a rank that was
+        mid-step when it agreed."""
+        step = max((i.metrics.get("step_time", 0.0) for i in self.ranks.values()), default=0.0)
+        return self._report_window() + 2 * step
+
+    def _expired_agree(self, op: Operation) -> None:
+        """Ranks that did not answer the pause request: ask once more, then they are hung."""
+        silent = [r for r in self.ranks if r not in op.acks]
+        if op.agree_tries == 0:
+            op.agree_tries += 1
+            op.enter("agree", self._report_window())
+            for r in silent:
+                self._post(self.ranks[r].worker or "", m.Pause(op=op.id, at_step=op.target_step or 0))
+            return
+        for r in silent:
+            w = self.workers.get(self.ranks[r].worker or "")
+            if w is not None:
+                self._worker_lost(w, f"did not answer the pause request of {op.kind.value} move {op.id} "
+                                     "(hung)")
+
+    def _expired_pausing(self, op: Operation) -> None:
+        """Ranks that stopped making progress short of the agreed step are hung."""
+        late = [r for r in self.ranks if r not in op.paused]
+        for r in late:
+            w = self.workers.get(self.ranks[r].worker or "")
+            if w is not None:
+                self._worker_lost(w, f"did not reach the agreed step {op.target_step} of {op.kind.value} move "
+                                     f"{op.id} while the others waited (hung)")
+
+    def _on_step_progress(self) -> None:
+        """A rank reported a new step: while pausing, that is progress toward the boundary."""
+        op = self.op
+        if op is not None and op.phase == "pausing":
+            op.enter("pausing", self._pause_window())
 
     def _start_planned(self, ranks: list[int], kind: EventKind, cause: str) -> Operation:
         spares = self._ready_spares()
@@ -44,6 +87,7 @@ class PlannedMoves:
         self.generation += 1
         self._op_ids += 1
         op = Operation(id=self._op_ids, kind=kind, generation=self.generation, moves={}, phase="agree")
+        op.enter("agree", self._report_window())
         for rank, spare in zip(ranks, spares):
             leaver = self.workers[self.ranks[rank].worker or ""]
             ev = self._new_event(kind, cause, rank, leaver.slot)
@@ -87,12 +131,13 @@ class PlannedMoves:
             new_target = max(int(a.get("next_step", 0)) for a in op.acks.values()) + 2
             op.target_step = new_target
             op.acks = {}
+            op.enter("agree", self._report_window())
             self._emit("retarget", {"op": op.id, "at_step": new_target})
             for info in self.ranks.values():
                 assert info.worker
                 self._post(info.worker, m.Pause(op=op.id, at_step=new_target))
             return
-        op.phase = "pausing"
+        op.enter("pausing", self._pause_window())
         self._advance_pausing()
 
     def _advance_pausing(self) -> None:

@@ -2,9 +2,10 @@
 most advanced boundary wins; joiners fetch replicated state from every survivor there
 and their own rank-local state from the lost rank's buddies.
 
-Every phase has a deadline: survivors that do not report in time are lost too; a
-generation that does not form in time is tried again with twice the time, then the job
-fails with a clear message; a joiner lost on the way is replaced by another spare.
+Every phase has a deadline: survivors that do not report in time are lost too; with no
+spare in --spare-wait the job fails; a generation that does not form in time is tried
+again with twice the time, then the job fails with a clear message; a joiner lost on the
+way is replaced by another spare.
 """
 
 from __future__ import annotations
@@ -71,13 +72,19 @@ class Recovery:
             self._emit("note", {"message": f"failure during {op.kind.value} migration: recovering instead"})
             for rank, move in op.moves.items():
                 ev = self.events[move.event_id - 1]
-                retried = any(r == rank for r, _, _ in self._retry_moves)
-                self._close(ev, "failed", "its joiner was lost; the move runs again with another spare"
-                            if retried else "superseded by an unplanned failure during the move")
+                leaver_died = move.from_worker == (dead_worker.id if dead_worker else None)
+                if leaver_died:
+                    note = "superseded by the loss of its leaver: the joiner takes the rank over"
+                elif any(r == rank for r, _, _ in self._retry_moves):
+                    note = "its joiner was lost; the move runs again with another spare"
+                else:  # a bystander failed: the move is still wanted once the job has re-formed
+                    self._retry_moves.append((rank, op.kind, ev.cause))
+                    note = "superseded by an unplanned failure during the move; it runs again after it"
+                self._close(ev, "failed", note)
                 joiner = self.workers.get(move.to_worker or "")
                 if joiner is None or joiner.role != WorkerRole.RANK:
                     continue
-                if move.from_worker == (dead_worker.id if dead_worker else None):
+                if leaver_died:
                     carried[rank] = joiner.id  # the leaver died: its joiner takes the rank over
                 else:
                     # The leaver lives on as a survivor; the joiner (already running the
@@ -92,7 +99,7 @@ class Recovery:
             self._op_ids += 1
             op = Operation(id=self._op_ids, kind=EventKind.UNPLANNED, generation=self.generation,
                            moves={}, phase="collect", failed_at=failed_at or time.time())
-            op.collect_deadline = time.time() + self.config.op_timeout_s + self.config.collect_grace_s
+            op.enter("collect", self._report_window())
             self.op = op
             for info in self.ranks.values():
                 if info.worker and self.workers[info.worker].role == WorkerRole.RANK and info.rank != dead_rank:
@@ -117,16 +124,34 @@ class Recovery:
         """The configured formation timeout, doubled for every attempt that ran out of it."""
         return self.config.formation_timeout_s * (2 ** op.form_tries)
 
-    def _enter_forming(self, op: Operation) -> None:
-        op.phase = "forming"
-        op.form_deadline = (time.time() + self._formation_timeout(op) + self.config.op_timeout_s
-                            + self.config.collect_grace_s)
+    def _report_window(self) -> float:
+        """How long a live rank may take to answer: its collectives time out after
+        --op-timeout, and its report needs a moment to arrive."""
+        return self.config.op_timeout_s + self.config.collect_grace_s
 
-    def _check_forming(self, now: float) -> None:
+    def _enter_forming(self, op: Operation) -> None:
+        op.enter("forming", self._formation_timeout(op) + self._report_window())
+
+    def _expired_collect(self, op: Operation) -> None:
+        """Survivors that neither reported nor were declared dead are hung: lost too."""
+        for r, info in self.ranks.items():
+            if r not in op.moves and r not in op.boundaries:
+                w = self.workers.get(info.worker or "")
+                if w:
+                    self._worker_lost(w, "did not report after the failed step (hung)")
+        if self.op is op and op.phase == "collect":
+            op.enter("collect", self._report_window())  # what the lost ranks' joiners need
+        self._advance_collect()
+
+    def _expired_spares(self, op: Operation) -> None:
+        """No spare came up in --spare-wait: the job cannot go on at its world size."""
+        missing = sorted(r for r, mv in op.moves.items() if mv.to_worker is None)
+        self._lost_everything(op, f"no spare became ready for rank(s) {missing} within "
+                                  f"{self.config.spare_wait_s:g}s (--spare-wait): free or untaint a slot, "
+                                  "or raise --spare-wait")
+
+    def _expired_forming(self, op: Operation) -> None:
         """The forming phase's deadline: try again with twice the time, then fail clearly."""
-        op = self.op
-        if op is None or op.phase != "forming" or op.form_deadline is None or now < op.form_deadline:
-            return
         waited = self._formation_timeout(op)
         op.form_tries += 1
         if op.form_tries >= self.FORM_TRIES:
@@ -147,9 +172,8 @@ class Recovery:
 
     def _restart_collect(self, op: Operation) -> None:
         """Lost someone while forming: a new generation, and everyone goes back to collecting."""
-        op.phase = "collect"
+        op.enter("collect", self._report_window())
         op.formed.clear()
-        op.collect_deadline = time.time() + self.config.op_timeout_s + self.config.collect_grace_s
         self.generation += 1
         op.generation = self.generation
         for info in self.ranks.values():
@@ -192,9 +216,11 @@ class Recovery:
             if move.to_worker is None:
                 spares = self._ready_spares()
                 if not spares:
-                    op.phase = "spares"
+                    if op.phase != "spares":
+                        op.enter("spares", self.config.spare_wait_s)
                     msg = (f"rank {rank} lost and no spare is available: the job is paused until a "
-                           "spare starts (free a slot or untaint one)")
+                           f"spare starts (free a slot or untaint one), for at most "
+                           f"{self.config.spare_wait_s:g}s (--spare-wait)")
                     if op.waiting_message != msg:
                         op.waiting_message = msg
                         self.ranks[rank].state = RankState.WAITING_SPARE

@@ -8,6 +8,12 @@ reaches it every time.
 
 BATON_TEST_CORRUPT="rank:step": after that rank's optimizer step at that step, one float of
 its first parameter changes by one ulp, as silent data corruption in memory would.
+
+BATON_TEST_STALL_WHILE_PAUSING="rank" (with BATON_TEST_STALL_MARK, a file path that makes it
+fire once per job): that rank reaches the agreed boundary
+of a move but its main thread hangs there, as one stuck in its own code between steps (a
+hung filesystem read, say) would. Its heartbeats go on and no collective is pending for the
+others, who wait at the boundary: only the pausing phase's deadline can find it.
 """
 
 import os
@@ -65,3 +71,23 @@ if _corrupt:
               file=sys.stderr, flush=True)
 
     register_optimizer_step_post_hook(_flip)
+
+_stall = os.environ.get("BATON_TEST_STALL_WHILE_PAUSING")
+if _stall:
+    import time
+
+    from baton.worker.runtime import Runtime
+
+    _pause = Runtime._paused
+
+    _mark = os.environ["BATON_TEST_STALL_MARK"]  # exists once one process has hung (joiners inherit the env)
+
+    def _hang_instead(self, op):  # noqa: ANN001, ANN202
+        if self.rank == int(_stall) and not os.path.exists(_mark):
+            open(_mark, "w").close()
+            print(f"injected: rank {_stall} hangs in its own code before the agreed step {self.ctl.pause_at}",
+                  file=sys.stderr, flush=True)
+            time.sleep(3600)
+        return _pause(self, op)
+
+    Runtime._paused = _hang_instead
