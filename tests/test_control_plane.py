@@ -82,6 +82,23 @@ def test_bystander_killed_during_a_planned_move(tmp_path, gpt_reference):
         job.kill()
 
 
+def test_a_lost_peer_that_escapes_the_script_replaces_the_rank_not_fails_the_job(tmp_path, gpt_reference):
+    """A lost-peer error that surfaces after the step committed cannot be absorbed: the rank
+    exits with code 75, which the orchestrator treats as a lost rank (never a script bug)."""
+    env = {"PYTHONPATH": str(Path(__file__).resolve().parent / "inject"),
+           "BATON_TEST_PEER_LOST_AFTER_COMMIT": "1:9"}
+    job = gpt_job(tmp_path, "escape", spares=1, env=env)
+    try:
+        events = check_equal(job, gpt_reference)
+        log = job.log(tail=None)
+        assert "injected: a lost peer surfaces on rank 1" in log and "could not absorb it here" in log
+        assert "user-error" not in log
+        assert _kinds(events) == [("unplanned", "resolved")] and events[0]["rank"] == 1, events
+        assert "exited after a lost peer" in events[0]["cause"] and events[0]["steps_lost"] == 0, events
+    finally:
+        job.kill()
+
+
 def test_rank_hung_in_its_own_code_while_the_others_wait_to_pause(tmp_path, gpt_reference):
     """During a planned move of rank 0, rank 2 hangs in its own code (not in a collective:
     the others wait at the agreed boundary, and its heartbeats go on). The pausing phase's

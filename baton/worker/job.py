@@ -340,8 +340,9 @@ def _install_excepthook(ctl: ControlChannel) -> None:
         rt = _RUNTIME[0]
         if rt is not None and not issubclass(exc_type, (KeyboardInterrupt, UsageError)) and \
                 rt.is_peer_failure(exc):
-            log.error("a peer was lost and the script could not absorb it here (%s: %s); this rank "
-                      "will be replaced", exc_type.__name__, exc)
+            print(f"[baton] rank {rt.rank}: a peer was lost and the script could not absorb it here "
+                  f"({exc_type.__name__}: {exc}); this rank will be replaced", file=sys.__stderr__, flush=True)  # torch's
+            # rank-prefixing excepthook, which calls this one, points sys.stderr at a buffer
             exit_quietly(EXIT_PEER_LOST)
         if not issubclass(exc_type, KeyboardInterrupt):
             try:

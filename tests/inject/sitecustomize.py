@@ -9,6 +9,11 @@ reaches it every time.
 BATON_TEST_CORRUPT="rank:step": after that rank's optimizer step at that step, one float of
 its first parameter changes by one ulp, as silent data corruption in memory would.
 
+BATON_TEST_PEER_LOST_AFTER_COMMIT="rank:step": right after that rank's optimizer step in
+that step, a lost-peer error surfaces in the script. The step has committed, so it cannot
+be absorbed: the rank exits as one that died of a lost peer (75), not as a script bug,
+and is replaced.
+
 BATON_TEST_STALL_WHILE_PAUSING="rank" (with BATON_TEST_STALL_MARK, a file path that makes it
 fire once per job): that rank reaches the agreed boundary
 of a move but its main thread hangs there, as one stuck in its own code between steps (a
@@ -71,6 +76,23 @@ if _corrupt:
               file=sys.stderr, flush=True)
 
     register_optimizer_step_post_hook(_flip)
+
+_escape = os.environ.get("BATON_TEST_PEER_LOST_AFTER_COMMIT")
+if _escape:
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    _escape_due = _once_at(_escape)
+
+    def _surface(opt, args, kwargs):  # noqa: ANN001
+        if not _escape_due():
+            return
+        from baton.worker.group import CollectiveFailure
+
+        print(f"injected: a lost peer surfaces on rank {_escape.split(':')[0]} after its step committed",
+              file=sys.stderr, flush=True)
+        raise CollectiveFailure("injected: peer lost after this rank's optimizer step")
+
+    register_optimizer_step_post_hook(_surface)
 
 _stall = os.environ.get("BATON_TEST_STALL_WHILE_PAUSING")
 if _stall:
