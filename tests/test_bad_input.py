@@ -155,3 +155,31 @@ def test_script_outside_baton_run_gets_a_clear_error(tmp_path):
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
                          env={k: v for k, v in __import__("os").environ.items() if not k.startswith("BATON_")})
     assert out.returncode != 0 and "must run under `baton run`" in out.stderr
+
+
+STRAY_DRAW = """
+import numpy as np, torch, baton
+job = baton.init()
+model = job.wrap(torch.nn.Linear(4, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in job.steps(40):
+    with step:
+        model(torch.randn(8, 4)).sum().backward()
+        if step.index == {at}:
+            {draw}  # after backward: a re-run of the next step could not replay it
+        opt.step()
+        opt.zero_grad()
+job.finish()
+"""
+
+
+@pytest.mark.parametrize("draw, at, caught_before", [
+    ("torch.rand(1)", 10, 11),  # every stream is checked before every step
+    ("np.random.rand()", 20, 21),
+    ("np.random.randn(3)", 20, 21),
+])
+def test_random_numbers_drawn_after_backward_are_refused(tmp_path, draw, at, caught_before):
+    out = _run(tmp_path, STRAY_DRAW.format(draw=draw, at=at))
+    assert out.returncode == 1, out.stderr
+    stream = "torch" if draw.startswith("torch") else "numpy"
+    assert f"random numbers ({stream}) were drawn before step {caught_before}" in out.stderr, out.stderr

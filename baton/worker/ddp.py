@@ -10,8 +10,10 @@ a joiner must use the survivors' exact layout: survivors export it (a list of
 parameter-index lists, plain ints) with their state, and the joiner rebuilds its
 reducer to match before its first step.
 
-The comm hook is also where a step's bundle is captured (first bucket) and where
-this rank waits for its ward's bundle before its last bucket (see bundle.py).
+A step's bundle is captured when the syncing backward starts (a hook on the output's
+autograd node; the first gradient bucket if that never fires), so it travels to the
+buddy during the whole backward; the comm hook waits for the ward's bundle before the
+last bucket (see bundle.py).
 """
 
 from __future__ import annotations
@@ -40,6 +42,12 @@ class LiveDDP(DistributedDataParallel):
         if order is None:
             return params, sparse
         return [params[i] for i in order], [sparse[i] for i in order]
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        out = super().forward(*inputs, **kwargs)
+        if torch.is_grad_enabled() and self.require_backward_grad_sync:
+            self._baton_rt.watch_backward_start(out)
+        return out
 
     def _distributed_broadcast_coalesced(self, tensors, buffer_size, authoritative_rank=0):  # noqa: ANN001
         # DDP syncs buffers from rank 0 before a forward exactly when it would under torchrun.
@@ -75,13 +83,7 @@ def _allreduce_hook(rt, bucket):  # DDP inspects real annotations; see below
     rt.on_sync_backward(first=bucket.index() == 0, last=bucket.is_last())
     buffer = bucket.buffer()
     buffer.mul_(1.0 / rt.world_size)  # what DDP's reducer does without a hook
-    with rt.group.internal():
-        work = rt.group.allreduce([buffer])
-    return work.get_future().then(_first)
-
-
-def _first(fut):
-    return fut.value()[0]
+    return rt.group.reduce_gradients(buffer)
 
 
 _allreduce_hook.__annotations__ = {"bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}

@@ -174,6 +174,23 @@ class LiveGroup(dist.ProcessGroup):
         fut.add_done_callback(check)
         return work
 
+    def reduce_gradients(self, tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+        """DDP's bucket all-reduce (baton's own: no guard), resolving to the bucket itself.
+        One Python callback per bucket, where a watched collective plus `then` would take two."""
+        if self._inner is None or self.failed.is_set():
+            self.failed.set()
+            raise CollectiveFailure(f"baton live group has no healthy generation ({self.last_error})")
+        fut = self._inner.allreduce([tensor], dist.AllreduceOptions()).get_future()
+
+        def reduced(f: torch.futures.Future) -> torch.Tensor:
+            try:
+                return f.value()[0]
+            except Exception as exc:  # noqa: BLE001 - any error here means the group is broken
+                self.note_failure(exc)
+                raise
+
+        return fut.then(reduced)
+
     def allreduce(self, tensors, opts=None):  # type: ignore[override]
         opts = opts if opts is not None else dist.AllreduceOptions()
         return self._watch(self._backend("allreduce").allreduce(tensors, opts))

@@ -84,6 +84,21 @@ class BoundaryInfo:
         return f"Boundary(step={self.step}, epoch={self.epoch})"
 
 
+FULL_DRAW_CHECKS = 3  # after the loop starts or a generation forms
+FULL_DRAW_EVERY = 16
+
+
+def _output_tensors(out: Any) -> list[torch.Tensor]:
+    """The tensors in a model's output (a tensor, or tuples, lists and dicts of them)."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (list, tuple)):
+        return [t for x in out for t in _output_tensors(x)]
+    if isinstance(out, dict):
+        return [t for x in out.values() for t in _output_tensors(x)]
+    return []
+
+
 class Runtime:
     def __init__(self, ctl: ControlChannel, server: TransferServer, store: dist.Store, rank: int,
                  world_size: int, joiner: bool, config: m.Registered, token: str):
@@ -114,6 +129,9 @@ class Runtime:
         self.finished = False
         self.metrics: dict[str, float] = {}
         self.warned_no_capture = False
+        self.backward_captured = False  # the syncing backward's start captured this step's bundle
+        self.backward_token: object | None = None  # identifies the latest syncing forward
+        self.full_checks_left = FULL_DRAW_CHECKS  # steps that check every stream for stray draws
         self.pusher = BundlePushers(lambda addr: connect(addr, token, PUSH, timeout=self.op_timeout))
         # The ranks whose bundles this rank holds (and waits for before completing a step).
         self.wards = [(rank - i) % world_size for i in range(1, int(config.redundancy) + 1)] \
@@ -238,6 +256,7 @@ class Runtime:
         epoch = k // self.spe if self.spe else self.feed.epoch
         batch = self.feed.batch()
         self.scope, self.committed, self.seq, self.capture = "step", False, 0, None
+        self.backward_captured, self.backward_token = False, None
         self.tracked.scope = "step"
         self._step_t0 = time.perf_counter()
         return step_cls(self, k, batch, epoch)
@@ -311,11 +330,18 @@ class Runtime:
             raise err from exc
 
     def _check_no_stray_draws(self, where: str) -> None:
+        """Nothing was drawn since the last capture, checked before every step. Only a numpy
+        normal served from numpy's cached second value escapes the cheap per-step reading
+        of numpy's generator: the first steps of each generation and every FULL_DRAW_EVERY
+        steps compare numpy's full state."""
         if self.at_pos_rng is None:
             return
-        now = rng.capture(self.tracked.generators)
-        if not rng.equal(now, self.at_pos_rng):
-            names = ", ".join(rng.describe_difference(now, self.at_pos_rng))
+        full = self.full_checks_left > 0 or self.pos[0] % FULL_DRAW_EVERY == 0 or where != "before step"
+        self.full_checks_left = max(0, self.full_checks_left - 1)
+        now = rng.capture(self.tracked.generators, full=full)
+        names = rng.describe_difference(now, self.at_pos_rng)
+        if names:
+            names = ", ".join(names)
             raise UsageError(
                 f"random numbers ({names}) were drawn {where} {self.pos[0]} outside what baton can replay: "
                 "after a step's last collective (e.g. after loss.backward()), or between steps outside a "
@@ -358,6 +384,25 @@ class Runtime:
                 self.group.note_failure(err)
                 raise err
 
+    def watch_backward_start(self, out: Any) -> None:
+        """After a syncing forward: capture when its backward starts, the last moment before
+        the gradient collectives by which the step has drawn everything it draws. Hooks the
+        autograd nodes of the output's tensors; the first one the backward reaches captures."""
+        if self.scope != "step" or self.committed:
+            return  # on_sync_backward refuses such a backward with a clear error
+        token = object()
+        self.backward_token = token
+
+        def started(_grad_outputs: Any) -> None:
+            if self.backward_token is token and not self.backward_captured and self.scope == "step" \
+                    and not self.committed:
+                self.backward_captured = True
+                self._capture_point()
+
+        for t in _output_tensors(out):
+            if t.grad_fn is not None:
+                t.grad_fn.register_prehook(started)
+
     def on_sync_backward(self, first: bool, last: bool) -> None:
         """From the DDP comm hook: the syncing backward's first/last gradient bucket."""
         if self.scope != "step":
@@ -365,9 +410,11 @@ class Runtime:
                              "`with step:`")
         if self.committed:
             raise UsageError("loss.backward() ran after optimizer.step() in the same step")
-        if first:
-            self._capture_point()
+        if first and not self.backward_captured:
+            self._capture_point()  # the output's nodes were not reached (or not hooked)
         if last:
+            self.backward_captured = False
+            self.backward_token = None
             self._gate()
 
     def _guard(self, op: str) -> dist.ProcessGroup | None:
@@ -673,6 +720,7 @@ class Runtime:
 
         self.group.form(self.store, generation, self.op_timeout, timeout or self.formation_timeout, superseded)
         self.pusher.set_buddies([tuple(b) for b in buddies])
+        self.full_checks_left = FULL_DRAW_CHECKS
 
     def _full_digests(self, replicated: dict[str, Any], bundle_state: dict[str, Any]) -> dict[str, int]:
         out = verify.entries(replicated)
