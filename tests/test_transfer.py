@@ -118,3 +118,60 @@ def test_corrupted_chunk_during_a_real_migration_is_resent(tmp_path):
         assert job.events()[0]["status"] == "resolved"
     finally:
         job.kill()
+
+
+def _bundle(seq: int = 0):
+    from baton.worker.bundle import Bundle
+
+    state = {"rng": rng.capture(), "buffers": {"bn.running_mean": torch.randn(8)}, "local": {"best": 1.5},
+             "data": {"epoch": 1, "index": 4, "record": None}}
+    return Bundle.of(2, (7, 0), 3, seq, state)
+
+
+def test_a_corrupt_bundle_frame_is_refused_and_the_good_one_kept():
+    """A step bundle damaged in transit is answered '-' and never stored; sent again, it is."""
+    import socket as _socket
+
+    from baton.transfer.protocol import recv_exact
+    from baton.transfer.server import PUSH, connect
+    from baton.worker.bundle import write_bundle_frame
+
+    server = TransferServer("secret")
+    b = _bundle()
+    good = _socket.socketpair()
+    write_bundle_frame(good[0], b)
+    good[0].close()
+    frame = bytearray(good[1].makefile("rb").read())
+    bad = bytearray(frame)
+    bad[-100] ^= 0x01  # one bit of one RNG tensor
+    sock = connect(server.address, "secret", PUSH)
+    try:
+        sock.sendall(bytes(bad))
+        assert recv_exact(sock, 1) == b"-"
+        assert server.wards.get(2, (7, 0)) is None
+        sock.sendall(bytes(frame))
+        assert recv_exact(sock, 1) == b"+"
+    finally:
+        sock.close()
+    held = server.wards.get(2, (7, 0))
+    assert held is not None and held.digest() == b.digest()
+    assert rng.equal(held.state()["rng"], b.state()["rng"]) and held.state()["local"] == {"best": 1.5}
+    server.close()
+
+
+def test_a_bundle_frame_with_impossible_sizes_is_an_error_not_a_huge_allocation():
+    import json as _json
+    import socket as _socket
+    import struct as _struct
+
+    from baton.transfer.protocol import TransferError as _TE
+    from baton.worker.bundle import read_bundle_frame
+
+    a, b = _socket.socketpair()
+    header = _json.dumps({"rank": 0, "pos": [1, 0], "generation": 0, "seq": 0, "meta_len": 10,
+                          "payload_len": 1 << 40, "xxh3": 0, "tensors": []}).encode()
+    a.sendall(_struct.pack("!Q", len(header)) + header)
+    with pytest.raises(_TE, match="impossible sizes"):
+        read_bundle_frame(b)
+    a.close()
+    b.close()

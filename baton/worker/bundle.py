@@ -11,16 +11,19 @@ someone else. The wait is normally zero: the push left a whole backward pass ear
 Bundles at the end of boundary functions go to the orchestrator instead (durable
 across any number of losses, and boundary functions are rare).
 
-On the wire a bundle is the codec's JSON skeleton plus raw tensors, with an xxh3-64
-over both; a mismatch is answered with a NACK and the bundle is sent again.
+On the wire a bundle is a JSON header, then the codec's JSON skeleton and the raw
+tensors as one payload with an xxh3-64 over it; a mismatch is answered with a NACK and
+the bundle is sent again (it is never stored).
 """
 
 from __future__ import annotations
 
 import base64
+import json
 import logging
 import queue
 import socket
+import struct
 import threading
 import time
 from dataclasses import dataclass
@@ -29,7 +32,15 @@ from typing import Any, Callable
 import torch
 import xxhash
 
-from baton.transfer.protocol import TransferError, alloc_tensors, byte_view, recv_exact, recv_json, send_all, send_json
+from baton.transfer.protocol import (
+    TransferError,
+    alloc_tensors,
+    byte_view,
+    recv_exact,
+    recv_into_exact,
+    recv_json,
+    send_json,
+)
 from baton.worker import codec
 
 log = logging.getLogger("baton.worker")
@@ -139,36 +150,39 @@ class WardStore:
 
 
 def read_bundle_frame(sock: socket.socket) -> Bundle | None:
+    """One bundle: a JSON header, then the skeleton and every tensor's bytes as one payload
+    (a few KB: one receive), checked against the header's xxh3 (`checksum_ok`)."""
     header = recv_json(sock, limit=1 << 20)
     if header.get("end"):
         return None
-    meta = recv_exact(sock, int(header["meta_len"]))
+    meta_len, payload_len = int(header["meta_len"]), int(header["payload_len"])
+    if not 0 <= meta_len <= payload_len <= 1 << 30:
+        raise TransferError("bundle header has impossible sizes")
+    payload = memoryview(bytearray(payload_len))
+    recv_into_exact(sock, payload)
     tensors = alloc_tensors({"tensors": header["tensors"]})
-    h = xxhash.xxh3_64()
-    h.update(meta)
+    offset = meta_len
     for t in tensors:
         view = byte_view(t)
-        if len(view):
-            from baton.transfer.protocol import recv_into_exact
-
-            recv_into_exact(sock, view)
-        h.update(view)
+        if offset + len(view) > payload_len:
+            raise TransferError("bundle tensors overrun their payload")
+        view[:] = payload[offset:offset + len(view)]
+        offset += len(view)
+    if offset != payload_len:
+        raise TransferError("bundle payload is longer than its tensors")
     b = Bundle(int(header["rank"]), (int(header["pos"][0]), int(header["pos"][1])), int(header["generation"]),
-               int(header["seq"]), meta, tensors)
-    b.checksum_ok = h.intdigest() == int(header["xxh3"])  # type: ignore[attr-defined]
+               int(header["seq"]), bytes(payload[:meta_len]), tensors)
+    b.checksum_ok = xxhash.xxh3_64_intdigest(payload) == int(header["xxh3"])  # type: ignore[attr-defined]
     return b
 
 
 def write_bundle_frame(sock: socket.socket, b: Bundle) -> None:
-    h = xxhash.xxh3_64()
-    h.update(b.meta)
-    views = [byte_view(t) for t in b.tensors]
-    for v in views:
-        h.update(v)
-    send_json(sock, {"rank": b.rank, "pos": list(b.pos), "generation": b.generation, "seq": b.seq,
-                     "meta_len": len(b.meta), "xxh3": h.intdigest(),
-                     "tensors": [{"dtype": str(t.dtype), "shape": list(t.shape)} for t in b.tensors]})
-    send_all(sock, b.meta, *views)
+    payload = b"".join([b.meta, *(byte_view(t) for t in b.tensors)])
+    header = json.dumps({"rank": b.rank, "pos": list(b.pos), "generation": b.generation, "seq": b.seq,
+                         "meta_len": len(b.meta), "payload_len": len(payload),
+                         "xxh3": xxhash.xxh3_64_intdigest(payload),
+                         "tensors": [{"dtype": str(t.dtype), "shape": list(t.shape)} for t in b.tensors]}).encode()
+    sock.sendall(b"".join([struct.pack("!Q", len(header)), header, payload]))
 
 
 # ---------------------------------------------------------------- the ward's side

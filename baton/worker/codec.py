@@ -38,12 +38,27 @@ class EncodeError(TypeError):
 def encode(state: Any) -> tuple[bytes, list[torch.Tensor]]:
     """State -> (UTF-8 JSON skeleton, tensors). Tensors are detached, contiguous, on CPU."""
     tensors: list[torch.Tensor] = []
-    skeleton = _enc(state, tensors, "state")
+    skeleton = _enc(state, tensors, ("state",))
     return json.dumps(skeleton, separators=(",", ":")).encode(), tensors
 
 
 def decode(meta: bytes, tensors: list[torch.Tensor]) -> Any:
     return _dec(json.loads(meta), tensors)
+
+
+Path = tuple  # (parent path, key) pairs down from ("state",): built per node, formatted only on error
+
+
+def _path_text(path: Path) -> str:
+    keys = []
+    while len(path) == 2:
+        path, key = path
+        keys.append(key)
+    return path[0] + "".join(f"[{k!r}]" if not isinstance(k, _Attr) else f".{k}" for k in reversed(keys))
+
+
+class _Attr(str):
+    """A path step that is an attribute (`._metadata`), not a key."""
 
 
 def _tensor_index(t: torch.Tensor, tensors: list[torch.Tensor]) -> int:
@@ -56,7 +71,7 @@ def _tensor_index(t: torch.Tensor, tensors: list[torch.Tensor]) -> int:
     return len(tensors) - 1
 
 
-def _enc(obj: Any, tensors: list[torch.Tensor], path: str) -> Any:
+def _enc(obj: Any, tensors: list[torch.Tensor], path: Path) -> Any:
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
     if isinstance(obj, torch.Tensor):
@@ -72,30 +87,30 @@ def _enc(obj: Any, tensors: list[torch.Tensor], path: str) -> Any:
     if isinstance(obj, (bytes, bytearray)):
         return {"$b": base64.b64encode(bytes(obj)).decode()}
     if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-        return {"$tu": [_enc(v, tensors, f"{path}[{i}]") for i, v in enumerate(obj)]}
+        return {"$tu": [_enc(v, tensors, (path, i)) for i, v in enumerate(obj)]}
     if isinstance(obj, list):
-        return [_enc(v, tensors, f"{path}[{i}]") for i, v in enumerate(obj)]
+        return [_enc(v, tensors, (path, i)) for i, v in enumerate(obj)]
     if isinstance(obj, dict):
-        items = [(k, _enc(v, tensors, f"{path}[{k!r}]")) for k, v in obj.items()]
+        items = [(k, _enc(v, tensors, (path, k))) for k, v in obj.items()]
         if isinstance(obj, OrderedDict):
             out: dict[str, Any] = {"$od": [[_key(k, path), v] for k, v in items]}
             meta = getattr(obj, "_metadata", None)
             if meta is not None:
-                out["$meta"] = _enc(dict(meta), tensors, f"{path}._metadata")
+                out["$meta"] = _enc(dict(meta), tensors, (path, _Attr("_metadata")))
             return out
         if all(isinstance(k, str) and not k.startswith("$") for k, _ in items):
             return dict(items)
         return {"$d": [[_key(k, path), v] for k, v in items]}
-    raise EncodeError(f"{path} is a {type(obj).__name__}, which baton cannot migrate "
+    raise EncodeError(f"{_path_text(path)} is a {type(obj).__name__}, which baton cannot migrate "
                       "(tracked state may hold tensors, numbers, strings, lists, tuples and dicts)")
 
 
-def _key(k: Any, path: str) -> Any:
+def _key(k: Any, path: Path) -> Any:
     if isinstance(k, (str, int, float, bool)) or k is None:
         return k
     if isinstance(k, tuple):
         return {"$tu": [_key(x, path) for x in k]}
-    raise EncodeError(f"{path} has a key of type {type(k).__name__}, which baton cannot migrate")
+    raise EncodeError(f"{_path_text(path)} has a key of type {type(k).__name__}, which baton cannot migrate")
 
 
 def _dec(obj: Any, tensors: list[torch.Tensor]) -> Any:
