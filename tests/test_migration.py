@@ -153,3 +153,21 @@ def test_leaver_killed_during_a_planned_move(tmp_path, reference):
         assert events[1]["steps_lost"] == 0
     finally:
         job.kill()
+
+
+def test_planned_move_of_the_only_rank_is_checked_against_the_leavers_digest(tmp_path):
+    """A world of one has no replica to compare the joiner with: the leaver's digest of its
+    full state is the check, and the move is still exact."""
+    ref = Job(tmp_path / "ref1", nproc=1, spares=0, steps=STEPS, script_args=ARGS)
+    assert ref.wait() == 0, ref.log()
+    job = Job(tmp_path / "one", nproc=1, spares=1, steps=STEPS, script_args=ARGS)
+    try:
+        job.wait_step(5)
+        job.client.migrate(0)
+        assert job.wait() == 0, job.log()
+        assert bitwise_equal(job.params(), ref.params()), job.log()
+        events = job.events()
+        assert [(e["kind"], e["status"]) for e in events] == [("planned", "resolved")], events
+        assert "divergence" not in job.log()
+    finally:
+        job.kill()
