@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from tests.jobs import Job, state_diff
+from tests.jobs import Job, assert_ranks_equal, state_diff
 
 GPT = Path(__file__).resolve().parent.parent / "baton" / "examples" / "gpt.py"
 NPROC = 3
@@ -45,9 +45,7 @@ def check_equal(job: Job, reference, timeout: float = 240) -> list[dict]:
     failure-free run's; returns the ledger."""
     want_states, ckpt = reference
     assert job.wait(timeout=timeout) == 0, job.log()
-    for rank, (got, want) in enumerate(zip(states(job), want_states)):
-        d = state_diff(got, want)
-        assert not d, f"rank {rank} differs from the failure-free run in {d}:\n{job.log()}"
+    assert_ranks_equal(job, want_states)
     got = torch.load(job.dir / "ckpt" / "ckpt.pt")
     want = torch.load(io.BytesIO(ckpt))
     assert got["iter_num"] == want["iter_num"] and got["best_val_loss"] == want["best_val_loss"]

@@ -141,5 +141,21 @@ def state_diff(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     return out
 
 
+def assert_ranks_equal(job: Job, reference: list[dict[str, Any]]) -> None:
+    """Every rank's full final state equals the failure-free run's, bit for bit."""
+    for rank, (got, want) in enumerate(zip(job.all_rank_params(len(reference)), reference)):
+        d = state_diff(got, want)
+        assert not d, f"rank {rank} differs from the failure-free run in {d}:\n{job.log()}"
+
+
+def check_resolved_exact(job: Job, reference: list[dict[str, Any]], timeout: float) -> list[dict[str, Any]]:
+    """The job ends with exit 0, every rank exact, every ledger event resolved with no step lost."""
+    assert job.wait(timeout=timeout) == 0, job.log()
+    assert_ranks_equal(job, reference)
+    events = job.events()
+    assert events and all(e["status"] == "resolved" and e["steps_lost"] == 0 for e in events), events
+    return events
+
+
 def bitwise_equal(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return not state_diff(a, b)

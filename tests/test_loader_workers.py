@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.jobs import Job, state_diff
+from tests.jobs import Job, check_resolved_exact
 
 EPOCHS = Path(__file__).resolve().parent.parent / "baton" / "examples" / "epochs.py"
 NPROC = 3
@@ -29,13 +29,7 @@ def reference(tmp_path_factory):
 
 
 def _check(job: Job, reference) -> list[dict]:
-    assert job.wait(timeout=170) == 0, job.log()
-    for rank, (got, want) in enumerate(zip(job.all_rank_params(NPROC), reference)):
-        d = state_diff(got, want)
-        assert not d, f"rank {rank} differs from the failure-free run in {d}:\n{job.log()}"
-    events = job.events()
-    assert events and all(e["status"] == "resolved" and e["steps_lost"] == 0 for e in events), events
-    return events
+    return check_resolved_exact(job, reference, timeout=170)
 
 
 def test_augmentation_in_workers_is_exact_after_a_kill_mid_epoch(tmp_path, reference):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.jobs import Job, state_diff
+from tests.jobs import Job, check_resolved_exact, state_diff
 
 EPOCHS = Path(__file__).resolve().parent.parent / "baton" / "examples" / "epochs.py"
 NPROC = 3
@@ -36,13 +36,7 @@ def reference(tmp_path_factory):
 
 
 def _check(job: Job, reference) -> list[dict]:
-    assert job.wait(timeout=240) == 0, job.log()
-    for rank, (got, want) in enumerate(zip(job.all_rank_params(NPROC), reference)):
-        diff = state_diff(got, want)
-        assert not diff, f"rank {rank} differs from the failure-free run in {diff}:\n{job.log()}"
-    events = job.events()
-    assert events and all(e["status"] == "resolved" and e["steps_lost"] == 0 for e in events), events
-    return events
+    return check_resolved_exact(job, reference, timeout=240)
 
 
 def test_planned_move_mid_epoch(tmp_path, reference):

@@ -484,6 +484,13 @@ class Orchestrator(PlannedMoves, Recovery, SparePool):
         self._emit("user-error", {"rank": w.intended_rank, "exit_code": returncode, "phase": "startup"})
         self._end(returncode)
 
+    def _lose_hung(self, ranks: list[int], cause: str) -> None:
+        """The workers holding `ranks` are alive to the OS but not answering: lost."""
+        for r in ranks:
+            w = self.workers.get(self.ranks[r].worker or "")
+            if w is not None:
+                self._worker_lost(w, cause)
+
     def _worker_lost(self, w: Worker, cause: str, failed_at: float | None = None) -> None:
         """A worker is dead or hung: make sure it is gone and start recovery if it held a rank."""
         role, rank = w.role, w.rank

@@ -60,20 +60,13 @@ class PlannedMoves:
             for r in silent:
                 self._post(self.ranks[r].worker or "", m.Pause(op=op.id, at_step=op.target_step or 0))
             return
-        for r in silent:
-            w = self.workers.get(self.ranks[r].worker or "")
-            if w is not None:
-                self._worker_lost(w, f"did not answer the pause request of {op.kind.value} move {op.id} "
-                                     "(hung)")
+        self._lose_hung(silent, f"did not answer the pause request of {op.kind.value} move {op.id} (hung)")
 
     def _expired_pausing(self, op: Operation) -> None:
         """Ranks that stopped making progress short of the agreed step are hung."""
-        late = [r for r in self.ranks if r not in op.paused]
-        for r in late:
-            w = self.workers.get(self.ranks[r].worker or "")
-            if w is not None:
-                self._worker_lost(w, f"did not reach the agreed step {op.target_step} of {op.kind.value} move "
-                                     f"{op.id} while the others waited (hung)")
+        self._lose_hung([r for r in self.ranks if r not in op.paused],
+                        f"did not reach the agreed step {op.target_step} of {op.kind.value} move {op.id} "
+                        "while the others waited (hung)")
 
     def _on_step_progress(self) -> None:
         """A rank reported a new step: while pausing, that is progress toward the boundary."""

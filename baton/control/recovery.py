@@ -134,11 +134,8 @@ class Recovery:
 
     def _expired_collect(self, op: Operation) -> None:
         """Survivors that neither reported nor were declared dead are hung: lost too."""
-        for r, info in self.ranks.items():
-            if r not in op.moves and r not in op.boundaries:
-                w = self.workers.get(info.worker or "")
-                if w:
-                    self._worker_lost(w, "did not report after the failed step (hung)")
+        self._lose_hung([r for r in self.ranks if r not in op.moves and r not in op.boundaries],
+                        "did not report after the failed step (hung)")
         if self.op is op and op.phase == "collect":
             op.enter("collect", self._report_window())  # what the lost ranks' joiners need
         self._advance_collect()

@@ -177,10 +177,7 @@ class LiveGroup(dist.ProcessGroup):
     def reduce_gradients(self, tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
         """DDP's bucket all-reduce (baton's own: no guard), resolving to the bucket itself.
         One Python callback per bucket, where a watched collective plus `then` would take two."""
-        if self._inner is None or self.failed.is_set():
-            self.failed.set()
-            raise CollectiveFailure(f"baton live group has no healthy generation ({self.last_error})")
-        fut = self._inner.allreduce([tensor], dist.AllreduceOptions()).get_future()
+        fut = self._backend().allreduce([tensor], dist.AllreduceOptions()).get_future()
 
         def reduced(f: torch.futures.Future) -> torch.Tensor:
             try:

@@ -533,7 +533,8 @@ class Runtime:
                 # No replica to compare the joiner with: it checks against this digest instead
                 # (a pass over the whole state, so only here: with replicas, the joiner's
                 # replicated state is compared with theirs and its own with the bundle).
-                state["digest"] = verify.combined(self._full_digests(state["replicated"], bundle_state))
+                state["digest"] = verify.combined({**self._replicated_digests(state["replicated"]),
+                                                   **self._local_digests(bundle_state)})
         meta, tensors = codec.encode(state)
         self.server.publish(generation, FlatState(meta=meta, tensors=tensors))
 
@@ -726,19 +727,22 @@ class Runtime:
         self.pusher.set_buddies([tuple(b) for b in buddies])
         self.full_checks_left = FULL_DRAW_CHECKS
 
-    def _full_digests(self, replicated: dict[str, Any], bundle_state: dict[str, Any]) -> dict[str, int]:
+    def _replicated_digests(self, replicated: dict[str, Any]) -> dict[str, int]:
+        """Digests of what every replica holds (BatchNorm-style buffers are each rank's own)."""
         out = verify.entries(replicated)
         for name in self.tracked.local_buffers():
             out.pop(name, None)
-        out.update(verify.entries({k: v for k, v in bundle_state.items() if k != "data"}, "rank-local"))
         return out
+
+    @staticmethod
+    def _local_digests(bundle_state: dict[str, Any]) -> dict[str, int]:
+        """Digests of a rank's own state (the data position is a function of the step)."""
+        return verify.entries({k: v for k, v in bundle_state.items() if k != "data"}, "rank-local")
 
     def verify_state(self, generation: int, expected: int | None, periodic: bool = False,
                      bundle_state: dict[str, Any] | None = None) -> None:
         """Replicas agree on replicated state; a joiner holds exactly what it was sent."""
-        digests = verify.entries(self.tracked.replicated())
-        for name in self.tracked.local_buffers():
-            digests.pop(name, None)  # each rank's own (BatchNorm statistics of its batches)
+        digests = self._replicated_digests(self.tracked.replicated())
         mine = verify.combined(digests)
         t = torch.tensor([verify.to_signed(mine)], dtype=torch.int64)
         out = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
@@ -759,14 +763,11 @@ class Runtime:
         if expected is not None or bundle_state is not None:
             live = self._capture_at(self.pos)[0].state()
             if expected is not None:
-                local = verify.entries({k: v for k, v in live.items() if k != "data"}, "rank-local")
-                if verify.combined({**digests, **local}) != expected:
+                if verify.combined({**digests, **self._local_digests(live)}) != expected:
                     detail += ("; " if detail else "") + "the joiner's state differs from what its predecessor sent"
                     differing.append("joiner")
             elif bundle_state is not None:
-                want = verify.entries({k: v for k, v in bundle_state.items() if k != "data"}, "rank-local")
-                have = verify.entries({k: v for k, v in live.items() if k != "data"}, "rank-local")
-                diff = verify.differing(have, want)
+                diff = verify.differing(self._local_digests(live), self._local_digests(bundle_state))
                 if diff:
                     differing += diff
                     detail += ("; " if detail else "") + "the joiner's own state differs from its record"

@@ -42,22 +42,27 @@ def _once_at(spec: str):  # noqa: ANN202
     return due
 
 
+def _lose_peer_at(spec: str, register, what: str) -> None:  # noqa: ANN001
+    """Once, at rank:step `spec`, an optimizer hook (`register`) raises a lost-peer error."""
+    due = _once_at(spec)
+
+    def lose(opt, args, kwargs):  # noqa: ANN001
+        if not due():
+            return
+        from baton.worker.group import CollectiveFailure
+
+        print(f"injected: {what}", file=sys.stderr, flush=True)
+        raise CollectiveFailure(f"injected: {what}")
+
+    register(lose)
+
+
 _fail = os.environ.get("BATON_TEST_FAIL_AFTER_ALLREDUCE")
 if _fail:
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-    _fail_due = _once_at(_fail)
-
-    def _lose_step(opt, args, kwargs):  # noqa: ANN001
-        if not _fail_due():
-            return
-        from baton.worker.group import CollectiveFailure
-
-        print(f"injected: rank {_fail.split(':')[0]} loses step {_fail.split(':')[1]} after its all-reduce",
-              file=sys.stderr, flush=True)
-        raise CollectiveFailure("injected: this rank lost the step after its all-reduce completed")
-
-    register_optimizer_step_pre_hook(_lose_step)
+    _lose_peer_at(_fail, register_optimizer_step_pre_hook,
+                  f"rank {_fail.split(':')[0]} loses step {_fail.split(':')[1]} after its all-reduce")
 
 _corrupt = os.environ.get("BATON_TEST_CORRUPT")
 if _corrupt:
@@ -81,18 +86,8 @@ _escape = os.environ.get("BATON_TEST_PEER_LOST_AFTER_COMMIT")
 if _escape:
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
-    _escape_due = _once_at(_escape)
-
-    def _surface(opt, args, kwargs):  # noqa: ANN001
-        if not _escape_due():
-            return
-        from baton.worker.group import CollectiveFailure
-
-        print(f"injected: a lost peer surfaces on rank {_escape.split(':')[0]} after its step committed",
-              file=sys.stderr, flush=True)
-        raise CollectiveFailure("injected: peer lost after this rank's optimizer step")
-
-    register_optimizer_step_post_hook(_surface)
+    _lose_peer_at(_escape, register_optimizer_step_post_hook,
+                  f"a lost peer surfaces on rank {_escape.split(':')[0]} after its step committed")
 
 _stall = os.environ.get("BATON_TEST_STALL_WHILE_PAUSING")
 if _stall:
