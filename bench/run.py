@@ -40,7 +40,7 @@ PEERS_PY = BENCH / ".peers-venv" / "bin" / "python"
 
 PRESETS = {
     "quick": {
-        "overhead": {"sizes_m": [2, 10], "steps": 25, "warmup": 5, "nproc": 3, "verify_every": 10},
+        "overhead": {"sizes_m": [2, 10], "steps": 70, "warmup": 10, "nproc": 3, "verify_every": 10},
         "failures": {"params_m": 2, "steps": 48, "nproc": 3, "step_sleep": 0.05, "kill_at": [24], "kill_rank": 1},
         "downtime": {"sizes_mb": [10, 100, 1000]},
         "gpu": {"state_gb": 10},

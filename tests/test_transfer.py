@@ -129,34 +129,76 @@ def _bundle(seq: int = 0):
 
 
 def test_a_corrupt_bundle_frame_is_refused_and_the_good_one_kept():
-    """A step bundle damaged in transit is answered '-' and never stored; sent again, it is."""
-    import socket as _socket
-
+    """A step bundle damaged in transit is answered with a NACK naming it and never stored;
+    sent again, it is. Good bundles get no answer (the buddy's gate is what waits)."""
     from baton.transfer.protocol import recv_exact
     from baton.transfer.server import PUSH, connect
-    from baton.worker.bundle import write_bundle_frame
+    from baton.worker.bundle import NACK, encode_bundle_frame
 
     server = TransferServer("secret")
     b = _bundle()
-    good = _socket.socketpair()
-    write_bundle_frame(good[0], b)
-    good[0].close()
-    frame = bytearray(good[1].makefile("rb").read())
+    frame = encode_bundle_frame(b)
     bad = bytearray(frame)
     bad[-100] ^= 0x01  # one bit of one RNG tensor
     sock = connect(server.address, "secret", PUSH)
     try:
         sock.sendall(bytes(bad))
-        assert recv_exact(sock, 1) == b"-"
+        assert NACK.unpack(recv_exact(sock, NACK.size)) == (b"-", 3, 7, 0, b.seq)
         assert server.wards.get(2, (7, 0)) is None
-        sock.sendall(bytes(frame))
-        assert recv_exact(sock, 1) == b"+"
+        sock.sendall(frame)
+        assert _until(lambda: server.wards.get(2, (7, 0)) is not None)
     finally:
         sock.close()
     held = server.wards.get(2, (7, 0))
     assert held is not None and held.digest() == b.digest()
     assert rng.equal(held.state()["rng"], b.state()["rng"]) and held.state()["local"] == {"best": 1.5}
     server.close()
+
+
+def test_a_pusher_sends_a_refused_bundle_again(monkeypatch):
+    """The pusher's side of a NACK: the bundle is encoded afresh and sent again, and the
+    steps after it keep flowing on the same connection."""
+    from baton.transfer.server import PUSH, connect
+    from baton.worker import bundle as bundle_mod
+
+    real = bundle_mod.encode_bundle_frame
+    calls = []
+
+    def damaged_once(b):
+        frame = real(b)
+        calls.append(b.pos)
+        if len(calls) == 1:
+            frame = frame[:-100] + bytes([frame[-100] ^ 0x01]) + frame[-99:]
+        return frame
+
+    monkeypatch.setattr(bundle_mod, "encode_bundle_frame", damaged_once)
+    server = TransferServer("secret")
+    pushers = bundle_mod.BundlePushers(lambda addr: connect(addr, "secret", PUSH))
+    pushers.set_buddies([server.address])
+    first = _bundle()
+    try:
+        pushers.push(first)
+        assert _until(lambda: server.wards.get(2, (7, 0)) is not None)
+        later = bundle_mod.Bundle(2, (8, 0), 3, 0, first.meta, first.tensors)
+        pushers.push(later)
+        assert _until(lambda: server.wards.get(2, (8, 0)) is not None)
+        assert server.wards.get(2, (7, 0)).digest() == first.digest()
+        pusher = next(iter(pushers._pushers.values()))
+        assert pusher.resent == 1 and calls == [(7, 0), (7, 0), (8, 0)]
+    finally:
+        pushers.close()
+        server.close()
+
+
+def _until(pred, timeout: float = 10.0) -> bool:
+    import time as _time
+
+    deadline = _time.monotonic() + timeout
+    while _time.monotonic() < deadline:
+        if pred():
+            return True
+        _time.sleep(0.01)
+    return False
 
 
 def test_a_bundle_frame_with_impossible_sizes_is_an_error_not_a_huge_allocation():

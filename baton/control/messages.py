@@ -154,6 +154,7 @@ class Registered(_Msg):
     formation_timeout_s: float
     verify_every: int = 0
     redundancy: int = 2
+    heartbeat_timeout_s: float = 3.0
 
 
 # ---------------------------------------------------------------- commands

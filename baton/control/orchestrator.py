@@ -240,7 +240,8 @@ class Orchestrator(PlannedMoves, Recovery, SparePool):
                                 op_timeout_s=self.config.op_timeout_s,
                                 formation_timeout_s=self.config.formation_timeout_s,
                                 verify_every=self.config.verify_every,
-                                redundancy=self._redundancy()).model_dump()
+                                redundancy=self._redundancy(),
+                                heartbeat_timeout_s=self.config.heartbeat_timeout_s).model_dump()
 
     def _maybe_start_generation0(self) -> None:
         if all(

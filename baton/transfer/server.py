@@ -162,20 +162,21 @@ class TransferServer:
             log.debug("transfer connection ended: %s", exc)
 
     def _receive_pushes(self, conn: socket.socket) -> None:
-        """A ward streams its step bundles; each is acknowledged once its checksum holds."""
-        from baton.worker.bundle import read_bundle_frame
+        """A ward streams its step bundles; one that fails its checksum is asked for again
+        (a NACK naming it) and never stored. Good ones are not acknowledged: see bundle.py."""
+        from baton.worker.bundle import nack_of, read_bundle_frame
 
         conn.settimeout(None)
+        frames = conn.makefile("rb", buffering=1 << 16)  # a whole bundle per receive
         while True:
-            b = read_bundle_frame(conn)
+            b = read_bundle_frame(frames)
             if b is None:
                 return
             if getattr(b, "checksum_ok", False):
                 self.wards.put(b)
-                send_all(conn, b"+")
             else:
                 log.warning("bundle from rank %d failed its checksum: asked again", b.rank)
-                send_all(conn, b"-")
+                send_all(conn, nack_of(b))
 
     def _serve_ward(self, conn: socket.socket) -> None:
         from baton.worker.bundle import write_bundle_frame

@@ -13,7 +13,8 @@ across any number of losses, and boundary functions are rare).
 
 On the wire a bundle is a JSON header, then the codec's JSON skeleton and the raw
 tensors as one payload with an xxh3-64 over it; a mismatch is answered with a NACK and
-the bundle is sent again (it is never stored).
+the bundle is sent again (it is never stored). Nothing else is answered: the buddy's gate,
+not an acknowledgement, is what makes a step wait for a bundle.
 """
 
 from __future__ import annotations
@@ -21,13 +22,13 @@ from __future__ import annotations
 import base64
 import json
 import logging
-import queue
 import socket
 import struct
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, BinaryIO, Callable
 
 import torch
 import xxhash
@@ -37,8 +38,6 @@ from baton.transfer.protocol import (
     alloc_tensors,
     byte_view,
     recv_exact,
-    recv_into_exact,
-    recv_json,
     send_json,
 )
 from baton.worker import codec
@@ -149,17 +148,22 @@ class WardStore:
             return True
 
 
-def read_bundle_frame(sock: socket.socket) -> Bundle | None:
+def read_bundle_frame(sock: socket.socket | BinaryIO) -> Bundle | None:
     """One bundle: a JSON header, then the skeleton and every tensor's bytes as one payload
-    (a few KB: one receive), checked against the header's xxh3 (`checksum_ok`)."""
-    header = recv_json(sock, limit=1 << 20)
+    (a few KB), checked against the header's xxh3 (`checksum_ok`). From a socket, or from a
+    buffered reader over one (a whole frame then costs one receive)."""
+    if isinstance(sock, socket.socket):
+        sock = sock.makefile("rb", buffering=0)
+    (n,) = struct.unpack("!Q", _read_exact(sock, 8))
+    if n > 1 << 20:
+        raise TransferError(f"bundle header of {n} bytes is too large")
+    header = json.loads(_read_exact(sock, n))
     if header.get("end"):
         return None
     meta_len, payload_len = int(header["meta_len"]), int(header["payload_len"])
     if not 0 <= meta_len <= payload_len <= 1 << 30:
         raise TransferError("bundle header has impossible sizes")
-    payload = memoryview(bytearray(payload_len))
-    recv_into_exact(sock, payload)
+    payload = memoryview(_read_exact(sock, payload_len))
     tensors = alloc_tensors({"tensors": header["tensors"]})
     offset = meta_len
     for t in tensors:
@@ -176,13 +180,35 @@ def read_bundle_frame(sock: socket.socket) -> Bundle | None:
     return b
 
 
-def write_bundle_frame(sock: socket.socket, b: Bundle) -> None:
+def _read_exact(f: BinaryIO, n: int) -> bytes:
+    data = f.read(n)
+    while len(data) < n:  # an unbuffered reader returns what one receive got
+        more = f.read(n - len(data))
+        if not more:
+            raise TransferError("connection closed by the other side mid-transfer")
+        data += more
+    return data
+
+
+def encode_bundle_frame(b: Bundle) -> bytes:
     payload = b"".join([b.meta, *(byte_view(t) for t in b.tensors)])
     header = json.dumps({"rank": b.rank, "pos": list(b.pos), "generation": b.generation, "seq": b.seq,
                          "meta_len": len(b.meta), "payload_len": len(payload),
                          "xxh3": xxhash.xxh3_64_intdigest(payload),
                          "tensors": [{"dtype": str(t.dtype), "shape": list(t.shape)} for t in b.tensors]}).encode()
-    sock.sendall(b"".join([struct.pack("!Q", len(header)), header, payload]))
+    return b"".join([struct.pack("!Q", len(header)), header, payload])
+
+
+def write_bundle_frame(sock: socket.socket, b: Bundle) -> None:
+    sock.sendall(encode_bundle_frame(b))
+
+
+# A buddy's only answer on a push connection: this bundle failed its checksum, send it again.
+NACK = struct.Struct("!cQqqq")  # b"-", generation, pos (step, unit), seq
+
+
+def nack_of(b: Bundle) -> bytes:
+    return NACK.pack(b"-", b.generation, b.pos[0], b.pos[1], b.seq)
 
 
 # ---------------------------------------------------------------- the ward's side
@@ -202,8 +228,10 @@ class BundlePushers:
             self._pushers[addr] = BundlePusher(self._connect, addr)
 
     def push(self, b: Bundle) -> None:
-        for p in self._pushers.values():
-            p.push(b)
+        if self._pushers:
+            frame = encode_bundle_frame(b)
+            for p in self._pushers.values():
+                p.push(b, frame)
 
     def close(self) -> None:
         for p in self._pushers.values():
@@ -211,51 +239,141 @@ class BundlePushers:
 
 
 class BundlePusher:
-    """Sends this rank's step bundles to one buddy on a background thread."""
+    """Sends this rank's step bundles to one buddy.
+
+    The hot path is one non-blocking send from the training thread: a bundle is a few KB
+    and the socket buffer takes it whole. A thread of its own takes over only to connect,
+    to finish a send the buffer could not take, and to send again a bundle the buddy
+    refused (NACK: its checksum failed there); another one sits in recv for those NACKs.
+    Neither wakes up in steady state, and nothing is acknowledged: the buddy's gate is
+    what waits for a bundle to be there.
+    """
+
+    RECENT = 8  # bundles kept to answer a NACK (a step makes one or two)
+    ATTEMPTS = 3  # connections tried per frame before it is given up (the buddy's gate fails)
 
     def __init__(self, connect: Callable[[tuple[str, int]], socket.socket], addr: tuple[str, int]):
         self._connect = connect
         self._addr = addr
-        self._queue: queue.Queue[Bundle | None] = queue.Queue()
+        self._lock = threading.Lock()  # who may write to the socket: the training thread or the writer
+        self._wake = threading.Condition(self._lock)
+        self._backlog: deque[_Frame] = deque()  # what the writer must send, in order
+        self._busy = False  # the writer is sending the backlog's head outside the lock
+        self._recent: deque[Bundle] = deque(maxlen=self.RECENT)
         self._sock: socket.socket | None = None
+        self._closed = False
         self.sent = 0
         self.resent = 0
-        threading.Thread(target=self._run, name="baton-bundle-push", daemon=True).start()
+        threading.Thread(target=self._writer, name="baton-bundle-push", daemon=True).start()
 
-    def push(self, b: Bundle) -> None:
-        self._queue.put(b)
+    def push(self, b: Bundle, frame: bytes | None = None) -> None:
+        frame = encode_bundle_frame(b) if frame is None else frame
+        with self._lock:
+            self._recent.append(b)
+            self.sent += 1
+            if self._sock is not None and not self._busy and not self._backlog:
+                try:
+                    n = self._sock.send(frame, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    n = 0
+                except OSError as exc:
+                    log.debug("bundle push to %s failed: %s", self._addr, exc)
+                    self._drop_locked()
+                    n = 0
+                if n == len(frame):
+                    return
+                item = _Frame(frame, n)
+            else:
+                item = _Frame(frame, 0)
+            self._backlog.append(item)
+            self._wake.notify()
 
     def close(self) -> None:
-        self._queue.put(None)
+        with self._lock:
+            self._closed = True
+            self._wake.notify()
 
-    def _run(self) -> None:
+    # ---- the writer thread: connect, finish partial sends, answer NACKs
+    def _writer(self) -> None:
         while True:
-            b = self._queue.get()
-            if b is None:
-                self._drop()
-                return
-            for attempt in range(3):
-                try:
-                    if self._sock is None:
-                        self._sock = self._connect(self._addr)
-                    write_bundle_frame(self._sock, b)
-                    if recv_exact(self._sock, 1) == b"+":
-                        self.sent += 1
-                        break
-                    self.resent += 1
-                except (OSError, TransferError) as exc:
-                    log.debug("bundle push to %s failed: %s", self._addr, exc)
-                    self._drop()
-                    if attempt < 2:
-                        time.sleep(0.02)
+            with self._lock:
+                while not self._backlog and not self._closed:
+                    self._wake.wait()
+                if not self._backlog:  # closed, and everything sent
+                    self._drop_locked()
+                    return
+                item, sock = self._backlog[0], self._sock
+                self._busy = True
+            ok = self._send(item, sock)
+            with self._lock:
+                self._busy = False
+                self._backlog.popleft()
+                if not ok:
+                    log.debug("bundle push to %s given up after %d attempts", self._addr, self.ATTEMPTS)
 
-    def _drop(self) -> None:
+    def _send(self, item: "_Frame", sock: socket.socket | None) -> bool:
+        for attempt in range(self.ATTEMPTS):
+            try:
+                if sock is None:
+                    sock = _blocking(self._connect(self._addr))
+                    item.offset = 0  # a new connection gets the whole frame
+                    with self._lock:
+                        self._sock = sock
+                    threading.Thread(target=self._nack_reader, args=(sock,), name="baton-bundle-nack",
+                                     daemon=True).start()
+                sock.sendall(memoryview(item.frame)[item.offset:])
+                return True
+            except (OSError, TransferError) as exc:
+                log.debug("bundle push to %s failed: %s", self._addr, exc)
+                with self._lock:
+                    if self._sock is sock:
+                        self._drop_locked()
+                sock = None
+                if attempt < self.ATTEMPTS - 1:
+                    time.sleep(0.02)
+        return False
+
+    def _nack_reader(self, sock: socket.socket) -> None:
+        try:
+            while True:
+                _, generation, step, unit, seq = NACK.unpack(recv_exact(sock, NACK.size))
+                with self._lock:
+                    again = [b for b in self._recent if (b.generation, b.pos, b.seq) == (generation, (step, unit), seq)]
+                    if again:
+                        log.warning("buddy %s refused a bundle (checksum): sending it again", self._addr)
+                        self.resent += 1
+                        self._backlog.append(_Frame(encode_bundle_frame(again[-1]), 0))
+                        self._wake.notify()
+        except (OSError, TransferError, struct.error):
+            return  # the connection ended: the writer reconnects when it next has something to send
+
+    def _drop_locked(self) -> None:
         if self._sock is not None:
+            try:
+                self._sock.shutdown(socket.SHUT_RDWR)  # wakes the NACK reader
+            except OSError:
+                pass
             try:
                 self._sock.close()
             except OSError:
                 pass
         self._sock = None
+
+
+def _blocking(sock: socket.socket) -> socket.socket:
+    """No Python-level timeout (with one, every send polls first, and a MSG_DONTWAIT send would
+    wait for room); the kernel's send timeout bounds the writer's blocking sends instead."""
+    seconds = sock.gettimeout() or 60.0
+    sock.settimeout(None)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                    struct.pack("ll", int(seconds), int((seconds % 1) * 1e6)))
+    return sock
+
+
+@dataclass
+class _Frame:
+    frame: bytes
+    offset: int  # bytes of it already sent on the current connection
 
 
 @dataclass

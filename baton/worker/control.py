@@ -23,7 +23,10 @@ from baton.control import messages as m
 
 log = logging.getLogger("baton.worker")
 
-HEARTBEAT_S = float(os.environ.get("BATON_HEARTBEAT_S", "0.75"))
+# Heartbeats per heartbeat timeout: a rank must miss several before it is declared hung; an
+# idle spare only has to look fresh when a move picks one (within two timeouts).
+RANK_BEATS_PER_TIMEOUT = 4
+SPARE_BEATS_PER_TIMEOUT = 2
 
 
 class OrchestratorGone(RuntimeError):
@@ -49,6 +52,8 @@ class ControlChannel:
         self.attention = False  # hot-path flag: the boundary must look closer
         # What the heartbeat carries: latest boundary, step time, metrics.
         self.heartbeat: dict[str, Any] = {}
+        self.heartbeat_timeout_s = 3.0  # the orchestrator's, from register()
+        self.beat_every = self.heartbeat_timeout_s / RANK_BEATS_PER_TIMEOUT
         self.on_abort: Callable[[], None] | None = None
 
     # ------------------------------------------------------------------ requests
@@ -75,7 +80,11 @@ class ControlChannel:
 
     def register(self, pid: int, transfer_addr: tuple[str, int]) -> m.Registered:
         body = m.Register(pid=pid, transfer_addr=tuple(transfer_addr)).model_dump(mode="json")
-        return m.Registered.model_validate(self._post(f"/v1/workers/{self.worker_id}/register", body))
+        reg = m.Registered.model_validate(self._post(f"/v1/workers/{self.worker_id}/register", body))
+        self.heartbeat_timeout_s = reg.heartbeat_timeout_s
+        per = RANK_BEATS_PER_TIMEOUT if reg.role == "rank" else SPARE_BEATS_PER_TIMEOUT
+        self.beat_every = reg.heartbeat_timeout_s / per
+        return reg
 
     def report(self, msg: BaseModel) -> None:
         """Queue a report; the reporter thread sends it (never blocks the caller)."""
@@ -133,6 +142,8 @@ class ControlChannel:
                 next_step = self.started + 1
             self.report(m.PauseAck(op=cmd.op, ok=ok, next_step=max(0, next_step)))
             return
+        if isinstance(cmd, m.Assign):  # a spare becomes a rank: the tight hang timeout applies
+            self.beat_every = self.heartbeat_timeout_s / RANK_BEATS_PER_TIMEOUT
         if isinstance(cmd, m.Abort):
             with self.lock:
                 self.abort_generation = cmd.generation
@@ -145,13 +156,13 @@ class ControlChannel:
         last_beat = 0.0
         while not self._stopped.is_set():
             try:
-                item = self._outbox.get(timeout=HEARTBEAT_S)
+                item = self._outbox.get(timeout=max(0.0, last_beat + self.beat_every - time.time()))
             except queue.Empty:
                 item = None
             try:
                 if item is not None:
                     self._post(f"/v1/workers/{self.worker_id}/reports", item)
-                if time.time() - last_beat >= HEARTBEAT_S:
+                if time.time() - last_beat >= self.beat_every:
                     beat = m.Heartbeat(**self.heartbeat).model_dump(mode="json")
                     self._post(f"/v1/workers/{self.worker_id}/reports", beat)
                     last_beat = time.time()
