@@ -143,6 +143,8 @@ def test_a_corrupt_bundle_frame_is_refused_and_the_good_one_kept():
     sock = connect(server.address, "secret", PUSH)
     try:
         sock.sendall(bytes(bad))
+        # Pushes are read when the ward store is next used (the gate, a joiner's request).
+        assert _until(lambda: server.wards.get(2, (7, 0)) is None and _readable(sock))
         assert NACK.unpack(recv_exact(sock, NACK.size)) == (b"-", 3, 7, 0, b.seq)
         assert server.wards.get(2, (7, 0)) is None
         sock.sendall(frame)
@@ -188,6 +190,12 @@ def test_a_pusher_sends_a_refused_bundle_again(monkeypatch):
     finally:
         pushers.close()
         server.close()
+
+
+def _readable(sock) -> bool:
+    import select as _select
+
+    return bool(_select.select([sock], [], [], 0)[0])
 
 
 def _until(pred, timeout: float = 10.0) -> bool:

@@ -103,6 +103,7 @@ class TransferServer:
             self._sock.close()
         except OSError:
             pass
+        self.wards.close()
 
     def _accept_loop(self) -> None:
         while not self._closed:
@@ -137,7 +138,8 @@ class TransferServer:
                     send_json(conn, {"error": "authentication failed: wrong job token"})
                     return
                 if kind == PUSH:
-                    self._receive_pushes(conn)
+                    # A ward's bundles: read by whoever needs the ward store next (see WardStore).
+                    self.wards.add_connection(conn.dup())
                     return
                 if kind == WARD:
                     self._serve_ward(conn)
@@ -160,23 +162,6 @@ class TransferServer:
                         self._send_chunk(conn, index, chunks, views)
         except (OSError, TransferError, struct.error) as exc:
             log.debug("transfer connection ended: %s", exc)
-
-    def _receive_pushes(self, conn: socket.socket) -> None:
-        """A ward streams its step bundles; one that fails its checksum is asked for again
-        (a NACK naming it) and never stored. Good ones are not acknowledged: see bundle.py."""
-        from baton.worker.bundle import nack_of, read_bundle_frame
-
-        conn.settimeout(None)
-        frames = conn.makefile("rb", buffering=1 << 16)  # a whole bundle per receive
-        while True:
-            b = read_bundle_frame(frames)
-            if b is None:
-                return
-            if getattr(b, "checksum_ok", False):
-                self.wards.put(b)
-            else:
-                log.warning("bundle from rank %d failed its checksum: asked again", b.rank)
-                send_all(conn, nack_of(b))
 
     def _serve_ward(self, conn: socket.socket) -> None:
         from baton.worker.bundle import write_bundle_frame

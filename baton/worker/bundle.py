@@ -22,6 +22,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import select
 import socket
 import struct
 import threading
@@ -107,51 +108,131 @@ def newest(candidates: list[Bundle | None], limit: Pos) -> Bundle | None:
 
 # ---------------------------------------------------------------- the buddy's side
 class WardStore:
-    """Bundles pushed by the ranks this process is buddy to; the gate waits here."""
+    """Bundles pushed by the ranks this process is buddy to; the gate waits here.
+
+    Push connections are not read by a thread of their own: a bundle waits in the kernel's
+    socket buffer until someone needs the ward store (the training thread at its gate, a
+    joiner asking for a ward's bundle), who reads every complete frame there first. At the
+    gate the bundle, pushed a whole backward pass earlier, is normally already there: no
+    thread has to wake up and hand it over, which on a busy machine costs milliseconds.
+    """
 
     KEEP = 6
+    MAX_HEADER = 1 << 20
 
     def __init__(self) -> None:
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
         self._by_rank: dict[int, list[Bundle]] = {}
+        self._inbox: dict[socket.socket, bytearray] = {}  # push connections and their unparsed bytes
+
+    def add_connection(self, conn: socket.socket) -> None:
+        conn.setblocking(False)
+        with self._lock:
+            self._inbox[conn] = bytearray()
 
     def put(self, b: Bundle) -> None:
-        with self._cond:
-            kept = [x for x in self._by_rank.get(b.rank, [])
-                    if (x.pos, x.generation, x.seq) != (b.pos, b.generation, b.seq)]
-            kept.append(b)
-            kept.sort(key=lambda x: (x.pos, x.generation, x.seq))
-            self._by_rank[b.rank] = kept[-self.KEEP:]
-            self._cond.notify_all()
+        with self._lock:
+            self._put_locked(b)
 
     def get(self, rank: int, limit: Pos) -> Bundle | None:
-        with self._cond:
+        with self._lock:
+            self._drain_locked()
             return newest(list(self._by_rank.get(rank, [])), limit)
 
     def wait(self, rank: int, generation: int, pos: Pos, seq: int, timeout: float,
              cancelled: Callable[[], bool]) -> bool:
         """Until the ward's bundle for (generation, pos, capture point >= seq) is here."""
         deadline = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                self._drain_locked()
+                if any(b.generation == generation and b.pos == pos and b.seq >= seq
+                       for b in self._by_rank.get(rank, [])):
+                    return True
+                conns = list(self._inbox)
+            if cancelled():
+                return False
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            if conns:
+                try:
+                    select.select(conns, [], [], min(left, 0.05))
+                except (OSError, ValueError):  # a connection closed meanwhile: drain drops it
+                    time.sleep(0.001)
+            else:
+                time.sleep(min(left, 0.05))
 
-        def present() -> bool:
-            return any(b.generation == generation and b.pos == pos and b.seq >= seq
-                       for b in self._by_rank.get(rank, []))
+    def close(self) -> None:
+        with self._lock:
+            for conn in list(self._inbox):
+                self._close_locked(conn)
 
-        with self._cond:
-            while not present():
-                if cancelled():
-                    return False
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cond.wait(min(left, 0.05))
-            return True
+    # ---- reading the push connections (under the lock)
+    def _put_locked(self, b: Bundle) -> None:
+        kept = [x for x in self._by_rank.get(b.rank, [])
+                if (x.pos, x.generation, x.seq) != (b.pos, b.generation, b.seq)]
+        kept.append(b)
+        kept.sort(key=lambda x: (x.pos, x.generation, x.seq))
+        self._by_rank[b.rank] = kept[-self.KEEP:]
+
+    def _drain_locked(self) -> None:
+        for conn, buf in list(self._inbox.items()):
+            ended = False
+            while True:
+                try:
+                    chunk = conn.recv(1 << 16)
+                except (BlockingIOError, InterruptedError):
+                    break
+                except OSError:
+                    chunk = b""
+                if not chunk:
+                    ended = True
+                    break
+                buf += chunk
+            try:
+                self._parse_locked(conn, buf)
+            except (TransferError, ValueError, KeyError, TypeError) as exc:
+                log.warning("dropped a bundle push connection: %s", exc)
+                ended = True
+            if ended:
+                self._close_locked(conn)
+
+    def _parse_locked(self, conn: socket.socket, buf: bytearray) -> None:
+        while len(buf) >= 8:
+            (n,) = struct.unpack_from("!Q", buf)
+            if n > self.MAX_HEADER:
+                raise TransferError(f"bundle header of {n} bytes is too large")
+            if len(buf) < 8 + n:
+                return
+            header = json.loads(bytes(buf[8:8 + n]))
+            payload_len = _checked_sizes(header)
+            if len(buf) < 8 + n + payload_len:
+                return
+            payload = bytes(buf[8 + n:8 + n + payload_len])
+            del buf[:8 + n + payload_len]
+            b = _bundle_of(header, payload)
+            if b.checksum_ok:  # type: ignore[attr-defined]
+                self._put_locked(b)
+            else:
+                log.warning("bundle from rank %d failed its checksum: asked again", b.rank)
+                try:
+                    conn.send(nack_of(b), socket.MSG_DONTWAIT)
+                except OSError:
+                    pass
+
+    def _close_locked(self, conn: socket.socket) -> None:
+        self._inbox.pop(conn, None)
+        try:
+            conn.close()
+        except OSError:
+            pass
 
 
 def read_bundle_frame(sock: socket.socket | BinaryIO) -> Bundle | None:
     """One bundle: a JSON header, then the skeleton and every tensor's bytes as one payload
-    (a few KB), checked against the header's xxh3 (`checksum_ok`). From a socket, or from a
-    buffered reader over one (a whole frame then costs one receive)."""
+    (a few KB), checked against the header's xxh3 (`checksum_ok`). Blocking: for a ward's
+    bundle served on request (pushes are parsed by `WardStore` as they are drained)."""
     if isinstance(sock, socket.socket):
         sock = sock.makefile("rb", buffering=0)
     (n,) = struct.unpack("!Q", _read_exact(sock, 8))
@@ -160,10 +241,20 @@ def read_bundle_frame(sock: socket.socket | BinaryIO) -> Bundle | None:
     header = json.loads(_read_exact(sock, n))
     if header.get("end"):
         return None
+    return _bundle_of(header, _read_exact(sock, _checked_sizes(header)))
+
+
+def _checked_sizes(header: dict[str, Any]) -> int:
+    """The payload length a bundle header announces, refused if impossible."""
     meta_len, payload_len = int(header["meta_len"]), int(header["payload_len"])
     if not 0 <= meta_len <= payload_len <= 1 << 30:
         raise TransferError("bundle header has impossible sizes")
-    payload = memoryview(_read_exact(sock, payload_len))
+    return payload_len
+
+
+def _bundle_of(header: dict[str, Any], data: bytes) -> Bundle:
+    meta_len, payload_len = int(header["meta_len"]), int(header["payload_len"])
+    payload = memoryview(data)
     tensors = alloc_tensors({"tensors": header["tensors"]})
     offset = meta_len
     for t in tensors:
