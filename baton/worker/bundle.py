@@ -29,7 +29,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, BinaryIO, Callable
+from typing import Any, Callable
 
 import torch
 import xxhash
@@ -39,6 +39,7 @@ from baton.transfer.protocol import (
     alloc_tensors,
     byte_view,
     recv_exact,
+    recv_json,
     send_json,
 )
 from baton.worker import codec
@@ -229,19 +230,14 @@ class WardStore:
             pass
 
 
-def read_bundle_frame(sock: socket.socket | BinaryIO) -> Bundle | None:
+def read_bundle_frame(sock: socket.socket) -> Bundle | None:
     """One bundle: a JSON header, then the skeleton and every tensor's bytes as one payload
     (a few KB), checked against the header's xxh3 (`checksum_ok`). Blocking: for a ward's
     bundle served on request (pushes are parsed by `WardStore` as they are drained)."""
-    if isinstance(sock, socket.socket):
-        sock = sock.makefile("rb", buffering=0)
-    (n,) = struct.unpack("!Q", _read_exact(sock, 8))
-    if n > 1 << 20:
-        raise TransferError(f"bundle header of {n} bytes is too large")
-    header = json.loads(_read_exact(sock, n))
+    header = recv_json(sock, limit=WardStore.MAX_HEADER)
     if header.get("end"):
         return None
-    return _bundle_of(header, _read_exact(sock, _checked_sizes(header)))
+    return _bundle_of(header, recv_exact(sock, _checked_sizes(header)))
 
 
 def _checked_sizes(header: dict[str, Any]) -> int:
@@ -269,16 +265,6 @@ def _bundle_of(header: dict[str, Any], data: bytes) -> Bundle:
                int(header["seq"]), bytes(payload[:meta_len]), tensors)
     b.checksum_ok = xxhash.xxh3_64_intdigest(payload) == int(header["xxh3"])  # type: ignore[attr-defined]
     return b
-
-
-def _read_exact(f: BinaryIO, n: int) -> bytes:
-    data = f.read(n)
-    while len(data) < n:  # an unbuffered reader returns what one receive got
-        more = f.read(n - len(data))
-        if not more:
-            raise TransferError("connection closed by the other side mid-transfer")
-        data += more
-    return data
 
 
 def encode_bundle_frame(b: Bundle) -> bytes:
@@ -357,8 +343,8 @@ class BundlePusher:
         self.resent = 0
         threading.Thread(target=self._writer, name="baton-bundle-push", daemon=True).start()
 
-    def push(self, b: Bundle, frame: bytes | None = None) -> None:
-        frame = encode_bundle_frame(b) if frame is None else frame
+    def push(self, b: Bundle, frame: bytes) -> None:
+        """Send `b`, already encoded as `frame` (once for every buddy)."""
         with self._lock:
             self._recent.append(b)
             self.sent += 1
