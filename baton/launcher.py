@@ -18,7 +18,6 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
@@ -26,6 +25,7 @@ from baton.control.api import ApiServer
 from baton.control.orchestrator import TICK_S, Config, Orchestrator
 from baton.rundir import RunDir, RunDirError
 from baton.schedulers.local import LocalScheduler
+from baton.store.rendezvous import rendezvous_store
 from baton.store.sqlite import SqliteStore
 
 
@@ -71,8 +71,6 @@ class EventPrinter:
 
 def run(opts: RunOptions, listeners: list[Callable[[str, dict[str, Any]], None]] | None = None,
         started: Callable[[Orchestrator, str, str], None] | None = None) -> int:
-    import torch.distributed as dist
-
     if opts.nproc < 1:
         raise SystemExit("baton run: --nproc must be at least 1")
     for flag, value in (("--op-timeout", opts.op_timeout_s), ("--heartbeat-timeout", opts.heartbeat_timeout_s),
@@ -99,8 +97,7 @@ def run(opts: RunOptions, listeners: list[Callable[[str, dict[str, Any]], None]]
         db = SqliteStore(run_dir.db)
     except sqlite3.Error as exc:
         raise SystemExit(f"baton run: cannot open the state store {run_dir.db}: {exc}") from None
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=opts.formation_timeout_s))
+    store = rendezvous_store("127.0.0.1", 0, master=True, formation_timeout_s=opts.formation_timeout_s)
     config = Config(world_size=opts.nproc, spares=opts.spares, job_id=opts.job_id,
                     op_timeout_s=opts.op_timeout_s, heartbeat_timeout_s=opts.heartbeat_timeout_s,
                     formation_timeout_s=opts.formation_timeout_s, verify_every=opts.verify_every,

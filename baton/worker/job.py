@@ -32,13 +32,12 @@ import signal
 import sys
 import time
 import traceback
-from datetime import timedelta
 from typing import Any, Callable, Iterator
 
 import torch
-import torch.distributed as dist
 
 from baton.control import messages as m
+from baton.store.rendezvous import rendezvous_store
 from baton.transfer import TransferServer
 from baton.worker import ddp as ddp_mod
 from baton.worker import discover, orphan
@@ -273,8 +272,7 @@ def init() -> Job:
             cmd = got
             log.info("assigned rank %s (joiner=%s)", got.rank, got.joiner)
     host, port = os.environ[ENV_STORE].rsplit(":", 1)
-    store = dist.TCPStore(host, int(port), is_master=False,
-                          timeout=timedelta(seconds=float(config.formation_timeout_s)))
+    store = rendezvous_store(host, int(port), master=False, formation_timeout_s=config.formation_timeout_s)
     os.environ.update(RANK=str(cmd.rank), WORLD_SIZE=str(cmd.world_size), LOCAL_RANK=str(cmd.rank),
                       LOCAL_WORLD_SIZE=str(cmd.world_size))
     rt = Runtime(ctl, server, store, cmd.rank, cmd.world_size, cmd.joiner, config, token)
