@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from baton.control import messages as m
 from baton.control.api import ApiServer
 from baton.control.orchestrator import TICK_S, Config, Orchestrator
 from baton.rundir import RunDir, RunDirError
@@ -103,8 +104,7 @@ def run(opts: RunOptions, listeners: list[Callable[[str, dict[str, Any]], None]]
                     formation_timeout_s=opts.formation_timeout_s, verify_every=opts.verify_every,
                     spare_wait_s=opts.spare_wait_s)
     orch = Orchestrator(config, db)
-    db.on_error = lambda text: orch._emit("store-error", {"message": text + " (the job goes on; the ledger "
-                                                          "is kept in memory and written when it can be)"})
+    db.on_error = lambda text: orch.handle(m.StoreFailed(message=text))
     orch.listeners.append(EventPrinter(run_dir, opts.quiet))
     orch.listeners.extend(listeners or [])
     api = ApiServer(orch, token)
@@ -116,13 +116,13 @@ def run(opts: RunOptions, listeners: list[Callable[[str, dict[str, Any]], None]]
     env.update(BATON_URL=api.url, BATON_TOKEN=token, BATON_STORE=f"127.0.0.1:{store.port}",
                TORCH_DIST_INIT_BARRIER="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port))
     env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does for several ranks per node
-    sched = LocalScheduler(opts.script, opts.script_args, env, slots, on_exit=orch.worker_exited)
+    sched = LocalScheduler(opts.script, opts.script_args, env, slots,
+                           on_exit=lambda wid, code: orch.handle(m.WorkerExited(worker_id=wid, returncode=code)))
     orch.scheduler = sched
 
     def on_signal(signum: int, _frame: Any) -> None:
         print(f"[baton] received signal {signum}: stopping the job", file=sys.stderr, flush=True)
-        with orch._lock:
-            orch._end(128 + signum)
+        orch.handle(m.Interrupted(signum=signum))
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)} \
         if threading.current_thread() is threading.main_thread() else {}
@@ -132,7 +132,7 @@ def run(opts: RunOptions, listeners: list[Callable[[str, dict[str, Any]], None]]
         started(orch, api.url, token)
     try:
         while not orch.done.wait(TICK_S):
-            orch.tick()
+            orch.handle(m.Tick(now=time.time()))
     finally:
         for s, h in previous.items():
             signal.signal(s, h)

@@ -6,6 +6,8 @@ real local scheduler with real processes.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from baton.control import messages as m
@@ -59,7 +61,7 @@ def _commands(orch: Orchestrator, wid: str) -> list[dict]:
 
 def test_boundary_is_retargeted_when_a_rank_is_past_it(tmp_path):
     orch, _ = _running(tmp_path)
-    op = orch.request_migration(0)["op"]
+    op = orch.handle(m.MigrateRequest(rank=0))["op"]
     target = orch.op.target_step
     # rank 0 accepts; rank 1 was already past the target
     report(orch, "w0", {"type": "pause_ack", "op": op, "ok": True, "next_step": target})
@@ -80,12 +82,12 @@ def test_boundary_is_retargeted_when_a_rank_is_past_it(tmp_path):
 
 def test_a_move_is_cancelled_when_the_job_finishes_first(tmp_path):
     orch, _ = _running(tmp_path)
-    orch.request_migration(1)
+    orch.handle(m.MigrateRequest(rank=1))
     for w in ("w0", "w1"):
         report(orch, w, {"type": "finished", "pos": [11, 0]})
     assert orch.exit_code is None  # ranks may still run code after finish(): wait for them
-    orch.worker_exited("w0", 0)
-    orch.worker_exited("w1", 0)
+    orch.handle(m.WorkerExited(worker_id="w0", returncode=0))
+    orch.handle(m.WorkerExited(worker_id="w1", returncode=0))
     assert orch.exit_code == 0
     ev = orch.event_list()[0]
     assert ev["status"] == "cancelled" and "finished" in ev["note"]
@@ -95,13 +97,13 @@ def test_a_move_is_cancelled_when_the_job_finishes_first(tmp_path):
 def test_refusals_change_nothing(tmp_path):
     orch, sched = _running(tmp_path)
     with pytest.raises(RequestError, match="unknown rank 7") as e:
-        orch.request_migration(7)
+        orch.handle(m.MigrateRequest(rank=7))
     assert e.value.status == 404
     with pytest.raises(RequestError, match="unknown slot 'x/1'"):
-        orch.taint("x/1", "ecc")
-    orch.request_migration(0)
+        orch.handle(m.TaintRequest(slot="x/1", reason="ecc"))
+    orch.handle(m.MigrateRequest(rank=0))
     with pytest.raises(RequestError, match="already in progress") as e:
-        orch.request_migration(1)
+        orch.handle(m.MigrateRequest(rank=1))
     assert e.value.status == 409
     assert len(orch.event_list()) == 1
 
@@ -109,7 +111,7 @@ def test_refusals_change_nothing(tmp_path):
 def test_no_spare_for_a_planned_move_is_a_clear_conflict(tmp_path):
     orch, _ = _running(tmp_path, spares=0)
     with pytest.raises(RequestError, match="no spare available") as e:
-        orch.request_migration(0)
+        orch.handle(m.MigrateRequest(rank=0))
     assert e.value.status == 409 and orch.op is None
 
 
@@ -119,13 +121,13 @@ def test_a_lost_rank_during_startup_fails_clearly(tmp_path):
     orch.start()
     for wid, _ in list(sched.started):
         orch.register(wid, 1, ["127.0.0.1", 1000 + int(wid[1:])])
-    orch.worker_exited("w1", -9)
+    orch.handle(m.WorkerExited(worker_id="w1", returncode=-9))
     assert orch.exit_code == 1 and "during startup" in orch.failure
 
 
 def test_state_is_persisted_after_transitions(tmp_path):
     orch, _ = _running(tmp_path)
-    orch.taint("local/3", "thermal")
+    orch.handle(m.TaintRequest(slot="local/3", reason="thermal"))
     rows = SqliteStore(tmp_path / "s.db").all("slot")
     assert rows["local/3"]["taint"] == "thermal"
 
@@ -133,12 +135,12 @@ def test_state_is_persisted_after_transitions(tmp_path):
 def _expire(orch: Orchestrator) -> None:
     """Let the current phase's deadline pass, as the ticker would see it."""
     orch.op.deadline = 0.0
-    orch.tick()
+    orch.handle(m.Tick(now=time.time()))
 
 
 def test_a_rank_that_never_answers_the_pause_request_is_asked_again_then_lost(tmp_path):
     orch, sched = _running(tmp_path, spares=2)
-    op = orch.request_migration(0)["op"]
+    op = orch.handle(m.MigrateRequest(rank=0))["op"]
     report(orch, "w0", {"type": "pause_ack", "op": op, "ok": True, "next_step": 11})
     _expire(orch)
     assert orch.op.phase == "agree" and "w1" not in sched.killed
@@ -152,7 +154,7 @@ def test_a_rank_that_never_answers_the_pause_request_is_asked_again_then_lost(tm
 
 def test_a_rank_that_stops_short_of_the_agreed_step_is_lost_once_the_others_waited(tmp_path):
     orch, sched = _running(tmp_path, spares=2)
-    op = orch.request_migration(0)["op"]
+    op = orch.handle(m.MigrateRequest(rank=0))["op"]
     target = orch.op.target_step
     for w in ("w0", "w1"):
         report(orch, w, {"type": "pause_ack", "op": op, "ok": True, "next_step": 11})
@@ -175,7 +177,7 @@ def test_no_spare_within_spare_wait_fails_the_job_clearly(tmp_path):
     for r in range(2):
         report(orch, f"w{r}", {"type": "ready", "loop": LOOP, "bundle": _bundle(r)})
         report(orch, f"w{r}", {"type": "heartbeat", "step": 10})
-    orch.worker_exited("w1", -9)
+    orch.handle(m.WorkerExited(worker_id="w1", returncode=-9))
     report(orch, "w0", {"type": "recover", "generation": orch.generation, "pos": [10, 0]})
     assert orch.op.phase == "spares" and orch.status()["jobs"][0]["state"] == "waiting-for-spare"
     _expire(orch)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.jobs import Job, check_resolved_exact, state_diff
+from tests.jobs import Job, assert_ranks_equal, check_resolved_exact, state_diff
 
 EPOCHS = Path(__file__).resolve().parent.parent / "baton" / "examples" / "epochs.py"
 NPROC = 3
@@ -19,9 +19,13 @@ STEPS_PER_EPOCH = 16  # 384 samples / 3 ranks / batch 8
 ARGS = ["--epochs", "4", "--step-sleep", "0.04", "--val-sleep", "0.4"]
 
 
-def _job(tmp: Path, name: str, spares: int = 1, run_args: list[str] | None = None) -> Job:
+INJECT = str(Path(__file__).resolve().parent / "inject")  # see its sitecustomize.py
+
+
+def _job(tmp: Path, name: str, spares: int = 1, run_args: list[str] | None = None,
+         env: dict[str, str] | None = None) -> Job:
     job = Job(tmp, nproc=NPROC, spares=spares, steps=0, script_args=ARGS, run_args=run_args, name=name,
-              script=EPOCHS)
+              script=EPOCHS, env=env)
     return job
 
 
@@ -105,5 +109,55 @@ def test_sigstop_during_validation(tmp_path, reference):
         job.signal_rank(0, signal.SIGSTOP)
         events = _check(job, reference)
         assert events[0]["kind"] == "unplanned" and events[0]["rank"] == 0 and "hung" in events[0]["cause"]
+    finally:
+        job.kill()
+
+
+def test_a_rank_that_loses_a_step_after_the_all_reduce_takes_the_others_result(tmp_path, reference):
+    """Rank 1 loses step 20 inside GradScaler.step (after its gradients were all-reduced): the
+    others complete it; rank 1 must take their state, scaler and scheduler included."""
+    job = _job(tmp_path, "after-allreduce", env={"PYTHONPATH": INJECT, "BATON_TEST_FAIL_AFTER_ALLREDUCE": "1:20"},
+               run_args=["--op-timeout", "2", "--heartbeat-timeout", "2"])
+    try:
+        assert job.wait(timeout=240) == 0, job.log()
+        assert_ranks_equal(job, reference)
+        assert "injected: rank 1 loses step 20" in job.log(tail=None)
+        assert job.events() == []  # no worker was lost: the ledger has nothing to record
+    finally:
+        job.kill()
+
+
+def test_a_lost_peer_that_escapes_after_the_step_committed_replaces_the_rank(tmp_path, reference):
+    """The lost-peer error surfaces after GradScaler.step committed step 9 on rank 2: the rank
+    exits 75 and is replaced from its buddies, never reported as a script bug."""
+    job = _job(tmp_path, "escape", env={"PYTHONPATH": INJECT, "BATON_TEST_PEER_LOST_AFTER_COMMIT": "2:9"})
+    try:
+        events = _check(job, reference)
+        log = job.log(tail=None)
+        assert "after its step committed" in log and "user-error" not in log
+        assert [e["kind"] for e in events] == ["unplanned"] and events[0]["rank"] == 2, events
+        assert "exited after a lost peer" in events[0]["cause"], events
+    finally:
+        job.kill()
+
+
+def test_a_rank_hung_at_the_boundary_of_a_planned_move(tmp_path, reference):
+    """Rank 2 hangs in its own code at the agreed boundary of rank 0's planned move (heartbeats
+    go on, no collective pending): the pausing deadline declares it lost, it is rebuilt, and
+    the planned move runs again."""
+    env = {"PYTHONPATH": INJECT, "BATON_TEST_STALL_WHILE_PAUSING": "2", "BATON_TEST_STALL_MARK": str(tmp_path / "hung")}
+    job = _job(tmp_path, "pause-stall", spares=3, env=env, run_args=["--op-timeout", "2", "--heartbeat-timeout", "2"])
+    try:
+        job.wait_step(4)
+        job.wait_until(lambda st: len([s for s in st["spares"] if s["state"] == "spare"]) >= 3, what="3 spares")
+        job.client.migrate(0)
+        assert job.wait(timeout=240) == 0, job.log()
+        assert_ranks_equal(job, reference)
+        assert "injected: rank 2 hangs" in job.log(tail=None)
+        events = job.events()
+        got = [(e["kind"], e["rank"], e["status"]) for e in events]
+        assert got == [("planned", 0, "failed"), ("unplanned", 2, "resolved"), ("planned", 0, "resolved")], events
+        assert "superseded" in events[0]["note"] and "did not reach the agreed step" in events[1]["cause"], events
+        assert all(e["steps_lost"] == 0 for e in events), events
     finally:
         job.kill()

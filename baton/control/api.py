@@ -16,7 +16,6 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -24,23 +23,6 @@ from pydantic import ValidationError
 
 from baton.control import messages as m
 from baton.control.orchestrator import Orchestrator, RequestError
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-
-class MigrateRequest(_Strict):
-    rank: int = Field(ge=0)
-
-
-class TaintRequest(_Strict):
-    slot: str = Field(min_length=1, max_length=200)
-    reason: str = Field(min_length=1, max_length=200)
-
-
-class UntaintRequest(_Strict):
-    slot: str = Field(min_length=1, max_length=200)
 
 
 _REPORT_TYPES = {"heartbeat", "ready", "unit_done", "pause_ack", "paused", "recover", "formed", "verified",
@@ -97,16 +79,16 @@ def create_app(orch: Orchestrator, token: str) -> FastAPI:
         return {"events": orch.event_list(), "yoco_ratio": orch.yoco_ratio()}
 
     @app.post("/v1/migrate", status_code=202)
-    def migrate(req: MigrateRequest) -> dict[str, Any]:
-        return orch.request_migration(req.rank)
+    def migrate(req: m.MigrateRequest) -> dict[str, Any]:
+        return orch.handle(req)
 
     @app.post("/v1/taint")
-    def taint(req: TaintRequest) -> dict[str, Any]:
-        return orch.taint(req.slot, req.reason)
+    def taint(req: m.TaintRequest) -> dict[str, Any]:
+        return orch.handle(req)
 
     @app.post("/v1/untaint")
-    def untaint(req: UntaintRequest) -> dict[str, Any]:
-        return orch.untaint(req.slot)
+    def untaint(req: m.UntaintRequest) -> dict[str, Any]:
+        return orch.handle(req)
 
     @app.post("/v1/workers/{worker_id}/register")
     def register(worker_id: str, req: m.Register) -> dict[str, Any]:

@@ -1,8 +1,10 @@
-"""Every message between a worker and the orchestrator, as pydantic models both sides share.
+"""Every message into or out of the orchestrator, as pydantic models both sides share.
 
 Reports go worker -> orchestrator (`POST /v1/workers/{id}/reports`), commands go
-orchestrator -> worker (long-polled). A report that does not validate is answered
-422 and changes nothing. Positions are `[step, sub]`: the next step to run and how
+orchestrator -> worker (long-polled). Requests come from the CLI (`POST /v1/migrate`,
+...), process exits from the scheduler and ticks from the launcher's clock: those are
+the orchestrator's `Input`s. A message that does not validate is answered 4xx and
+changes nothing. Positions are `[step, sub]`: the next step to run and how
 many boundary functions before it are done.
 """
 
@@ -228,3 +230,60 @@ class Done(_Msg):
 
 Command = Annotated[Union[Assign, Pause, Publish, Form, Abort, Release, Stop, Done], Field(discriminator="type")]
 COMMAND = TypeAdapter(Command)
+
+
+# ---------------------------------------------------------------- other inputs
+class _Request(_Msg):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)  # "1" is not a rank
+
+
+class MigrateRequest(_Request):
+    """`baton migrate RANK`: a planned move of the rank to a spare."""
+
+    type: Literal["migrate"] = "migrate"
+    rank: NonNegativeInt
+
+
+class TaintRequest(_Request):
+    """`baton taint SLOT`: the slot will fail; move its rank (pre-emptive), keep no spare there."""
+
+    type: Literal["taint"] = "taint"
+    slot: Annotated[str, Field(min_length=1, max_length=200)]
+    reason: Annotated[str, Field(min_length=1, max_length=200)]
+
+
+class UntaintRequest(_Request):
+    type: Literal["untaint"] = "untaint"
+    slot: Annotated[str, Field(min_length=1, max_length=200)]
+
+
+class WorkerExited(_Msg):
+    """From the scheduler: a worker's process ended (`returncode` < 0: killed by that signal)."""
+
+    type: Literal["worker_exited"] = "worker_exited"
+    worker_id: str
+    returncode: int
+
+
+class Tick(_Msg):
+    """From the launcher's clock, every TICK_S: deadlines and heartbeat silence are judged at `now`."""
+
+    type: Literal["tick"] = "tick"
+    now: float
+
+
+class Interrupted(_Msg):
+    """`baton run` itself got SIGINT or SIGTERM: end the job, stopping every worker."""
+
+    type: Literal["interrupted"] = "interrupted"
+    signum: int
+
+
+class StoreFailed(_Msg):
+    """The ledger's SQLite file refused a write (disk full, corrupt): reported, and survived."""
+
+    type: Literal["store_failed"] = "store_failed"
+    message: str
+
+
+Input = Union[MigrateRequest, TaintRequest, UntaintRequest, WorkerExited, Tick, Interrupted, StoreFailed]

@@ -1,8 +1,8 @@
 """The orchestrator: the one brain. It owns every decision about ranks, spares, taints and moves.
 
-Inputs arrive as typed reports and method calls (from the HTTP API: worker reports,
-CLI requests; from the scheduler: process exits; from its own ticker: deadlines).
-Outputs leave as commands in worker mailboxes and as typed effects (start or kill a
+Inputs arrive as typed messages (`messages.py`): worker reports through `report()`,
+everything else (CLI requests, process exits from the scheduler, ticks from the
+launcher's clock) through `handle()`. Each is decided under one lock. Outputs leave as commands in worker mailboxes and as typed effects (start or kill a
 worker, write the ledger, print) that are applied in order after the decision lock
 is released (`effects.py`). The protocols live in their own modules, mixed in here:
 `planned.py`, `recovery.py`, `spares.py`; one move in flight is an `Operation`.
@@ -150,7 +150,7 @@ class Orchestrator(PlannedMoves, Recovery, SparePool):
                 pid = self.scheduler.start(effect.worker_id, effect.slot)
             except OSError as exc:
                 log.error("could not start %s on %s: %s", effect.worker_id, effect.slot, exc)
-                self.worker_exited(effect.worker_id, 127)
+                self.handle(m.WorkerExited(worker_id=effect.worker_id, returncode=127))
                 return
             with self._lock:
                 self.workers[effect.worker_id].pid = self.workers[effect.worker_id].pid or pid
@@ -168,28 +168,37 @@ class Orchestrator(PlannedMoves, Recovery, SparePool):
         elif isinstance(effect, fx.WriteRows):
             self.store.put_many(effect.rows)
 
-    def tick(self) -> None:
-        """Periodic checks: hung workers, collect deadlines, spare replenishment."""
-        now = time.time()
+    # ------------------------------------------------------------------ inputs
+    def handle(self, event: m.Input) -> dict[str, Any]:
+        """Decide one input (a request, a process exit, a tick) under the lock; the effects it
+        queued are applied once the lock is released. A refused request raises RequestError
+        before it changes anything."""
         with self._lock:
-            if self.exit_code is not None:
-                return
-            self._forgive_own_stall(now)
-            training = self._training()
-            for w in list(self.workers.values()):
-                if w.role not in (WorkerRole.RANK, WorkerRole.SPARE, WorkerRole.LEAVING):
-                    continue
-                # Ranks that are stepping get the tight timeout; a worker still importing or
-                # warming up (or an idle spare) may legitimately starve its heartbeat thread.
-                limit = self.config.heartbeat_timeout_s if training and w.role == WorkerRole.RANK \
-                    else max(30.0, 10 * self.config.heartbeat_timeout_s)
-                if now - w.last_seen > limit:
-                    self._worker_lost(w, f"no heartbeat for {now - w.last_seen:.1f}s (hung)")
-            op = self.op
-            if op is not None and now > op.deadline:
-                self._expired(op)
-            self._replenish()
-            self._persist()
+            result = getattr(self, f"_on_{event.type}")(event) or {}
+            if not isinstance(event, m.StoreFailed):  # writing again now would only fail again
+                self._persist(force=not isinstance(event, m.Tick))
+            return result
+
+    def _on_tick(self, ev: m.Tick) -> None:
+        """Periodic checks: hung workers, phase deadlines, spare replenishment."""
+        now = ev.now
+        if self.exit_code is not None:
+            return
+        self._forgive_own_stall(now)
+        training = self._training()
+        for w in list(self.workers.values()):
+            if w.role not in (WorkerRole.RANK, WorkerRole.SPARE, WorkerRole.LEAVING):
+                continue
+            # Ranks that are stepping get the tight timeout; a worker still importing or
+            # warming up (or an idle spare) may legitimately starve its heartbeat thread.
+            limit = self.config.heartbeat_timeout_s if training and w.role == WorkerRole.RANK \
+                else max(30.0, 10 * self.config.heartbeat_timeout_s)
+            if now - w.last_seen > limit:
+                self._worker_lost(w, f"no heartbeat for {now - w.last_seen:.1f}s (hung)")
+        op = self.op
+        if op is not None and now > op.deadline:
+            self._expired(op)
+        self._replenish()
 
     def _expired(self, op: Operation) -> None:
         """The current phase ran out of time: each phase's fallback (see planned.py, recovery.py)."""
@@ -420,49 +429,54 @@ class Orchestrator(PlannedMoves, Recovery, SparePool):
         w.role = WorkerRole.GONE
 
     # ------------------------------------------------------------------ scheduler input
-    def worker_exited(self, worker_id: str, returncode: int) -> None:
-        with self._lock:
-            w = self.workers.get(worker_id)
-            if w is None:
-                return
-            w.exit_code = returncode
-            prev = w.role
-            if prev in (WorkerRole.GONE, WorkerRole.LEAVING) or self.exit_code is not None:
-                w.role = WorkerRole.GONE
-                self._persist(force=True)
-                return
-            if prev == WorkerRole.STARTING:
-                self._exited_before_init(w, returncode)
-            elif prev == WorkerRole.RANK and w.rank is not None and \
-                    self.ranks[w.rank].state == RankState.FINISHED:
-                # After job.finish(): the script's own closing code decides its exit code.
-                w.role = WorkerRole.GONE
-                if returncode != 0 and not self._final_code:
-                    self._final_code = returncode if returncode > 0 else 128 - returncode
-                    self._emit("note", {"message": f"rank {w.rank} exited with code {returncode} after "
-                                                   "job.finish()"})
-                self._maybe_end_after_finish()
-            elif returncode == EXIT_PEER_LOST and prev == WorkerRole.RANK:
-                # The script died of a lost peer where it could not absorb it: not its bug.
-                self._worker_lost(w, "exited after a lost peer (the failure reached code outside a step)",
-                                  failed_at=time.time())
-            elif returncode > 0 and prev == WorkerRole.RANK:
-                # The script ended with an error of its own: a bug, not a hardware failure.
-                self.failure = self.failure or f"rank {w.rank} exited with code {returncode}"
-                self._emit("user-error", {"rank": w.rank, "exit_code": returncode})
-                w.role = WorkerRole.GONE
-                self._end(returncode)
-            elif returncode == 0 and prev == WorkerRole.RANK:
-                w.role = WorkerRole.GONE
-                self._fail(f"rank {w.rank} exited with code 0 at step {self.ranks[w.rank].step}, before "
-                           "job.finish(): the other ranks would wait for it forever. End the script with "
-                           "job.finish() after the step loop (and do not sys.exit() inside it)")
-            elif returncode == 0 and prev == WorkerRole.SPARE:
-                w.role = WorkerRole.GONE  # a spare that finished its script without being used
-            else:
-                how = f"killed by signal {-returncode}" if returncode < 0 else f"exit code {returncode}"
-                self._worker_lost(w, f"process {how}", failed_at=time.time())
-            self._persist(force=True)
+    def _on_worker_exited(self, ev: m.WorkerExited) -> None:
+        w = self.workers.get(ev.worker_id)
+        if w is None:
+            return
+        returncode = ev.returncode
+        w.exit_code = returncode
+        prev = w.role
+        if prev in (WorkerRole.GONE, WorkerRole.LEAVING) or self.exit_code is not None:
+            w.role = WorkerRole.GONE
+            return
+        if prev == WorkerRole.STARTING:
+            self._exited_before_init(w, returncode)
+        elif prev == WorkerRole.RANK and w.rank is not None and \
+                self.ranks[w.rank].state == RankState.FINISHED:
+            # After job.finish(): the script's own closing code decides its exit code.
+            w.role = WorkerRole.GONE
+            if returncode != 0 and not self._final_code:
+                self._final_code = returncode if returncode > 0 else 128 - returncode
+                self._emit("note", {"message": f"rank {w.rank} exited with code {returncode} after "
+                                               "job.finish()"})
+            self._maybe_end_after_finish()
+        elif returncode == EXIT_PEER_LOST and prev == WorkerRole.RANK:
+            # The script died of a lost peer where it could not absorb it: not its bug.
+            self._worker_lost(w, "exited after a lost peer (the failure reached code outside a step)",
+                              failed_at=time.time())
+        elif returncode > 0 and prev == WorkerRole.RANK:
+            # The script ended with an error of its own: a bug, not a hardware failure.
+            self.failure = self.failure or f"rank {w.rank} exited with code {returncode}"
+            self._emit("user-error", {"rank": w.rank, "exit_code": returncode})
+            w.role = WorkerRole.GONE
+            self._end(returncode)
+        elif returncode == 0 and prev == WorkerRole.RANK:
+            w.role = WorkerRole.GONE
+            self._fail(f"rank {w.rank} exited with code 0 at step {self.ranks[w.rank].step}, before "
+                       "job.finish(): the other ranks would wait for it forever. End the script with "
+                       "job.finish() after the step loop (and do not sys.exit() inside it)")
+        elif returncode == 0 and prev == WorkerRole.SPARE:
+            w.role = WorkerRole.GONE  # a spare that finished its script without being used
+        else:
+            how = f"killed by signal {-returncode}" if returncode < 0 else f"exit code {returncode}"
+            self._worker_lost(w, f"process {how}", failed_at=time.time())
+
+    def _on_interrupted(self, ev: m.Interrupted) -> None:
+        self._end(128 + ev.signum)
+
+    def _on_store_failed(self, ev: m.StoreFailed) -> None:
+        self._emit("store-error", {"message": ev.message + " (the job goes on; the ledger is kept in memory "
+                                              "and written when it can be)"})
 
     def _exited_before_init(self, w: Worker, returncode: int) -> None:
         """A worker that ends before baton.init() registers it failed in the script's startup
@@ -517,55 +531,46 @@ class Orchestrator(PlannedMoves, Recovery, SparePool):
                             failed_at=failed_at if failed_at is not None else w.last_seen)
 
     # ------------------------------------------------------------------ CLI / API requests
-    def request_migration(self, rank: int, kind: EventKind = EventKind.PLANNED, cause: str = "requested") -> dict:
-        with self._lock:
-            if not isinstance(rank, int) or rank not in self.ranks:
-                raise RequestError(f"unknown rank {rank}: this job has ranks 0..{self.config.world_size - 1}", 404)
-            self._check_running()
-            if self.op is not None:
-                raise RequestError(f"a {self.op.kind.value} migration is already in progress (op {self.op.id})", 409)
-            spares = self._ready_spares()
-            if not spares:
-                raise RequestError("no spare available: wait for one to start, or untaint a slot", 409)
-            op = self._start_planned([rank], kind, cause)
-            self._persist(force=True)
-            return {"op": op.id, "events": [m.event_id for m in op.moves.values()]}
+    def _on_migrate(self, req: m.MigrateRequest) -> dict[str, Any]:
+        if req.rank not in self.ranks:
+            raise RequestError(f"unknown rank {req.rank}: this job has ranks 0..{self.config.world_size - 1}", 404)
+        self._check_running()
+        if self.op is not None:
+            raise RequestError(f"a {self.op.kind.value} migration is already in progress (op {self.op.id})", 409)
+        if not self._ready_spares():
+            raise RequestError("no spare available: wait for one to start, or untaint a slot", 409)
+        op = self._start_planned([req.rank], EventKind.PLANNED, "requested")
+        return {"op": op.id, "events": [mv.event_id for mv in op.moves.values()]}
 
-    def taint(self, slot: str, reason: str) -> dict[str, Any]:
-        with self._lock:
-            s = self._slot(slot)
-            if not reason or not isinstance(reason, str):
-                raise RequestError("a taint needs a reason (e.g. ecc, thermal, maintenance)")
-            s.taint, s.tainted_at = reason, time.time()
-            self._emit("taint", {"slot": slot, "reason": reason})
-            moved: list[int] = []
-            for w in self.workers.values():
-                if w.slot != slot:
-                    continue
-                if w.role == WorkerRole.SPARE:
-                    w.role = WorkerRole.GONE
-                    self._post(w.id, m.Stop(reason=f"slot {slot} tainted"))
-                elif w.role == WorkerRole.RANK and w.rank is not None:
-                    moved.append(w.rank)
-            result: dict[str, Any] = {"slot": slot, "reason": reason, "moving_ranks": moved}
-            if moved and self.exit_code is None:
-                if self.op is None and self._ready_spares():
-                    op = self._start_planned(moved, EventKind.PREEMPTIVE, f"taint: {reason}")
-                    result["op"] = op.id
-                else:
-                    result["note"] = "rank will move when a spare is free and no other migration runs"
-            self._persist(force=True)
-            return result
+    def _on_taint(self, req: m.TaintRequest) -> dict[str, Any]:
+        s = self._slot(req.slot)
+        s.taint, s.tainted_at = req.reason, time.time()
+        self._emit("taint", {"slot": req.slot, "reason": req.reason})
+        moved: list[int] = []
+        for w in self.workers.values():
+            if w.slot != req.slot:
+                continue
+            if w.role == WorkerRole.SPARE:
+                w.role = WorkerRole.GONE
+                self._post(w.id, m.Stop(reason=f"slot {req.slot} tainted"))
+            elif w.role == WorkerRole.RANK and w.rank is not None:
+                moved.append(w.rank)
+        result: dict[str, Any] = {"slot": req.slot, "reason": req.reason, "moving_ranks": moved}
+        if moved and self.exit_code is None:
+            if self.op is None and self._ready_spares():
+                op = self._start_planned(moved, EventKind.PREEMPTIVE, f"taint: {req.reason}")
+                result["op"] = op.id
+            else:
+                result["note"] = "rank will move when a spare is free and no other migration runs"
+        return result
 
-    def untaint(self, slot: str) -> dict[str, Any]:
-        with self._lock:
-            s = self._slot(slot)
-            was = s.taint
-            s.taint, s.tainted_at = None, None
-            self._emit("untaint", {"slot": slot})
-            self._replenish()
-            self._persist(force=True)
-            return {"slot": slot, "was": was}
+    def _on_untaint(self, req: m.UntaintRequest) -> dict[str, Any]:
+        s = self._slot(req.slot)
+        was = s.taint
+        s.taint, s.tainted_at = None, None
+        self._emit("untaint", {"slot": req.slot})
+        self._replenish()
+        return {"slot": req.slot, "was": was}
 
     # ------------------------------------------------------------------ planned / pre-emptive
 

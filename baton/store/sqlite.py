@@ -54,12 +54,19 @@ class SqliteStore:
     def put_many(self, rows: list[tuple[str, str, dict[str, Any]]]) -> None:
         with self._lock:
             self._pending_rows.update({(k, key): json.dumps(b) for k, key, b in rows})
-            self._flush()
+            new_error = self._flush()
+        self._report(new_error)
 
-    def _flush(self) -> None:
-        """Write whatever has not landed yet, in one transaction; keep it on failure."""
+    def _report(self, new_error: str | None) -> None:
+        """Outside the lock: whoever hears of the error may write again at once."""
+        if new_error is not None and self.on_error is not None:
+            self.on_error(new_error)
+
+    def _flush(self) -> str | None:
+        """Write whatever has not landed yet, in one transaction; keep it on failure.
+        Returns the error text when it is a new kind of failure."""
         if not self._pending_rows and not self._pending_events:
-            return
+            return None
         try:
             self._db.execute("BEGIN")
             self._db.executemany("INSERT OR REPLACE INTO entities(kind, key, body) VALUES (?, ?, ?)",
@@ -76,14 +83,14 @@ class SqliteStore:
             if text != self.error:
                 self.error = text
                 log.warning("state store %s: write failed (%s); continuing from memory", self.path, text)
-                if self.on_error is not None:
-                    self.on_error(text)
-            return
+                return text
+            return None
         self._pending_rows.clear()
         self._pending_events.clear()
         if self.error is not None:
             log.warning("state store %s: writes work again", self.path)
             self.error = None
+        return None
 
     def delete(self, kind: str, key: str) -> None:
         with self._lock:
@@ -101,7 +108,8 @@ class SqliteStore:
     def put_event(self, event_id: int, body: dict[str, Any]) -> None:
         with self._lock:
             self._pending_events[event_id] = json.dumps(body)
-            self._flush()
+            new_error = self._flush()
+        self._report(new_error)
 
     def events(self) -> list[dict[str, Any]]:
         with self._lock:
@@ -110,5 +118,5 @@ class SqliteStore:
 
     def close(self) -> None:
         with self._lock:
-            self._flush()
+            self._flush()  # a last try; nobody is left to tell
             self._db.close()
