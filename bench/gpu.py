@@ -9,7 +9,7 @@ times and reported as {"median", "min", "max", "n"}:
 
   d2h_raw     one copy_ of a single device buffer of state_bytes into pinned host memory,
               torch.cuda.synchronize() before and after: the device-to-host ceiling.
-  capture     baton.worker.codec.encode() of the state dict, as a worker publishes it:
+  capture     baton.transfer.codec.encode() of the state dict, as a worker publishes it:
               each tensor `.to("cpu")` into fresh pageable memory (synchronous), plus the
               JSON skeleton; synchronize before and after.
   stream      the captured host state served by baton's TransferServer and pulled by
@@ -174,7 +174,7 @@ def bench_gpu(state_gb: float = 10, runs: int = 5, device: str = "cuda") -> dict
         return dict(SKIPPED)
     from baton.transfer import TransferServer
     from baton.transfer.protocol import FlatState
-    from baton.worker import codec
+    from baton.transfer import codec
 
     if device == "cuda":
         device = "cuda:0"

@@ -48,7 +48,7 @@ def _running(tmp_path, world=2, spares=1) -> tuple[Orchestrator, RecordingSchedu
     orch = Orchestrator(Config(world_size=world, spares=spares), SqliteStore(tmp_path / "s.db"), sched)
     orch.start()
     for wid, _ in list(sched.started):
-        orch.register(wid, 1, ["127.0.0.1", 1000 + int(wid[1:])])
+        orch.register(wid, m.Register(pid=1, transfer_addr=("127.0.0.1", 1000 + int(wid[1:]))))
     for r in range(world):
         report(orch, f"w{r}", {"type": "ready", "loop": LOOP, "bundle": _bundle(r)})
         report(orch, f"w{r}", {"type": "heartbeat", "step": 10})
@@ -120,7 +120,7 @@ def test_a_lost_rank_during_startup_fails_clearly(tmp_path):
     orch = Orchestrator(Config(world_size=2, spares=1), SqliteStore(tmp_path / "s.db"), sched)
     orch.start()
     for wid, _ in list(sched.started):
-        orch.register(wid, 1, ["127.0.0.1", 1000 + int(wid[1:])])
+        orch.register(wid, m.Register(pid=1, transfer_addr=("127.0.0.1", 1000 + int(wid[1:]))))
     orch.handle(m.WorkerExited(worker_id="w1", returncode=-9))
     assert orch.exit_code == 1 and "during startup" in orch.failure
 
@@ -173,7 +173,7 @@ def test_no_spare_within_spare_wait_fails_the_job_clearly(tmp_path):
     orch = Orchestrator(Config(world_size=2, spares=0, spare_wait_s=30), SqliteStore(tmp_path / "s.db"), sched)
     orch.start()
     for wid, _ in list(sched.started):
-        orch.register(wid, 1, ["127.0.0.1", 1000 + int(wid[1:])])
+        orch.register(wid, m.Register(pid=1, transfer_addr=("127.0.0.1", 1000 + int(wid[1:]))))
     for r in range(2):
         report(orch, f"w{r}", {"type": "ready", "loop": LOOP, "bundle": _bundle(r)})
         report(orch, f"w{r}", {"type": "heartbeat", "step": 10})

@@ -8,7 +8,8 @@ import torch
 
 from baton.transfer import FlatState, TransferError, TransferServer, fetch_state
 from baton.transfer.protocol import plan_chunks
-from baton.worker import codec, rng
+from baton.transfer import codec
+from baton.worker import rng
 from tests.jobs import Job, bitwise_equal
 
 
@@ -121,7 +122,7 @@ def test_corrupted_chunk_during_a_real_migration_is_resent(tmp_path):
 
 
 def _bundle(seq: int = 0):
-    from baton.worker.bundle import Bundle
+    from baton.transfer.bundles import Bundle
 
     state = {"rng": rng.capture(), "buffers": {"bn.running_mean": torch.randn(8)}, "local": {"best": 1.5},
              "data": {"epoch": 1, "index": 4, "record": None}}
@@ -133,7 +134,7 @@ def test_a_corrupt_bundle_frame_is_refused_and_the_good_one_kept():
     sent again, it is. Good bundles get no answer (the buddy's gate is what waits)."""
     from baton.transfer.protocol import recv_exact
     from baton.transfer.server import PUSH, connect
-    from baton.worker.bundle import NACK, encode_bundle_frame
+    from baton.transfer.bundles import NACK, encode_bundle_frame
 
     server = TransferServer("secret")
     b = _bundle()
@@ -215,7 +216,7 @@ def test_a_bundle_frame_with_impossible_sizes_is_an_error_not_a_huge_allocation(
     import struct as _struct
 
     from baton.transfer.protocol import TransferError as _TE
-    from baton.worker.bundle import read_bundle_frame
+    from baton.transfer.bundles import read_bundle_frame
 
     a, b = _socket.socketpair()
     header = _json.dumps({"rank": 0, "pos": [1, 0], "generation": 0, "seq": 0, "meta_len": 10,

@@ -92,7 +92,7 @@ def create_app(orch: Orchestrator, token: str) -> FastAPI:
 
     @app.post("/v1/workers/{worker_id}/register")
     def register(worker_id: str, req: m.Register) -> dict[str, Any]:
-        return orch.register(worker_id, req.pid, list(req.transfer_addr))
+        return orch.register(worker_id, req)
 
     @app.get("/v1/workers/{worker_id}/commands")
     def commands(worker_id: str, after: int = 0, timeout: float = 10.0) -> dict[str, Any]:

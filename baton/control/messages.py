@@ -30,7 +30,7 @@ class TensorText(_Msg):
 
 
 class BundleText(_Msg):
-    """A rank's own state (see baton.worker.bundle.Bundle), base64 tensors in JSON."""
+    """A rank's own state (see baton.transfer.bundles.Bundle), base64 tensors in JSON."""
 
     rank: NonNegativeInt
     pos: Pos

@@ -223,14 +223,14 @@ class Orchestrator(PlannedMoves, Recovery, SparePool):
     def _post(self, worker_id: str, cmd: BaseModel) -> None:
         self.mail.post(worker_id, cmd.model_dump(mode="json"))
 
-    def register(self, worker_id: str, pid: int, transfer_addr: list[Any] | None) -> dict[str, Any]:
+    def register(self, worker_id: str, req: m.Register) -> dict[str, Any]:
         with self._lock:
             w = self._worker(worker_id)
             if w.role == WorkerRole.GONE:
                 raise RequestError(f"worker {worker_id} is no longer part of the job", 410)
-            w.pid = pid
+            w.pid = req.pid
             w.last_seen = time.time()
-            w.transfer_addr = tuple(transfer_addr) if transfer_addr else None
+            w.transfer_addr = req.transfer_addr
             w.role = WorkerRole.SPARE
             if w.intended_rank is not None and self.generation == 0 and self.op is None:
                 w.role = WorkerRole.RANK

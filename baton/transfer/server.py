@@ -81,7 +81,7 @@ class TransferServer:
         env = os.environ.get("BATON_FAULT_CORRUPT_CHUNKS", "")
         self._corrupt_once = {int(x) for x in env.split(",") if x.strip()}
         self.chunks_served = 0
-        from baton.worker.bundle import WardStore
+        from baton.transfer.bundles import WardStore
 
         self.wards = WardStore()
         threading.Thread(target=self._accept_loop, name="baton-transfer", daemon=True).start()
@@ -164,7 +164,7 @@ class TransferServer:
             log.debug("transfer connection ended: %s", exc)
 
     def _serve_ward(self, conn: socket.socket) -> None:
-        from baton.worker.bundle import write_bundle_frame
+        from baton.transfer.bundles import write_bundle_frame
 
         req = recv_json(conn)
         b = self.wards.get(int(req["rank"]), (int(req["pos"][0]), int(req["pos"][1])))

@@ -35,8 +35,10 @@ from baton.control import messages as m
 from baton.transfer import TransferError, fetch_state
 from baton.transfer.protocol import FlatState
 from baton.transfer.server import PUSH, TransferServer, connect
-from baton.worker import codec, rng, verify
-from baton.worker.bundle import Bundle, BundlePushers, StepCapture, fetch_ward_bundle, newest
+from baton.transfer import codec
+from baton.worker import rng, verify
+from baton.transfer.bundles import Bundle, newest
+from baton.worker.bundle import BundlePushers, StepCapture, fetch_ward_bundle
 from baton.worker.control import ControlChannel
 from baton.worker.data import DataFeed
 from baton.worker.group import CollectiveFailure, LiveGroup, install_as_world, solo_group
