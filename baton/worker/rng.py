@@ -28,7 +28,9 @@ except ImportError:  # pragma: no cover
 
 
 def _cuda_devices() -> int:
-    return torch.cuda.device_count() if torch.cuda.is_available() and torch.cuda.is_initialized() else 0
+    """CUDA generators exist only once CUDA is initialised; asked first, it is the cheap question
+    (is_available() costs microseconds at every capture on a CPU-only machine)."""
+    return torch.cuda.device_count() if torch.cuda.is_initialized() and torch.cuda.is_available() else 0
 
 
 def capture(extra: dict[str, Any] | None = None, full: bool = True) -> dict[str, Any]:
