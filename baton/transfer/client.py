@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import json
+import logging
 import os
 import socket
 import struct
@@ -37,6 +38,8 @@ from baton.transfer.protocol import (
     sizes_of,
 )
 from baton.transfer.server import FETCH, connect
+
+log = logging.getLogger("baton.transfer")
 
 MAX_ATTEMPTS = 4
 BATCH = 4  # chunks asked for per request: enough to keep a source's pipe full
@@ -91,6 +94,7 @@ def fetch_state(sources: list[tuple[str, int]], generation: int, token: str,
             c.close()
     conns = agreeing
     manifest = conns[0].manifest
+    t_conn = time.perf_counter()
     tensors = alloc_tensors(manifest)
     views = [byte_view(t) for t in tensors]
     chunks = plan_chunks(sizes_of(manifest), int(manifest["chunk_bytes"]))
@@ -98,6 +102,7 @@ def fetch_state(sources: list[tuple[str, int]], generation: int, token: str,
         raise TransferError("chunk plan mismatch between source and receiver")
 
     stats = FetchStats(sources=len(conns))
+    t_alloc = time.perf_counter()
     work: deque[int] = deque(range(len(chunks)))
     attempts = [0] * len(chunks)
     prefault = _Prefaulter(tensors, chunks)
@@ -164,6 +169,8 @@ def fetch_state(sources: list[tuple[str, int]], generation: int, token: str,
         raise TransferError("sources dropped out before the state was complete: " + "; ".join(errors))
     stats.bytes += len(conns[0].meta)
     stats.seconds = time.perf_counter() - t0
+    log.info("fetched %d bytes from %d source(s): waiting for the manifest %.3fs, allocating %.3fs, chunks %.3fs",
+             stats.bytes, len(conns), t_conn - t0, t_alloc - t_conn, stats.seconds - (t_alloc - t0))
     return FlatState(meta=conns[0].meta, tensors=tensors), stats
 
 

@@ -539,6 +539,7 @@ class Runtime:
                                                    **self._local_digests(bundle_state)})
         meta, tensors = codec.encode(state)
         self.server.publish(generation, FlatState(meta=meta, tensors=tensors))
+        log.info("published generation %s (full=%s): %d tensors", generation, full, len(tensors))
 
     # ================================================================ unplanned
     def recover(self, in_step: bool, error: str,
@@ -663,6 +664,7 @@ class Runtime:
                 t0 = time.perf_counter()
                 flat, stats = fetch_state([tuple(s) for s in cmd.fetch_from], gen, self.token,
                                           timeout=cmd.formation_timeout_s or self.formation_timeout)
+                t_fetched = time.perf_counter()
                 state = codec.decode(flat.meta, flat.tensors)
                 if tuple(state["pos"]) != target:
                     raise TransferError(f"sources serve position {state['pos']}, expected {list(target)}")
@@ -683,15 +685,19 @@ class Runtime:
                 self.at_pos = Bundle.of(self.rank, target, gen, 0, bundle_state)  # type: ignore[arg-type]
                 self.at_pos_rng = bundle_state["rng"]
                 self._clear_abort(gen)
+                t_loaded = time.perf_counter()
                 self.form(gen, cmd.buddies, cmd.formation_timeout_s)
-                secs = time.perf_counter() - t0
+                t_formed = time.perf_counter()
                 self.verify_state(gen, expected, bundle_state=bundle_state)
+                log.info("joined generation %s: fetch %.3fs (%d bytes), load %.3fs, form %.3fs, verify %.3fs", gen,
+                         t_fetched - t0, stats.bytes, t_loaded - t_fetched, t_formed - t_loaded,
+                         time.perf_counter() - t_formed)
             except (CollectiveFailure, dist.DistError, TransferError, OSError) as exc:
                 log.warning("joining generation %s failed (%s); waiting for the next plan", gen, exc)
                 self.group.drop()
                 continue
             log.info("joined generation %s at %s", gen, self.pos)
-            self.ctl.report(m.Formed(generation=gen, pos=self.pos, bytes=stats.bytes, seconds=round(secs, 4)))
+            self.ctl.report(m.Formed(generation=gen, pos=self.pos, bytes=stats.bytes, seconds=round(stats.seconds, 4)))
             self.joiner = False
             return
 
