@@ -176,7 +176,10 @@ def fetch_state(sources: list[tuple[str, int]], generation: int, token: str,
 
 # madvise(MADV_POPULATE_WRITE) (Linux 5.14+): fault a whole range in with one system call.
 _MADV_POPULATE_WRITE = 23
+# madvise(MADV_HUGEPAGE): back a range with 2 MB pages where the kernel can (THP "madvise" mode).
+_MADV_HUGEPAGE = 14
 _PAGE = 4096
+_HUGE = 2 << 20
 
 
 def _madvise_fn():
@@ -204,9 +207,20 @@ class _Prefaulter:
     released) while the receiver waits on the socket. Contents are never touched: a range the
     receiver already wrote is left as it is. Without the call (not Linux, older kernel)
     the receiver faults the pages in itself, as before.
+
+    Before any page is touched, each buffer's 2 MB-aligned interior is advised to use huge
+    pages: one fault then maps 2 MB instead of 4 KB. A 1 GB planned move's chunks took
+    1.2-1.7 s with the joiner mostly in the kernel, and 0.5-0.7 s with huge pages.
     """
 
     def __init__(self, tensors: list, chunks: list[list[Piece]]):
+        if _madvise is not None:
+            for t in tensors:
+                start = t.data_ptr()
+                lo = (start + _HUGE - 1) & ~(_HUGE - 1)
+                hi = (start + t.numel() * t.element_size()) & ~(_HUGE - 1)
+                if hi > lo:
+                    _madvise(lo, hi - lo, _MADV_HUGEPAGE)  # advice only: refused is fine
         self._ranges: list[list[tuple[int, int]]] = []
         for pieces in chunks:
             ranges = []
