@@ -234,7 +234,7 @@ COMMAND = TypeAdapter(Command)
 
 # ---------------------------------------------------------------- other inputs
 class _Request(_Msg):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)  # "1" is not a rank
+    model_config = ConfigDict(strict=True)  # on top of _Msg's: "1" is not a rank
 
 
 class MigrateRequest(_Request):

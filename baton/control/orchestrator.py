@@ -2,10 +2,11 @@
 
 Inputs arrive as typed messages (`messages.py`): worker reports through `report()`,
 everything else (CLI requests, process exits from the scheduler, ticks from the
-launcher's clock) through `handle()`. Each is decided under one lock. Outputs leave as commands in worker mailboxes and as typed effects (start or kill a
-worker, write the ledger, print) that are applied in order after the decision lock
-is released (`effects.py`). The protocols live in their own modules, mixed in here:
-`planned.py`, `recovery.py`, `spares.py`; one move in flight is an `Operation`.
+launcher's clock) through `handle()`. Each is decided under one lock. Outputs leave
+as commands in worker mailboxes and as typed effects (start or kill a worker, write
+the ledger, print) that are applied in order after the decision lock is released
+(`effects.py`). The protocols live in their own modules, mixed in here: `planned.py`,
+`recovery.py`, `spares.py`; one move in flight is an `Operation`.
 
 Protocols (see DESIGN.md):
 - planned / pre-emptive: agree on a boundary step T with every rank (pause/ack,

@@ -21,6 +21,4 @@ def rendezvous_store(host: str, port: int, *, master: bool, formation_timeout_s:
     import torch.distributed as dist  # lazily: the CLI starts without importing torch
 
     timeout = timedelta(seconds=max(MIN_TIMEOUT_S, float(formation_timeout_s)))
-    if master:
-        return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timeout)
-    return dist.TCPStore(host, port, is_master=False, timeout=timeout)
+    return dist.TCPStore(host, port, is_master=master, wait_for_workers=False, timeout=timeout)

@@ -26,12 +26,10 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from baton.transfer.bundles import NACK, Bundle, encode_bundle_frame, read_bundle_frame
+from baton.transfer.bundles import NACK, Bundle, Pos, encode_bundle_frame, read_bundle_frame
 from baton.transfer.protocol import TransferError, recv_exact, send_json
 
 log = logging.getLogger("baton.worker")
-
-Pos = tuple[int, int]
 
 
 # ---------------------------------------------------------------- the ward's side

@@ -32,12 +32,11 @@ import torch
 import torch.distributed as dist
 
 from baton.control import messages as m
-from baton.transfer import TransferError, fetch_state
+from baton.transfer import TransferError, codec, fetch_state
+from baton.transfer.bundles import Bundle, Pos, newest
 from baton.transfer.protocol import FlatState
 from baton.transfer.server import PUSH, TransferServer, connect
-from baton.transfer import codec
 from baton.worker import rng, verify
-from baton.transfer.bundles import Bundle, newest
 from baton.worker.bundle import BundlePushers, StepCapture, fetch_ward_bundle
 from baton.worker.control import ControlChannel
 from baton.worker.data import DataFeed
@@ -45,8 +44,6 @@ from baton.worker.group import CollectiveFailure, LiveGroup, install_as_world, s
 from baton.worker.tracked import Tracked, UsageError, reset_scaler_stage
 
 log = logging.getLogger("baton.worker")
-
-Pos = tuple[int, int]
 
 
 class Divergence(RuntimeError):
@@ -689,14 +686,14 @@ class Runtime:
                 self.form(gen, cmd.buddies, cmd.formation_timeout_s)
                 t_formed = time.perf_counter()
                 self.verify_state(gen, expected, bundle_state=bundle_state)
-                log.info("joined generation %s: fetch %.3fs (%d bytes), load %.3fs, form %.3fs, verify %.3fs", gen,
-                         t_fetched - t0, stats.bytes, t_loaded - t_fetched, t_formed - t_loaded,
-                         time.perf_counter() - t_formed)
+                t_verified = time.perf_counter()
             except (CollectiveFailure, dist.DistError, TransferError, OSError) as exc:
                 log.warning("joining generation %s failed (%s); waiting for the next plan", gen, exc)
                 self.group.drop()
                 continue
-            log.info("joined generation %s at %s", gen, self.pos)
+            log.info("joined generation %s at %s: fetch %.3fs (%d bytes), load %.3fs, form %.3fs, verify %.3fs",
+                     gen, self.pos, t_fetched - t0, stats.bytes, t_loaded - t_fetched, t_formed - t_loaded,
+                     t_verified - t_formed)
             self.ctl.report(m.Formed(generation=gen, pos=self.pos, bytes=stats.bytes, seconds=round(stats.seconds, 4)))
             self.joiner = False
             return
