@@ -89,9 +89,15 @@ class Launched:
         return [p.pid for p in [*self.procs, *self.helpers]]
 
     def kill_all(self) -> None:
+        """SIGKILL every process of the trees, not only the sessions started here: torchrun puts
+        each rank in a session of its own, and a killed torchrun leaves them training."""
+        roots = [p.pid for p in [*self.procs, *self.helpers]]
+        for pid in tree_cpu(roots):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         for p in [*self.procs, *self.helpers]:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
             p.wait()
 
 

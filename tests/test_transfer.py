@@ -211,18 +211,17 @@ def _until(pred, timeout: float = 10.0) -> bool:
 
 
 def test_a_bundle_frame_with_impossible_sizes_is_an_error_not_a_huge_allocation():
-    import json as _json
     import socket as _socket
-    import struct as _struct
 
+    from baton.transfer.bundles import HEAD, MAGIC, read_bundle_frame
     from baton.transfer.protocol import TransferError as _TE
-    from baton.transfer.bundles import read_bundle_frame
 
     a, b = _socket.socketpair()
-    header = _json.dumps({"rank": 0, "pos": [1, 0], "generation": 0, "seq": 0, "meta_len": 10,
-                          "payload_len": 1 << 40, "xxh3": 0, "tensors": []}).encode()
-    a.sendall(_struct.pack("!Q", len(header)) + header)
+    a.sendall(HEAD.pack(MAGIC, 0, 0, 1, 0, 0, 10, 1 << 40, 0))
     with pytest.raises(_TE, match="impossible sizes"):
+        read_bundle_frame(b)
+    a.sendall(HEAD.pack(b"JUNK", 0, 0, 1, 0, 0, 10, 10, 0))
+    with pytest.raises(_TE, match="not a bundle frame"):
         read_bundle_frame(b)
     a.close()
     b.close()

@@ -1,10 +1,12 @@
 """A rank's own state at a boundary (a `Bundle`), its wire frame, and the store a buddy
 keeps its wards' bundles in (`WardStore`). Why buddies exist: `baton.worker.bundle`.
 
-On the wire a bundle is a JSON header, then the codec's JSON skeleton and the raw
-tensors as one payload with an xxh3-64 over it; a mismatch is answered with a NACK and
-the bundle is sent again (it is never stored). Nothing else is answered: the buddy's gate,
-not an acknowledgement, is what makes a step wait for a bundle.
+On the wire a bundle is a fixed binary header (who, where, sizes, an xxh3-64), the
+tensor list as JSON, then the codec's JSON skeleton and the raw tensors as one payload;
+the checksum covers all but the header. A buddy checks it on arrival and keeps the frame
+as it came (decoding it is for the rare reader: a joiner, a recovery); a mismatch is
+answered with a NACK and the bundle is sent again (it is never stored). Nothing else is
+answered: the buddy's gate, not an acknowledgement, is what makes a step wait for a bundle.
 """
 
 from __future__ import annotations
@@ -18,17 +20,18 @@ import struct
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 import torch
 import xxhash
 
 from baton.transfer import codec
-from baton.transfer.protocol import TransferError, alloc_tensors, byte_view, recv_exact, recv_json
+from baton.transfer.protocol import TransferError, alloc_tensors, byte_view, recv_exact
 
 log = logging.getLogger("baton.transfer")
 
 Pos = tuple[int, int]
+_B = TypeVar("_B", "Bundle", "Frame")
 
 
 @dataclass
@@ -78,8 +81,8 @@ class Bundle:
                    d["meta"].encode(), tensors)
 
 
-def newest(candidates: list[Bundle | None], limit: Pos) -> Bundle | None:
-    """The bundle that describes `limit`: the latest one at or before it."""
+def newest(candidates: list[_B | None], limit: Pos) -> _B | None:
+    """The bundle (or frame) that describes `limit`: the latest one at or before it."""
     best = None
     for b in candidates:
         if b is None or b.pos > limit:
@@ -91,7 +94,8 @@ def newest(candidates: list[Bundle | None], limit: Pos) -> Bundle | None:
 
 # ---------------------------------------------------------------- the buddy's side
 class WardStore:
-    """Bundles pushed by the ranks this process is buddy to; the gate waits here.
+    """Bundles pushed by the ranks this process is buddy to, kept as the frames that came; the
+    gate waits here.
 
     Push connections are not read by a thread of their own: a bundle waits in the kernel's
     socket buffer until someone needs the ward store (the training thread at its gate, a
@@ -101,11 +105,10 @@ class WardStore:
     """
 
     KEEP = 6
-    MAX_HEADER = 1 << 20
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._by_rank: dict[int, list[Bundle]] = {}
+        self._by_rank: dict[int, list[Frame]] = {}
         self._inbox: dict[socket.socket, bytearray] = {}  # push connections and their unparsed bytes
 
     def add_connection(self, conn: socket.socket) -> None:
@@ -113,11 +116,11 @@ class WardStore:
         with self._lock:
             self._inbox[conn] = bytearray()
 
-    def put(self, b: Bundle) -> None:
-        with self._lock:
-            self._put_locked(b)
-
     def get(self, rank: int, limit: Pos) -> Bundle | None:
+        frame = self.get_frame(rank, limit)
+        return frame.bundle() if frame is not None else None
+
+    def get_frame(self, rank: int, limit: Pos) -> Frame | None:
         with self._lock:
             self._drain_locked()
             return newest(list(self._by_rank.get(rank, [])), limit)
@@ -129,8 +132,8 @@ class WardStore:
         while True:
             with self._lock:
                 self._drain_locked()
-                if any(b.generation == generation and b.pos == pos and b.seq >= seq
-                       for b in self._by_rank.get(rank, [])):
+                if any(f.generation == generation and f.pos == pos and f.seq >= seq
+                       for f in self._by_rank.get(rank, [])):
                     return True
                 conns = list(self._inbox)
             if cancelled():
@@ -152,12 +155,12 @@ class WardStore:
                 self._close_locked(conn)
 
     # ---- reading the push connections (under the lock)
-    def _put_locked(self, b: Bundle) -> None:
-        kept = [x for x in self._by_rank.get(b.rank, [])
-                if (x.pos, x.generation, x.seq) != (b.pos, b.generation, b.seq)]
-        kept.append(b)
+    def _put_locked(self, f: Frame) -> None:
+        kept = [x for x in self._by_rank.get(f.rank, [])
+                if (x.pos, x.generation, x.seq) != (f.pos, f.generation, f.seq)]
+        kept.append(f)
         kept.sort(key=lambda x: (x.pos, x.generation, x.seq))
-        self._by_rank[b.rank] = kept[-self.KEEP:]
+        self._by_rank[f.rank] = kept[-self.KEEP:]
 
     def _drain_locked(self) -> None:
         for conn, buf in list(self._inbox.items()):
@@ -175,32 +178,27 @@ class WardStore:
                 buf += chunk
             try:
                 self._parse_locked(conn, buf)
-            except (TransferError, ValueError, KeyError, TypeError) as exc:
+            except TransferError as exc:
                 log.warning("dropped a bundle push connection: %s", exc)
                 ended = True
             if ended:
                 self._close_locked(conn)
 
     def _parse_locked(self, conn: socket.socket, buf: bytearray) -> None:
-        while len(buf) >= 8:
-            (n,) = struct.unpack_from("!Q", buf)
-            if n > self.MAX_HEADER:
-                raise TransferError(f"bundle header of {n} bytes is too large")
-            if len(buf) < 8 + n:
+        while len(buf) >= HEAD.size:
+            head = _head_of(bytes(buf[:HEAD.size]))
+            if head.end:
+                raise TransferError("an end marker on a push connection")
+            if len(buf) < head.frame_len:
                 return
-            header = json.loads(bytes(buf[8:8 + n]))
-            payload_len = _checked_sizes(header)
-            if len(buf) < 8 + n + payload_len:
-                return
-            payload = bytes(buf[8 + n:8 + n + payload_len])
-            del buf[:8 + n + payload_len]
-            b = _bundle_of(header, payload)
-            if b.checksum_ok:  # type: ignore[attr-defined]
-                self._put_locked(b)
+            frame = Frame(head, bytes(buf[:head.frame_len]))
+            del buf[:head.frame_len]
+            if frame.checksum_ok():
+                self._put_locked(frame)
             else:
-                log.warning("bundle from rank %d failed its checksum: asked again", b.rank)
+                log.warning("bundle from rank %d failed its checksum: asked again", frame.rank)
                 try:
-                    conn.send(nack_of(b), socket.MSG_DONTWAIT)
+                    conn.send(nack_of(frame), socket.MSG_DONTWAIT)
                 except OSError:
                     pass
 
@@ -212,59 +210,104 @@ class WardStore:
             pass
 
 
-def read_bundle_frame(sock: socket.socket) -> Bundle | None:
-    """One bundle: a JSON header, then the skeleton and every tensor's bytes as one payload
-    (a few KB), checked against the header's xxh3 (`checksum_ok`). Blocking: for a ward's
-    bundle served on request (pushes are parsed by `WardStore` as they are drained)."""
-    header = recv_json(sock, limit=WardStore.MAX_HEADER)
-    if header.get("end"):
-        return None
-    return _bundle_of(header, recv_exact(sock, _checked_sizes(header)))
+# ---------------------------------------------------------------- the frame
+# magic, rank, generation, step, unit, seq, tensor-list length, payload length, xxh3-64
+HEAD = struct.Struct("!4sqqqqqIQQ")
+MAGIC, END_MAGIC = b"BDL1", b"BEND"
+MAX_SPECS = 1 << 20
+MAX_PAYLOAD = 1 << 30
 
 
-def _checked_sizes(header: dict[str, Any]) -> int:
-    """The payload length a bundle header announces, refused if impossible."""
-    meta_len, payload_len = int(header["meta_len"]), int(header["payload_len"])
-    if not 0 <= meta_len <= payload_len <= 1 << 30:
+@dataclass(frozen=True)
+class _Head:
+    end: bool
+    rank: int
+    generation: int
+    pos: Pos
+    seq: int
+    specs_len: int
+    payload_len: int
+    xxh3: int
+
+    @property
+    def frame_len(self) -> int:
+        return HEAD.size + self.specs_len + self.payload_len
+
+
+def _head_of(raw: bytes) -> _Head:
+    magic, rank, generation, step, unit, seq, specs_len, payload_len, xxh3 = HEAD.unpack(raw)
+    if magic == END_MAGIC:
+        return _Head(True, 0, 0, (0, 0), 0, 0, 0, 0)
+    if magic != MAGIC:
+        raise TransferError(f"not a bundle frame (magic {magic!r})")
+    if not (0 <= specs_len <= MAX_SPECS and 0 <= payload_len <= MAX_PAYLOAD):
         raise TransferError("bundle header has impossible sizes")
-    return payload_len
+    return _Head(False, rank, generation, (step, unit), seq, specs_len, payload_len, xxh3)
 
 
-def _bundle_of(header: dict[str, Any], data: bytes) -> Bundle:
-    meta_len, payload_len = int(header["meta_len"]), int(header["payload_len"])
-    payload = memoryview(data)
-    tensors = alloc_tensors({"tensors": header["tensors"]})
-    offset = meta_len
-    for t in tensors:
-        view = byte_view(t)
-        if offset + len(view) > payload_len:
-            raise TransferError("bundle tensors overrun their payload")
-        view[:] = payload[offset:offset + len(view)]
-        offset += len(view)
-    if offset != payload_len:
-        raise TransferError("bundle payload is longer than its tensors")
-    b = Bundle(int(header["rank"]), (int(header["pos"][0]), int(header["pos"][1])), int(header["generation"]),
-               int(header["seq"]), bytes(payload[:meta_len]), tensors)
-    b.checksum_ok = xxhash.xxh3_64_intdigest(payload) == int(header["xxh3"])  # type: ignore[attr-defined]
-    return b
+class Frame:
+    """A bundle as it travels: what a buddy keeps, decoded only when someone needs the state."""
+
+    __slots__ = ("rank", "generation", "pos", "seq", "_head", "raw")
+
+    def __init__(self, head: _Head, raw: bytes):
+        self.rank, self.generation, self.pos, self.seq = head.rank, head.generation, head.pos, head.seq
+        self._head, self.raw = head, raw
+
+    def checksum_ok(self) -> bool:
+        return xxhash.xxh3_64_intdigest(memoryview(self.raw)[HEAD.size:]) == self._head.xxh3
+
+    def bundle(self) -> Bundle:
+        body = memoryview(self.raw)[HEAD.size:]
+        try:
+            specs = json.loads(bytes(body[:self._head.specs_len]))
+            meta_len = int(specs["meta_len"])
+            tensors = alloc_tensors({"tensors": [{"dtype": d, "shape": shape} for d, shape in specs["tensors"]]})
+        except (ValueError, KeyError, TypeError) as exc:
+            raise TransferError(f"bundle frame has a malformed tensor list: {exc}") from exc
+        payload = body[self._head.specs_len:]
+        if not 0 <= meta_len <= len(payload):
+            raise TransferError("bundle skeleton overruns its payload")
+        offset = meta_len
+        for t in tensors:
+            view = byte_view(t)
+            if offset + len(view) > len(payload):
+                raise TransferError("bundle tensors overrun their payload")
+            view[:] = payload[offset:offset + len(view)]
+            offset += len(view)
+        if offset != len(payload):
+            raise TransferError("bundle payload is longer than its tensors")
+        return Bundle(self.rank, self.pos, self.generation, self.seq, bytes(payload[:meta_len]), tensors)
 
 
 def encode_bundle_frame(b: Bundle) -> bytes:
-    payload = b"".join([b.meta, *(byte_view(t) for t in b.tensors)])
-    header = json.dumps({"rank": b.rank, "pos": list(b.pos), "generation": b.generation, "seq": b.seq,
-                         "meta_len": len(b.meta), "payload_len": len(payload),
-                         "xxh3": xxhash.xxh3_64_intdigest(payload),
-                         "tensors": [{"dtype": str(t.dtype), "shape": list(t.shape)} for t in b.tensors]}).encode()
-    return b"".join([struct.pack("!Q", len(header)), header, payload])
+    specs = json.dumps({"meta_len": len(b.meta), "tensors": [[str(t.dtype), list(t.shape)] for t in b.tensors]},
+                       separators=(",", ":")).encode()
+    body = b"".join([specs, b.meta, *(byte_view(t) for t in b.tensors)])
+    head = HEAD.pack(MAGIC, b.rank, b.generation, b.pos[0], b.pos[1], b.seq, len(specs),
+                     len(body) - len(specs), xxhash.xxh3_64_intdigest(body))
+    return head + body
 
 
-def write_bundle_frame(sock: socket.socket, b: Bundle) -> None:
-    sock.sendall(encode_bundle_frame(b))
+END_FRAME = HEAD.pack(END_MAGIC, 0, 0, 0, 0, 0, 0, 0, 0)
+
+
+def read_bundle_frame(sock: socket.socket) -> Bundle | None:
+    """One bundle served on request (a ward's, to a joiner), or None for the end marker.
+    Blocking; a frame whose checksum fails is an error, never a bundle."""
+    raw_head = recv_exact(sock, HEAD.size)
+    head = _head_of(raw_head)
+    if head.end:
+        return None
+    frame = Frame(head, raw_head + recv_exact(sock, head.specs_len + head.payload_len))
+    if not frame.checksum_ok():
+        raise TransferError(f"rank {head.rank}'s bundle failed its checksum")
+    return frame.bundle()
 
 
 # A buddy's only answer on a push connection: this bundle failed its checksum, send it again.
 NACK = struct.Struct("!cQqqq")  # b"-", generation, pos (step, unit), seq
 
 
-def nack_of(b: Bundle) -> bytes:
+def nack_of(b: "Bundle | Frame") -> bytes:
     return NACK.pack(b"-", b.generation, b.pos[0], b.pos[1], b.seq)

@@ -10,7 +10,7 @@ State dicts hold more than JSON can say (int keys, tuples, OrderedDicts with
     {"$d": [[k, v], ...]}      dict with non-string (or "$"-prefixed) keys, order kept
     {"$od": [[k, v], ...], "$meta": ...}   OrderedDict (a module state_dict) and its _metadata
     {"$np": 3, "dtype": "uint32"}          numpy array, carried as tensor number 3
-    {"$b": "base64"}           bytes
+    {"$bt": 3}                 bytes, carried as (uint8) tensor number 3
 
 Anything else (a lambda in a scheduler, an open file) is refused with the path to
 it, when the state is first captured, not when a failure needs it.
@@ -18,7 +18,6 @@ it, when the state is first captured, not when a failure needs it.
 
 from __future__ import annotations
 
-import base64
 import json
 from collections import OrderedDict
 from typing import Any
@@ -71,8 +70,28 @@ def _tensor_index(t: torch.Tensor, tensors: list[torch.Tensor]) -> int:
     return len(tensors) - 1
 
 
+def _bytes_index(b: bytes | bytearray, tensors: list[torch.Tensor]) -> int:
+    tensors.append(torch.frombuffer(bytearray(b), dtype=torch.uint8) if b else torch.empty(0, dtype=torch.uint8))
+    return len(tensors) - 1
+
+
+_SCALARS = (type(None), bool, int, float, str)
+
+
 def _enc(obj: Any, tensors: list[torch.Tensor], path: Path) -> Any:
-    if obj is None or isinstance(obj, (bool, int, float, str)):
+    kind = type(obj)  # exact types first: a step's bundle is encoded twice a step
+    if kind in _SCALARS:
+        return obj
+    if kind is dict:
+        items = [(k, _enc(v, tensors, (path, k))) for k, v in obj.items()]
+        if all(type(k) is str and not k.startswith("$") for k, _ in items):
+            return dict(items)
+        return {"$d": [[_key(k, path), v] for k, v in items]}
+    if kind is bytes:
+        return {"$bt": _bytes_index(obj, tensors)}
+    if kind is list:
+        return [_enc(v, tensors, (path, i)) for i, v in enumerate(obj)]
+    if isinstance(obj, (bool, int, float, str)):
         return obj
     if isinstance(obj, torch.Tensor):
         return {"$t": _tensor_index(obj, tensors)}
@@ -85,7 +104,7 @@ def _enc(obj: Any, tensors: list[torch.Tensor], path: Path) -> Any:
     if isinstance(obj, torch.dtype):
         return {"$dtype": str(obj).removeprefix("torch.")}
     if isinstance(obj, (bytes, bytearray)):
-        return {"$b": base64.b64encode(bytes(obj)).decode()}
+        return {"$bt": _bytes_index(obj, tensors)}
     if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
         return {"$tu": [_enc(v, tensors, (path, i)) for i, v in enumerate(obj)]}
     if isinstance(obj, list):
@@ -98,7 +117,7 @@ def _enc(obj: Any, tensors: list[torch.Tensor], path: Path) -> Any:
             if meta is not None:
                 out["$meta"] = _enc(dict(meta), tensors, (path, _Attr("_metadata")))
             return out
-        if all(isinstance(k, str) and not k.startswith("$") for k, _ in items):
+        if all(type(k) is str and not k.startswith("$") for k, _ in items):
             return dict(items)
         return {"$d": [[_key(k, path), v] for k, v in items]}
     raise EncodeError(f"{_path_text(path)} is a {type(obj).__name__}, which baton cannot migrate "
@@ -136,6 +155,6 @@ def _dec(obj: Any, tensors: list[torch.Tensor]) -> Any:
         return raw.view(np.dtype(obj["dtype"])).reshape(obj["shape"]).copy()
     if "$dtype" in obj:
         return getattr(torch, obj["$dtype"])
-    if "$b" in obj:
-        return base64.b64decode(obj["$b"])
+    if "$bt" in obj:
+        return tensors[obj["$bt"]].numpy().tobytes()
     return {k: _dec(v, tensors) for k, v in obj.items()}

@@ -164,14 +164,11 @@ class TransferServer:
             log.debug("transfer connection ended: %s", exc)
 
     def _serve_ward(self, conn: socket.socket) -> None:
-        from baton.transfer.bundles import write_bundle_frame
+        from baton.transfer.bundles import END_FRAME
 
         req = recv_json(conn)
-        b = self.wards.get(int(req["rank"]), (int(req["pos"][0]), int(req["pos"][1])))
-        if b is None:
-            send_json(conn, {"end": True})
-            return
-        write_bundle_frame(conn, b)
+        frame = self.wards.get_frame(int(req["rank"]), (int(req["pos"][0]), int(req["pos"][1])))
+        conn.sendall(frame.raw if frame is not None else END_FRAME)  # as it came: checked by the reader
 
     def _send_chunk(self, conn: socket.socket, index: int, chunks: list[list[Piece]],
                     views: list[memoryview]) -> None:

@@ -83,10 +83,6 @@ class BoundaryInfo:
         return f"Boundary(step={self.step}, epoch={self.epoch})"
 
 
-FULL_DRAW_CHECKS = 3  # after the loop starts or a generation forms
-FULL_DRAW_EVERY = 16
-
-
 def _output_tensors(out: Any) -> list[torch.Tensor]:
     """The tensors in a model's output (a tensor, or tuples, lists and dicts of them)."""
     if isinstance(out, torch.Tensor):
@@ -130,7 +126,6 @@ class Runtime:
         self.warned_no_capture = False
         self.backward_captured = False  # the syncing backward's start captured this step's bundle
         self.backward_token: object | None = None  # identifies the latest syncing forward
-        self.full_checks_left = FULL_DRAW_CHECKS  # steps that check every stream for stray draws
         self.pusher = BundlePushers(lambda addr: connect(addr, token, PUSH, timeout=self.op_timeout))
         # The ranks whose bundles this rank holds (and waits for before completing a step).
         self.wards = [(rank - i) % world_size for i in range(1, int(config.redundancy) + 1)] \
@@ -329,15 +324,11 @@ class Runtime:
             raise err from exc
 
     def _check_no_stray_draws(self, where: str) -> None:
-        """Nothing was drawn since the last capture, checked before every step. Only a numpy
-        normal served from numpy's cached second value escapes the cheap per-step reading
-        of numpy's generator: the first steps of each generation and every FULL_DRAW_EVERY
-        steps compare numpy's full state."""
+        """Nothing was drawn since the last capture (every stream compared, a cached numpy
+        normal included), checked before every step and boundary function."""
         if self.at_pos_rng is None:
             return
-        full = self.full_checks_left > 0 or self.pos[0] % FULL_DRAW_EVERY == 0 or where != "before step"
-        self.full_checks_left = max(0, self.full_checks_left - 1)
-        now = rng.capture(self.tracked.generators, full=full)
+        now = rng.capture(self.tracked.generators)
         names = rng.describe_difference(now, self.at_pos_rng)
         if names:
             names = ", ".join(names)
@@ -730,7 +721,6 @@ class Runtime:
 
         self.group.form(self.store, generation, self.op_timeout, timeout or self.formation_timeout, superseded)
         self.pusher.set_buddies([tuple(b) for b in buddies])
-        self.full_checks_left = FULL_DRAW_CHECKS
 
     def _replicated_digests(self, replicated: dict[str, Any]) -> dict[str, int]:
         """Digests of what every replica holds (BatchNorm-style buffers are each rank's own)."""
