@@ -100,6 +100,7 @@ class Tracked:
         self.local: LocalValues | None = None
         self.scope: str | None = None  # "step" | "boundary" | None, set by the loop
         self.discovered: list[str] = []
+        self._buffer_places: dict[int, list[tuple[str, torch.nn.Module, str]]] = {}
 
     # ---------------------------------------------------------------- registration
     @property
@@ -169,14 +170,18 @@ class Tracked:
 
     # ---------------------------------------------------------------- rank-local per step
     def local_buffers(self) -> dict[str, torch.Tensor]:
-        """Persistent buffers of wrapped models: each rank updates them with its own batch."""
+        """Persistent buffers of wrapped models: each rank updates them with its own batch.
+        Where they live is found once per wrapped model (as DDP itself does); each call reads
+        the owner's current tensor, so a buffer the script reassigns is still the one captured."""
         out: dict[str, torch.Tensor] = {}
         for i, module in enumerate(self.wrapped):
-            prefix = self._name_of(module, i)
-            non_persistent = _non_persistent(module)
-            for name, buf in module.named_buffers():
-                if name not in non_persistent and buf is not None:
-                    out[f"{prefix}.{name}"] = buf
+            places = self._buffer_places.get(id(module))
+            if places is None:
+                places = self._buffer_places[id(module)] = _buffer_places(module, self._name_of(module, i))
+            for name, owner, attr in places:
+                buf = owner._buffers.get(attr)
+                if buf is not None:
+                    out[name] = buf
         return out
 
     def _name_of(self, module: torch.nn.Module, index: int) -> str:
@@ -233,11 +238,13 @@ def reset_scaler_stage(scaler: torch.amp.GradScaler) -> None:
     scaler._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
 
 
-def _non_persistent(module: torch.nn.Module) -> set[str]:
-    out = set()
+def _buffer_places(module: torch.nn.Module, prefix: str) -> list[tuple[str, torch.nn.Module, str]]:
+    """(name, owning module, attribute) of each persistent buffer of `module`."""
+    out = []
     for mod_name, mod in module.named_modules():
-        for b in getattr(mod, "_non_persistent_buffers_set", ()):
-            out.add(f"{mod_name}.{b}" if mod_name else b)
+        for attr in mod._buffers:
+            if attr not in mod._non_persistent_buffers_set:
+                out.append((f"{prefix}.{mod_name}.{attr}" if mod_name else f"{prefix}.{attr}", mod, attr))
     return out
 
 
