@@ -80,29 +80,52 @@ def test_sigstop_during_evaluation(tmp_path, gpt_reference):
         job.kill()
 
 
-@pytest.mark.timeout(480)
-def test_resumed_run_survives_a_kill(tmp_path):
-    """A run resumed from rank 0's checkpoint (`job.steps(total, start=...)`); the joiner skips
-    the resume block (job.joined) and still starts where its rank was, with the same LR."""
-    first = gpt_job(tmp_path, "first", spares=0, extra=["--max-iters", "30"])
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    """Rank 0's checkpoint after 30 iterations, and the failure-free run resumed from it."""
+    tmp = tmp_path_factory.mktemp("resumed")
+    first = gpt_job(tmp, "first", spares=0, extra=["--max-iters", "30"])
     assert first.wait(timeout=180) == 0, first.log()
     ckpt = first.dir / "ckpt" / "ckpt.pt"
     assert torch.load(ckpt)["iter_num"] == 30
-    runs = {}
-    for name, spares in (("resumed-ref", 0), ("resumed-kill", 1)):
-        (tmp_path / name / "ckpt").mkdir(parents=True)
-        shutil.copy(ckpt, tmp_path / name / "ckpt" / "ckpt.pt")
-        job = gpt_job(tmp_path, name, spares=spares, extra=["--max-iters", "60", "--resume"])
-        try:
-            if spares:
-                job.wait_step(36)
-                job.signal_rank(1, signal.SIGKILL)
-            assert job.wait(timeout=180) == 0, job.log()
-            runs[name] = states(job)
-            if spares:
-                assert [e["kind"] for e in job.events()] == ["unplanned"]
-        finally:
-            job.kill()
+    ref = _resumed_job(tmp, "resumed-ref", ckpt, spares=0)
+    try:
+        assert ref.wait(timeout=180) == 0, ref.log()
+        return ckpt, states(ref)
+    finally:
+        ref.kill()
+
+
+def _resumed_job(tmp, name: str, ckpt, spares: int = 1, run_args: list[str] | None = None):
+    (tmp / name / "ckpt").mkdir(parents=True)
+    shutil.copy(ckpt, tmp / name / "ckpt" / "ckpt.pt")
+    return gpt_job(tmp, name, spares=spares, extra=["--max-iters", "60", "--resume"], run_args=run_args)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("fault", ["kill", "planned", "sigstop"])
+def test_a_resumed_run_survives_every_kind_of_move(tmp_path, resumed, fault):
+    """A run resumed from rank 0's checkpoint (`job.steps(total, start=...)`): a joiner skips
+    the resume block (job.joined) and still starts where its rank was, with the same LR,
+    whether it replaces a killed rank, a hung one, or takes a rank in a planned move."""
+    ckpt, reference = resumed
+    run_args = ["--op-timeout", "2", "--heartbeat-timeout", "2"] if fault == "sigstop" else None
+    job = _resumed_job(tmp_path, fault, ckpt, run_args=run_args)
+    try:
+        job.wait_step(36)
+        if fault == "kill":
+            job.signal_rank(1, signal.SIGKILL)
+        elif fault == "sigstop":
+            job.signal_rank(2, signal.SIGSTOP)
+        else:
+            job.client.migrate(0)
+        assert job.wait(timeout=180) == 0, job.log()
+        events = job.events()
+        assert [e["kind"] for e in events] == ["planned" if fault == "planned" else "unplanned"], events
+        assert all(e["status"] == "resolved" and e["steps_lost"] == 0 for e in events), events
+        got = states(job)
+    finally:
+        job.kill()
     for rank in range(NPROC):
-        d = state_diff(runs["resumed-ref"][rank], runs["resumed-kill"][rank])
-        assert not d, f"rank {rank} differs after a kill in a resumed run: {d}"
+        d = state_diff(reference[rank], got[rank])
+        assert not d, f"rank {rank} differs after a {fault} in a resumed run: {d}"

@@ -24,6 +24,7 @@ import math
 from typing import Any, Iterator
 
 import torch
+from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
 from baton.worker import discover, rng
 
@@ -33,8 +34,6 @@ class UsageError(RuntimeError):
 
 
 def _is_scheduler(obj: Any) -> bool:
-    from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
-
     return isinstance(obj, (LRScheduler, ReduceLROnPlateau))
 
 
