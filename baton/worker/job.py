@@ -289,20 +289,18 @@ def _warm_up() -> None:
     """
     t0 = time.perf_counter()
     from baton.worker import rng
-    from baton.worker.group import solo_group
+    from baton.worker.group import IdleGroup
     from torch.nn.parallel import DistributedDataParallel
 
     saved = rng.capture()
     with discover.paused():
         model = torch.nn.Linear(4, 1)
-        ddp = DistributedDataParallel(model, process_group=solo_group(), init_sync=False)
+        ddp = DistributedDataParallel(model, process_group=IdleGroup(), init_sync=False)
         opt = torch.optim.AdamW(ddp.parameters())
         ddp(torch.zeros(2, 4)).sum().backward()
         opt.step()
     rng.restore(saved)
-    # Kept alive on purpose: destroying a gloo group joins its threads while holding the
-    # GIL, which can deadlock against a pending future callback that needs the GIL.
-    _BATON_OWNED.extend([ddp, opt])
+    _BATON_OWNED.extend([ddp, opt])  # never the script's (discovery skips them)
     log.info("warm-up took %.2fs", time.perf_counter() - t0)
 
 
