@@ -75,40 +75,10 @@ def _bytes_index(b: bytes | bytearray, tensors: list[torch.Tensor]) -> int:
     return len(tensors) - 1
 
 
-_SCALARS = (type(None), bool, int, float, str)
-
-
 def _enc(obj: Any, tensors: list[torch.Tensor], path: Path) -> Any:
-    kind = type(obj)  # exact types first: a step's bundle is encoded twice a step
-    if kind in _SCALARS:
+    # Ordered by how often each kind occurs in a step's bundle (encoded twice a step).
+    if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
-    if kind is dict:
-        items = [(k, _enc(v, tensors, (path, k))) for k, v in obj.items()]
-        if all(type(k) is str and not k.startswith("$") for k, _ in items):
-            return dict(items)
-        return {"$d": [[_key(k, path), v] for k, v in items]}
-    if kind is bytes:
-        return {"$bt": _bytes_index(obj, tensors)}
-    if kind is list:
-        return [_enc(v, tensors, (path, i)) for i, v in enumerate(obj)]
-    if isinstance(obj, (bool, int, float, str)):
-        return obj
-    if isinstance(obj, torch.Tensor):
-        return {"$t": _tensor_index(obj, tensors)}
-    if np is not None and isinstance(obj, np.ndarray):
-        arr = np.ascontiguousarray(obj)
-        raw = torch.from_numpy(arr.reshape(-1).view(np.uint8).copy())
-        return {"$np": _tensor_index(raw, tensors), "dtype": arr.dtype.str, "shape": list(arr.shape)}
-    if np is not None and isinstance(obj, np.generic):
-        return _enc(obj.item(), tensors, path)
-    if isinstance(obj, torch.dtype):
-        return {"$dtype": str(obj).removeprefix("torch.")}
-    if isinstance(obj, (bytes, bytearray)):
-        return {"$bt": _bytes_index(obj, tensors)}
-    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-        return {"$tu": [_enc(v, tensors, (path, i)) for i, v in enumerate(obj)]}
-    if isinstance(obj, list):
-        return [_enc(v, tensors, (path, i)) for i, v in enumerate(obj)]
     if isinstance(obj, dict):
         items = [(k, _enc(v, tensors, (path, k))) for k, v in obj.items()]
         if isinstance(obj, OrderedDict):
@@ -120,6 +90,22 @@ def _enc(obj: Any, tensors: list[torch.Tensor], path: Path) -> Any:
         if all(type(k) is str and not k.startswith("$") for k, _ in items):
             return dict(items)
         return {"$d": [[_key(k, path), v] for k, v in items]}
+    if isinstance(obj, (bytes, bytearray)):
+        return {"$bt": _bytes_index(obj, tensors)}
+    if isinstance(obj, list):
+        return [_enc(v, tensors, (path, i)) for i, v in enumerate(obj)]
+    if isinstance(obj, torch.Tensor):
+        return {"$t": _tensor_index(obj, tensors)}
+    if np is not None and isinstance(obj, np.ndarray):
+        arr = np.ascontiguousarray(obj)
+        raw = torch.from_numpy(arr.reshape(-1).view(np.uint8).copy())
+        return {"$np": _tensor_index(raw, tensors), "dtype": arr.dtype.str, "shape": list(arr.shape)}
+    if np is not None and isinstance(obj, np.generic):
+        return _enc(obj.item(), tensors, path)
+    if isinstance(obj, torch.dtype):
+        return {"$dtype": str(obj).removeprefix("torch.")}
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return {"$tu": [_enc(v, tensors, (path, i)) for i, v in enumerate(obj)]}
     raise EncodeError(f"{_path_text(path)} is a {type(obj).__name__}, which baton cannot migrate "
                       "(tracked state may hold tensors, numbers, strings, lists, tuples and dicts)")
 

@@ -60,7 +60,8 @@ def _python_raw_getstate(r: random.Random) -> tuple[bytes, float | None]:
 
 
 def _probe_python() -> int | None:
-    """Offset of `random.Random`'s word array in the object, followed by ... its index, or None."""
+    """Offset of `random.Random`'s `index` field in the object (its 624 state words follow
+    it), or None."""
     try:
         probe = random.Random(12345)
         probe.random()
@@ -99,8 +100,7 @@ def _probe_numpy() -> int | None:
         has_at = gauss_at - 8  # `int has_gauss; double gauss` (aligned)
         for has, value in ((0, 0.0), (1, -3.5), (1, 2.0 ** -30)):
             probe.set_state(("MT19937", key, pos, has, value))
-            if struct.unpack("=id", _struct_bytes(probe, has_at, 4) + _struct_bytes(probe, gauss_at, 8)) != \
-                    (has, value):
+            if _numpy_gauss_at(probe, has_at) != (has, value):
                 return None
         probe.standard_normal()  # leaves a cached value: has_gauss 1
         st = probe.get_state()
@@ -112,6 +112,7 @@ def _probe_numpy() -> int | None:
 
 
 def _numpy_gauss_at(rs: Any, has_at: int) -> tuple[int, float]:
+    """(has_gauss, gauss) of a RandomState: an int, then (8-aligned) a double."""
     raw = _struct_bytes(rs, has_at, 16)
     return struct.unpack_from("=i", raw)[0], struct.unpack_from("=d", raw, 8)[0]
 
