@@ -22,6 +22,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from pydantic import ValidationError
 
 from baton.control import messages as m
+from baton.control.beats import BeatReceiver
 from baton.control.orchestrator import Orchestrator, RequestError
 
 
@@ -49,7 +50,7 @@ class _BearerAuth:
         await self.app(scope, receive, send)
 
 
-def create_app(orch: Orchestrator, token: str) -> FastAPI:
+def create_app(orch: Orchestrator, token: str, beat_addr: tuple[str, int] | None = None) -> FastAPI:
     app = FastAPI(title="baton", version="1", docs_url=None, redoc_url=None)
 
     app.add_middleware(_BearerAuth, token=token)
@@ -72,7 +73,7 @@ def create_app(orch: Orchestrator, token: str) -> FastAPI:
 
     @app.get("/v1/status")
     def status() -> dict[str, Any]:
-        return orch.status()
+        return {**orch.status(), "heartbeat_addr": beat_addr}  # the UDP port a firewall must also open
 
     @app.get("/v1/events")
     def events() -> dict[str, Any]:
@@ -92,7 +93,7 @@ def create_app(orch: Orchestrator, token: str) -> FastAPI:
 
     @app.post("/v1/workers/{worker_id}/register")
     def register(worker_id: str, req: m.Register) -> dict[str, Any]:
-        return orch.register(worker_id, req)
+        return {**orch.register(worker_id, req), "heartbeat_addr": beat_addr}
 
     @app.get("/v1/workers/{worker_id}/commands")
     def commands(worker_id: str, after: int = 0, timeout: float = 10.0) -> dict[str, Any]:
@@ -121,7 +122,8 @@ def create_app(orch: Orchestrator, token: str) -> FastAPI:
 
 
 class ApiServer:
-    """Runs the API in a background thread on a port the OS picks (or the one given)."""
+    """Runs the API in a background thread on a port the OS picks (or the one given), and the
+    heartbeat datagram receiver on a UDP port of the same host (told to workers at registration)."""
 
     def __init__(self, orch: Orchestrator, token: str, host: str = "127.0.0.1", port: int = 0):
         # IPPROTO_TCP spelled out: asyncio sets TCP_NODELAY on accepted connections only when the
@@ -131,9 +133,10 @@ class ApiServer:
         self.sock.bind((host, port))
         self.host, self.port = self.sock.getsockname()[:2]
         self.orch = orch
-        # httptools, not the pure-Python h11: every heartbeat costs the launcher ~1.1 ms of CPU
-        # instead of ~1.5 ms (measured on the bench workload, 2 cores).
-        config = uvicorn.Config(create_app(orch, token), log_level="warning", access_log=False, http="httptools",
+        self.beats = BeatReceiver(orch, token, host)
+        # httptools, not the pure-Python h11: a request costs the launcher ~1.1 ms of CPU instead
+        # of ~1.5 ms (measured on the bench workload, 2 cores).
+        config = uvicorn.Config(create_app(orch, token, self.beats.addr), log_level="warning", access_log=False, http="httptools",
                                 timeout_keep_alive=75, timeout_graceful_shutdown=2)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self._serve, name="baton-api", daemon=True)
@@ -155,6 +158,7 @@ class ApiServer:
         asyncio.run(main())
 
     def start(self) -> None:
+        self.beats.start()
         self.thread.start()
         import time
 
@@ -166,3 +170,4 @@ class ApiServer:
         self.orch.mail.close()  # long-polls return now instead of at their timeout
         self.server.should_exit = True
         self.thread.join(timeout=5)
+        self.beats.stop()

@@ -52,10 +52,19 @@ class LoopInfo(_Msg):
 
 # ---------------------------------------------------------------- reports
 class Heartbeat(_Msg):
+    model_config = ConfigDict(extra="forbid", frozen=True, ser_json_inf_nan="constants")  # a NaN loss stays NaN
     type: Literal["heartbeat"] = "heartbeat"
     step: NonNegativeInt | None = None
     step_time: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
     metrics: Annotated[dict[Annotated[str, Field(max_length=64)], float], Field(max_length=64)] = {}
+
+
+class BeatEnvelope(_Msg):
+    """A heartbeat datagram's body (see baton.control.beats)."""
+
+    worker_id: Annotated[str, Field(min_length=1, max_length=64)]
+    seq: Annotated[int, Field(ge=1)]
+    beat: Heartbeat
 
 
 class Ready(_Msg):
@@ -157,6 +166,7 @@ class Registered(_Msg):
     verify_every: int = 0
     redundancy: int = 2
     heartbeat_timeout_s: float = 3.0
+    heartbeat_addr: Addr | None = None  # where heartbeat datagrams go; None: POST them as reports
 
 
 # ---------------------------------------------------------------- commands

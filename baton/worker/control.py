@@ -1,7 +1,8 @@
 """The worker's line to the orchestrator, kept off the training hot path.
 
-Two background threads: one long-polls commands, one sends heartbeats and
-queued reports. The main thread only ever looks at local fields under an
+Two background threads: one long-polls commands, one sends heartbeats (UDP datagrams,
+see baton.control.beats; HTTP where the launcher gave no datagram address) and queued
+reports. The main thread only ever looks at local fields under an
 uncontended lock at a step boundary; the one decision that must be atomic with
 the step loop (can this rank still stop before step T?) is taken under that
 same lock by the poller when a pause request arrives.
@@ -20,6 +21,7 @@ import httpx
 from pydantic import BaseModel, ValidationError
 
 from baton.control import messages as m
+from baton.control.beats import BeatSender
 
 log = logging.getLogger("baton.worker")
 
@@ -36,6 +38,8 @@ class OrchestratorGone(RuntimeError):
 class ControlChannel:
     def __init__(self, url: str, token: str, worker_id: str):
         self.worker_id = worker_id
+        self._token = token
+        self._beats: BeatSender | None = None  # UDP heartbeats, once register() said where
         headers = {"Authorization": f"Bearer {token}"}
         self._http = httpx.Client(base_url=url, headers=headers, timeout=30.0)
         self._poll_http = httpx.Client(base_url=url, headers=headers, timeout=70.0)
@@ -84,6 +88,11 @@ class ControlChannel:
         self.heartbeat_timeout_s = reg.heartbeat_timeout_s
         per = RANK_BEATS_PER_TIMEOUT if reg.role == "rank" else SPARE_BEATS_PER_TIMEOUT
         self.beat_every = reg.heartbeat_timeout_s / per
+        if reg.heartbeat_addr is not None:
+            try:
+                self._beats = BeatSender(self._token, self.worker_id, reg.heartbeat_addr)
+            except OSError as exc:
+                log.warning("heartbeats go over HTTP: cannot reach %s over UDP (%s)", reg.heartbeat_addr, exc)
         return reg
 
     def report(self, msg: BaseModel) -> None:
@@ -163,8 +172,7 @@ class ControlChannel:
                 if item is not None:
                     self._post(f"/v1/workers/{self.worker_id}/reports", item)
                 if time.time() - last_beat >= self.beat_every:
-                    beat = m.Heartbeat(**self.heartbeat).model_dump(mode="json")
-                    self._post(f"/v1/workers/{self.worker_id}/reports", beat)
+                    self._beat(m.Heartbeat(**self.heartbeat))
                     last_beat = time.time()
             except OrchestratorGone:
                 if not self._stopped.is_set():
@@ -173,6 +181,15 @@ class ControlChannel:
                 return
             except RuntimeError as exc:
                 log.warning("report refused: %s", exc)
+
+    def _beat(self, beat: m.Heartbeat) -> None:
+        if self._beats is not None:
+            try:
+                self._beats.send(beat)
+                return
+            except OSError as exc:  # e.g. ECONNREFUSED from an earlier datagram: say it over HTTP
+                log.debug("heartbeat datagram not sent (%s): posting it", exc)
+        self._post(f"/v1/workers/{self.worker_id}/reports", beat.model_dump(mode="json"))
 
     # ------------------------------------------------------------------ main-thread helpers
     def wait_command(self, timeout: float | None = None) -> BaseModel | None:
