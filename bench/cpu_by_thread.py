@@ -1,6 +1,6 @@
 """Where a rank's CPU goes, thread by thread: plain DDP against baton, side by side.
 
-    .venv/bin/python bench/cpu_by_thread.py [--params-m 2.2] [--steps 250] [--rounds 3]
+    .venv/bin/python bench/cpu_by_thread.py [--params-m 2.2] [--steps 250] [--rounds 3] [--nproc 3]
 
 The whole-tree CPU ratio in the overhead benchmark says how much more baton costs, not
 where. This reads every thread's utime+stime from /proc/<rank pid>/task/* at two step
@@ -87,11 +87,12 @@ def main() -> None:
     p.add_argument("--params-m", type=float, default=2.2)
     p.add_argument("--steps", type=int, default=250, help="measured steps (after 30 warm-up steps)")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--nproc", type=int, default=3)
     p.add_argument("--workdir", type=Path, default=Path("/tmp/baton-cpu-by-thread"))
     args = p.parse_args()
     py = sys.executable
     contenders = {"ddp": Contender("ddp", py), "baton": Contender("baton", py, spares=1)}
-    w = Workload(params_m=args.params_m, steps=args.steps + 35, nproc=3, warmup=30)
+    w = Workload(params_m=args.params_m, steps=args.steps + 35, nproc=args.nproc, warmup=30)
 
     def run(key: str, i: int) -> dict[str, float]:
         r = one_run(contenders[key], w, args.workdir / f"{key}-{i}")

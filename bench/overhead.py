@@ -1,5 +1,5 @@
 """Steady-state overhead: the same model, data and world size under plain DDP (torchrun),
-baton (job.wrap + job.steps, one warm spare waiting), baton with `--verify-every N` (the
+plain DDP again (an A/A comparison: how far two identical runs differ on this machine), baton (job.wrap + job.steps, one warm spare waiting), baton with `--verify-every N` (the
 periodic replica-agreement check) and TorchFT (its DDP wrapper, replica groups of one rank,
 lighthouse running), interleaved.
 
@@ -30,7 +30,10 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 def bench_overhead(py: str, peer_py: str | None, *, sizes_m: list[float], steps: int, warmup: int, nproc: int,
                    rounds: int, tmp: Path, verify_every: int = 10) -> dict:
-    contenders = {"ddp": Contender("ddp", py), "baton": Contender("baton", py, spares=1)}
+    # ddp-again: plain DDP a second time in every round (an A/A comparison): its ratio to plain DDP
+    # is the noise floor that baton's ratio must be read against.
+    contenders = {"ddp": Contender("ddp", py), "ddp-again": Contender("ddp", py),
+                  "baton": Contender("baton", py, spares=1)}
     if verify_every:
         contenders["baton-verify"] = Contender("baton", py, spares=1, verify_every=verify_every)
     if peer_py:

@@ -32,9 +32,9 @@ OVERHEAD_GOAL = 1.01  # baton / plain DDP steady-state step time
 DOWNTIME_SLOPE_GOAL = 1.5  # downtime vs raw TCP copy of the same bytes, fit slope
 DASH = "–"  # en dash for ranges
 NONE = "—"  # em dash for "no value"
-LABELS = {"ddp": "plain DDP", "baton": "baton", "baton-verify": "baton + check", "torchft": "TorchFT"}
+LABELS = {"ddp": "plain DDP", "ddp-again": "plain DDP again (A/A)", "baton": "baton", "baton-verify": "baton + check", "torchft": "TorchFT"}
 COLORS = {"ddp": "#7f8c8d", "baton": "#27ae60", "baton-verify": "#1e8449", "torchft": "#2980b9", "ckpt": "#c0392b"}
-OVERHEAD_ORDER = ("ddp", "baton", "baton-verify", "torchft")
+OVERHEAD_ORDER = ("ddp", "ddp-again", "baton", "baton-verify", "torchft")
 SECTIONS = (("overhead", "1. Steady-state overhead"), ("failures", "2. Failures: time lost per failure"),
             ("downtime", "3. Migration downtime vs state size"), ("gpu", "4. GPU state capture"))
 
@@ -229,10 +229,14 @@ def _reference_ddp(contenders: list[dict]) -> dict | None:
 _MORE = {"step time": "slower than plain DDP", "CPU-seconds per step": "more CPU per step than plain DDP"}
 
 
-def _overhead_verdict(who: str, r: Any, what: str = "step time") -> str:
-    """One sentence on a contender/plain DDP ratio against the 1% goal, from its range."""
+def _overhead_verdict(who: str, r: Any, what: str = "step time", aa: Any = None) -> str:
+    """One sentence on a contender/plain DDP ratio against the 1% goal, from its range; `aa`, plain
+    DDP against itself in the same rounds, says how wide the noise alone is."""
     if not _is_mr(r):
         return f"{who}: no {what} ratio in the results."
+    if _is_mr(aa):
+        return _overhead_verdict(who, r, what) + \
+            f" For scale, plain DDP against itself (A/A) in the same rounds: {_ratio(aa, with_n=True)}."
     med, lo, hi = r["median"], r.get("min", r["median"]), r.get("max", r["median"])
     more = _MORE.get(what, f"more {what} than plain DDP")
     head = f"{who} / plain DDP, {what} = {_ratio(r, with_n=True)}: "
@@ -287,6 +291,9 @@ def headline_overhead(result: dict) -> list[str]:
     verify = _label("baton-verify", ov)
     rows = [("step time (median), baton / plain DDP", "ratio_vs_ddp", "baton"),
             ("CPU-seconds per step, whole process tree, baton / plain DDP", "cpu_ratio_vs_ddp", "baton"),
+            ("step time (median), plain DDP again / plain DDP (A/A: the noise floor)", "ratio_vs_ddp", "ddp-again"),
+            ("CPU-seconds per step, plain DDP again / plain DDP (A/A: the noise floor)", "cpu_ratio_vs_ddp",
+             "ddp-again"),
             (f"CPU-seconds per step, `{verify}` / baton", "verify_vs_baton", "cpu_s_per_step"),
             (f"wall time per step (mean, includes the checks), `{verify}` / baton", "verify_vs_baton",
              "mean_step_s"),
@@ -492,7 +499,9 @@ def _overhead_md(sec: dict, img: str | None) -> list[str]:
     out = [
         "**What is measured.** The same model, synthetic data and world size "
         f"({nproc} ranks, one process each, gloo over loopback) trained for {steps} steps under each "
-        "launcher: plain `DistributedDataParallel` under `torchrun` (the baseline), baton "
+        "launcher: plain `DistributedDataParallel` under `torchrun` (the baseline), the same plain DDP a "
+        "second time (an A/A comparison: its ratio to the baseline is how far two identical runs differ "
+        "on this machine, the noise any other ratio must be read against), baton "
         f"(`baton run`, `job.wrap` + `job.steps`, {_spares(sec.get('baton_spares', 0))} waiting, its per-step "
         "work as in any run: the step-boundary check, the capture of each rank's random streams at the "
         f"step's first gradient bucket and its push to {_buddies(nproc)}, which hold back their last bucket "
@@ -530,9 +539,10 @@ def _overhead_md(sec: dict, img: str | None) -> list[str]:
     for s in sizes:
         rt, ct = s.get("ratio_vs_ddp") or {}, s.get("cpu_ratio_vs_ddp") or {}
         label = f"{_params(s.get('params'))} params"
-        bullets.append(f"{label}: " + _overhead_verdict("baton", rt.get("baton")))
+        bullets.append(f"{label}: " + _overhead_verdict("baton", rt.get("baton"), aa=rt.get("ddp-again")))
         if "baton" in ct:
-            bullets.append(f"{label}: " + _overhead_verdict("baton", ct.get("baton"), "CPU-seconds per step"))
+            bullets.append(f"{label}: " + _overhead_verdict("baton", ct.get("baton"), "CPU-seconds per step",
+                                                            aa=ct.get("ddp-again")))
         vb = s.get("verify_vs_baton") or {}
         if any(_is_mr(v) for v in vb.values()):
             who = _label("baton-verify", sec)
@@ -541,7 +551,7 @@ def _overhead_md(sec: dict, img: str | None) -> list[str]:
                       ("step_s", "step time (median)")) if _is_mr(vb.get(m))]
             bullets.append(f"{label}: the periodic check, `{who}` / baton within each round: " + ", ".join(parts)
                            + ". The median step time leaves the checked boundaries out; the other two include them.")
-        for k in ("torchft", *[k for k in rt if k not in ("baton", "baton-verify", "torchft")]):
+        for k in ("torchft", *[k for k in rt if k not in ("baton", "baton-verify", "torchft", "ddp-again")]):
             if k in rt:
                 bullets.append(f"{label}: " + _plain_ratio_sentence(_label(k, sec), rt.get(k)))
             if k in ct:

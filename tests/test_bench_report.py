@@ -35,7 +35,7 @@ def _result() -> dict:
              "cpu_s_per_step": {"ddp": _mr(0.0720, 0.0710, 0.0730), "baton": _mr(0.0757, 0.0750, 0.0765),
                                 "baton-verify": _mr(0.0771, 0.0763, 0.0779), "torchft": _mr(0.1010, 0.0990, 0.1030)},
              "cpu_ratio_vs_ddp": {"baton": _mr(1.052, 1.031, 1.068), "baton-verify": _mr(1.071, 1.050, 1.088),
-                                  "torchft": _mr(1.40, 1.38, 1.43)},
+                                  "torchft": _mr(1.40, 1.38, 1.43), "ddp-again": _mr(1.003, 0.96, 1.05)},
              "cpu_others_s_per_step": {"ddp": _mr(0.0001, 0.0001, 0.0001), "baton": _mr(0.0016, 0.0015, 0.0017),
                                        "baton-verify": _mr(0.0016, 0.0015, 0.0018),
                                        "torchft": _mr(0.0016, 0.0014, 0.0017)},
@@ -104,6 +104,9 @@ def test_page_and_plots(tmp_path):
            "more than 1% in every round; the 1% goal is missed at this size." in text
     assert "baton / plain DDP, CPU-seconds per step = 1.00× (1.00–1.01), n=3: within the 1% goal in every round." in text
     assert "75.7 ms (75.0–76.5)" in text  # baton's CPU per step at 2.2M
+    # the A/A comparison: plain DDP against itself gives the noise any ratio is read against
+    assert "A/A comparison" in text
+    assert "For scale, plain DDP against itself (A/A) in the same rounds: 1.00× (0.96–1.05), n=3." in text
     assert "CPU per step outside the ranks" in text and "baton 1.60 ms (2.1%)" in text
     # the periodic check, next to baton without it
     assert "baton --verify-every 10" in text
@@ -131,6 +134,8 @@ def test_headline_has_every_size_and_contender():
     assert "1.40× (1.30–1.50)" in ft and "1.01× (0.94–1.13)" in ft
     cpu = next(ln for ln in lines if ln.startswith("| CPU-seconds per step, whole process tree, baton / plain DDP"))
     assert "1.05× (1.03–1.07)" in cpu and "1.00× (1.00–1.01)" in cpu
+    aa = next(ln for ln in lines if ln.startswith("| CPU-seconds per step, plain DDP again / plain DDP (A/A"))
+    assert "1.00× (0.96–1.05)" in aa and aa.rstrip().endswith("| — |")
     verify = next(ln for ln in lines if ln.startswith("| CPU-seconds per step, `baton --verify-every 10` / baton"))
     assert "1.02× (1.01–1.03)" in verify and verify.rstrip().endswith("| — |")  # not measured at 10.6M
     assert "| what | result |" in table and "time lost per failure" in table
