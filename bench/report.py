@@ -235,8 +235,14 @@ def _overhead_verdict(who: str, r: Any, what: str = "step time", aa: Any = None)
     if not _is_mr(r):
         return f"{who}: no {what} ratio in the results."
     if _is_mr(aa):
-        return _overhead_verdict(who, r, what) + \
-            f" For scale, plain DDP against itself (A/A) in the same rounds: {_ratio(aa, with_n=True)}."
+        out = _overhead_verdict(who, r, what) + \
+            f" For scale, plain DDP against itself (A/A) in the same rounds: {_ratio(aa, with_n=True)}"
+        if aa.get("min", aa["median"]) <= r["median"] <= aa.get("max", aa["median"]):
+            return out + f"; {who}'s median lies inside that range, so its difference from plain DDP is not " \
+                "distinguishable from the difference between two identical runs."
+        if r["median"] > aa.get("max", aa["median"]):
+            return out + f"; {who}'s median lies above that range: more than two identical runs differ."
+        return out + f"; {who}'s median lies below that range (the baseline runs were the slow ones)."
     med, lo, hi = r["median"], r.get("min", r["median"]), r.get("max", r["median"])
     more = _MORE.get(what, f"more {what} than plain DDP")
     head = f"{who} / plain DDP, {what} = {_ratio(r, with_n=True)}: "
