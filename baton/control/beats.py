@@ -79,7 +79,8 @@ class BeatReceiver:
     def stop(self) -> None:
         self._stopped = True
         try:  # wake the blocked recvfrom
-            socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b"", self.addr)
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as waker:
+                waker.sendto(b"", self.addr)
         except OSError:
             pass
         self.thread.join(timeout=2)
@@ -99,6 +100,8 @@ class BeatReceiver:
                 self.handle(datagram)
             except (ValueError, RequestError) as exc:
                 self._refuse(sender, exc)
+            except Exception:  # noqa: BLE001 - a bug here must not silence every worker's heartbeat
+                log.exception("a heartbeat from %s:%s could not be handled", *sender[:2])
 
     def handle(self, datagram: bytes) -> None:
         env = open_sealed(self.key, datagram)
