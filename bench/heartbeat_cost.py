@@ -13,7 +13,6 @@ go in notes and docstrings, not in the README.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import statistics
 import sys
@@ -27,14 +26,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import median_range  # noqa: E402
-from contenders import Contender, Workload, launch  # noqa: E402
+from contenders import Contender, Workload, _stat, launch  # noqa: E402
 from cpu_by_thread import _wait_steps  # noqa: E402
 
 from baton.control import messages as m  # noqa: E402
 from baton.control.beats import BeatSender  # noqa: E402
-
-TICK = os.sysconf("SC_CLK_TCK")
-
 
 def _fmt(xs: list[float]) -> str:
     r = median_range(xs)
@@ -42,8 +38,7 @@ def _fmt(xs: list[float]) -> str:
 
 
 def _cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
+    return _stat(pid)[2]  # utime + stime, seconds
 
 
 def _window(launcher: int, seconds: float, rate: float, send=None) -> tuple[float, float, int]:

@@ -1,5 +1,6 @@
 """Steady-state overhead: the same model, data and world size under plain DDP (torchrun),
-plain DDP again (an A/A comparison: how far two identical runs differ on this machine), baton (job.wrap + job.steps, one warm spare waiting), baton with `--verify-every N` (the
+plain DDP again (an A/A comparison: how far two identical runs differ on this machine),
+baton (job.wrap + job.steps, one warm spare waiting), baton with `--verify-every N` (the
 periodic replica-agreement check) and TorchFT (its DDP wrapper, replica groups of one rank,
 lighthouse running), interleaved.
 
