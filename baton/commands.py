@@ -116,6 +116,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    from baton.control.state import describe_cpu
+
     data = _api(args, lambda c: c.status())
     if args.json:
         print(json.dumps(data, indent=2))
@@ -137,6 +139,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"  spares: {spares}")
         taints = ", ".join(f"{t['slot']} ({t['reason']})" for t in job["taints"]) or "none"
         print(f"  taints: {taints}")
+        if job.get("cpu"):
+            print(f"  CPU: {describe_cpu(job['cpu'])}")
     return 0
 
 

@@ -24,6 +24,7 @@ from typing import Any, Callable
 from baton.control import messages as m
 from baton.control.api import ApiServer
 from baton.control.orchestrator import TICK_S, Config, Orchestrator
+from baton.control.state import describe_cpu
 from baton.rundir import RunDir, RunDirError
 from baton.schedulers.local import LocalScheduler
 from baton.store.rendezvous import rendezvous_store
@@ -63,6 +64,8 @@ class EventPrinter:
             text = (f"{data['kind']} move of rank {data['rank']} {data['from_slot']} -> {data['to_slot']} "
                     f"resolved at step {data['step']}: downtime {data['downtime_s']:.3f}s, "
                     f"steps lost {data['steps_lost']}, re-run {data['steps_rerun']}")
+        elif kind == "finished" and "cpu" in data:
+            text = f"training finished; {describe_cpu(data['cpu'])}"
         elif kind == "user-error":
             text = f"rank {data.get('rank')} failed with an error in the training script"
         else:

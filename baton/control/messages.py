@@ -51,12 +51,24 @@ class LoopInfo(_Msg):
 
 
 # ---------------------------------------------------------------- reports
+Seconds = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+
+
+class CpuReport(_Msg):
+    """A worker's CPU-seconds since its process started, and the part that was baton's own
+    (see baton.selfcost): the job's overhead, measured on the job itself."""
+
+    process_s: Seconds
+    baton_s: Seconds
+
+
 class Heartbeat(_Msg):
     model_config = ConfigDict(extra="forbid", frozen=True, ser_json_inf_nan="constants")  # a NaN loss stays NaN
     type: Literal["heartbeat"] = "heartbeat"
     step: NonNegativeInt | None = None
     step_time: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
     metrics: Annotated[dict[Annotated[str, Field(max_length=64)], float], Field(max_length=64)] = {}
+    cpu: CpuReport | None = None
 
 
 class BeatEnvelope(_Msg):
@@ -132,6 +144,7 @@ class Verified(_Msg):
 class Finished(_Msg):
     type: Literal["finished"] = "finished"
     pos: Pos
+    cpu: CpuReport | None = None  # final figures: the last heartbeat may be a beat behind
 
 
 class UserError(_Msg):

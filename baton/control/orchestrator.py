@@ -236,6 +236,7 @@ class Orchestrator(PlannedMoves, Recovery, SparePool):
             if w.intended_rank is not None and self.generation == 0 and self.op is None:
                 w.role = WorkerRole.RANK
                 w.rank = w.intended_rank
+                w.held_rank = True
                 self.ranks[w.rank].worker = w.id
                 self._maybe_start_generation0()
             elif not self.slots[w.slot].healthy:
@@ -282,6 +283,7 @@ class Orchestrator(PlannedMoves, Recovery, SparePool):
             return result
 
     def _on_heartbeat(self, w: Worker, rep: m.Heartbeat) -> None:
+        self._note_cpu(w, rep.cpu)
         if w.role == WorkerRole.RANK and w.rank is not None:
             info = self.ranks[w.rank]
             if info.worker != w.id:
@@ -357,7 +359,23 @@ class Orchestrator(PlannedMoves, Recovery, SparePool):
         self._fail(f"state check failed at step {rep.pos[0]} on rank {w.rank}: {rep.detail}; differing "
                    f"entries: {', '.join(rep.differing[:20])}")
 
+    def _note_cpu(self, w: Worker, cpu: m.CpuReport | None) -> None:
+        if cpu is not None:
+            w.cpu_s, w.baton_cpu_s = cpu.process_s, cpu.baton_s
+
+    def cpu_summary(self) -> dict[str, float]:
+        """The job's CPU-seconds and baton's share, from what every worker (live or gone) last
+        reported and this process's own clock: the overhead measured on the job itself."""
+        ranks = [w for w in self.workers.values() if w.held_rank]
+        spares = [w for w in self.workers.values() if not w.held_rank]
+        out = {"ranks_s": sum(w.cpu_s for w in ranks), "ranks_baton_s": sum(w.baton_cpu_s for w in ranks),
+               "spares_s": sum(w.cpu_s for w in spares), "control_plane_s": time.process_time()}
+        out["baton_s"] = out["ranks_baton_s"] + out["spares_s"] + out["control_plane_s"]
+        out["total_s"] = out["ranks_s"] + out["spares_s"] + out["control_plane_s"]
+        return {k: round(v, 4) for k, v in out.items()}
+
     def _on_finished(self, w: Worker, rep: m.Finished) -> None:
+        self._note_cpu(w, rep.cpu)
         if w.rank is not None and self.ranks[w.rank].worker == w.id:
             self.ranks[w.rank].state = RankState.FINISHED
             self.ranks[w.rank].step = rep.pos[0]
@@ -387,7 +405,7 @@ class Orchestrator(PlannedMoves, Recovery, SparePool):
             self._emit("note", {"message": f"the {kind.value} move of rank {rank} ({cause}) was still waiting "
                                            "to run again when training finished"})
         self._retry_moves = []
-        self._emit("finished", {})
+        self._emit("finished", {"cpu": self.cpu_summary()})
         for info in self.ranks.values():
             if info.worker:
                 self._post(info.worker, m.Done())
@@ -696,6 +714,7 @@ class Orchestrator(PlannedMoves, Recovery, SparePool):
                 "taints": taints,
                 "slots": [{"slot": s.name, "taint": s.taint} for s in self.slots.values()],
                 "yoco_ratio": self.yoco_ratio(),
+                "cpu": self.cpu_summary(),
                 "operation": None if self.op is None else {
                     "id": self.op.id, "kind": self.op.kind.value, "phase": self.op.phase,
                     "target_step": self.op.target_step, "ranks": sorted(self.op.moves),

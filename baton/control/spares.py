@@ -19,6 +19,7 @@ class SparePool:
     def _assign_joiner(self, spare: Worker, rank: int, op: Operation) -> None:
         spare.role = WorkerRole.RANK
         spare.rank = rank
+        spare.held_rank = True
         self._post(spare.id, m.Assign(rank=rank, generation=op.generation, world_size=self.config.world_size,
                                       joiner=True))
 

@@ -61,6 +61,9 @@ class Worker:
     last_seen: float = field(default_factory=time.time)
     exit_code: int | None = None
     transfer_addr: tuple[str, int] | None = None  # where this worker serves its state
+    held_rank: bool = False  # took a rank at some point (else: its whole CPU was a spare's)
+    cpu_s: float = 0.0  # CPU-seconds of the process, as it last reported them
+    baton_cpu_s: float = 0.0  # baton's own part of cpu_s (see baton.selfcost)
 
 
 @dataclass
@@ -115,6 +118,17 @@ def yoco_ratio(events: list[dict[str, Any]]) -> float | None:
         return None
     good = [e for e in done if e.get("resolved_without_rollback") and e.get("steps_lost") == 0]
     return round(len(good) / len(done), 4)
+
+
+def describe_cpu(cpu: dict[str, float]) -> str:
+    """One line on what the job's CPU went to (Orchestrator.cpu_summary), for people."""
+    def pct(part: float, whole: float) -> str:
+        return f"{part / whole:.2%}" if whole > 0 else "n/a"
+
+    return (f"baton's own CPU {cpu['baton_s']:.2f}s of the job's {cpu['total_s']:.1f}s "
+            f"({pct(cpu['baton_s'], cpu['total_s'])}): in the ranks {cpu['ranks_baton_s']:.2f}s "
+            f"({pct(cpu['ranks_baton_s'], cpu['ranks_s'])} of their {cpu['ranks_s']:.1f}s), "
+            f"spares {cpu['spares_s']:.2f}s, control plane {cpu['control_plane_s']:.2f}s")
 
 
 def to_json(obj: Any) -> Any:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import xxhash
 
+from baton import selfcost
 from baton.transfer.protocol import (
     CHUNK_HEADER,
     FlatState,
@@ -164,10 +165,8 @@ def fetch_state(sources: list[tuple[str, int]], generation: int, token: str,
     # thread the scheduler runs first; after that, whoever is free takes the next batch.
     firsts = [take() for _ in conns]
     stats.per_source.update({f"{c.addr[0]}:{c.addr[1]}": 0 for c in conns})
-    threads = [threading.Thread(target=worker, args=(c, first), daemon=True) for c, first in zip(conns, firsts)]
     prefault.start()
-    for t in threads:
-        t.start()
+    threads = [selfcost.spawn(worker, "baton-fetch", (c, first)) for c, first in zip(conns, firsts)]
     for t in threads:
         t.join()
     prefault.stop()
@@ -253,8 +252,7 @@ class _Prefaulter:
 
     def start(self) -> None:
         if _madvise is not None and sum(len(r) for r in self._ranges) > 0:
-            self._thread = threading.Thread(target=self._run, name="baton-prefault", daemon=True)
-            self._thread.start()
+            self._thread = selfcost.spawn(self._run, "baton-prefault")
 
     def stop(self) -> None:
         self._stop = True

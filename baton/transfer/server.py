@@ -18,6 +18,7 @@ import threading
 
 import xxhash
 
+from baton import selfcost
 from baton.transfer.protocol import (
     CHUNK_HEADER,
     DEFAULT_CHUNK_BYTES,
@@ -84,7 +85,7 @@ class TransferServer:
         from baton.transfer.bundles import WardStore
 
         self.wards = WardStore()
-        threading.Thread(target=self._accept_loop, name="baton-transfer", daemon=True).start()
+        selfcost.spawn(self._accept_loop, "baton-transfer")
 
     def publish(self, generation: int, state: FlatState) -> None:
         views = [byte_view(t) for t in state.tensors]
@@ -111,7 +112,7 @@ class TransferServer:
                 conn, _ = self._sock.accept()
             except OSError:
                 return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+            selfcost.spawn(self._serve, "baton-transfer-conn", (conn,))
 
     def _wait_published(self, generation: int) -> tuple[FlatState, list[list[Piece]], list[memoryview]] | None:
         with self._cond:

@@ -26,6 +26,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from baton import selfcost
 from baton.transfer.bundles import NACK, Bundle, Pos, encode_bundle_frame, read_bundle_frame
 from baton.transfer.protocol import TransferError, recv_exact, send_json
 
@@ -85,7 +86,7 @@ class BundlePusher:
         self._closed = False
         self.sent = 0
         self.resent = 0
-        threading.Thread(target=self._writer, name="baton-bundle-push", daemon=True).start()
+        selfcost.spawn(self._writer, "baton-bundle-push")
 
     def push(self, b: Bundle, frame: bytes) -> None:
         """Send `b`, already encoded as `frame` (once for every buddy)."""
@@ -140,8 +141,7 @@ class BundlePusher:
                     item.offset = 0  # a new connection gets the whole frame
                     with self._lock:
                         self._sock = sock
-                    threading.Thread(target=self._nack_reader, args=(sock,), name="baton-bundle-nack",
-                                     daemon=True).start()
+                    selfcost.spawn(self._nack_reader, "baton-bundle-nack", (sock,))
                 sock.sendall(memoryview(item.frame)[item.offset:])
                 return True
             except (OSError, TransferError) as exc:

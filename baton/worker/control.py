@@ -20,6 +20,7 @@ from typing import Any, Callable
 import httpx
 from pydantic import BaseModel, ValidationError
 
+from baton import selfcost
 from baton.control import messages as m
 from baton.control.beats import BeatSender
 
@@ -29,6 +30,11 @@ log = logging.getLogger("baton.worker")
 # idle spare only has to look fresh when a move picks one (within two timeouts).
 RANK_BEATS_PER_TIMEOUT = 4
 SPARE_BEATS_PER_TIMEOUT = 2
+
+
+def cpu_report() -> m.CpuReport:
+    use = selfcost.snapshot()
+    return m.CpuReport(process_s=use.process_s, baton_s=use.baton_s)
 
 
 class OrchestratorGone(RuntimeError):
@@ -105,8 +111,8 @@ class ControlChannel:
 
     # ------------------------------------------------------------------ threads
     def start(self) -> None:
-        threading.Thread(target=self._poll_loop, name="baton-poll", daemon=True).start()
-        threading.Thread(target=self._report_loop, name="baton-report", daemon=True).start()
+        selfcost.spawn(self._poll_loop, "baton-poll")
+        selfcost.spawn(self._report_loop, "baton-report")
 
     def stop(self) -> None:
         self._stopped.set()
@@ -172,7 +178,7 @@ class ControlChannel:
                 if item is not None:
                     self._post(f"/v1/workers/{self.worker_id}/reports", item)
                 if time.time() - last_beat >= self.beat_every:
-                    self._beat(m.Heartbeat(**self.heartbeat))
+                    self._beat(m.Heartbeat(**self.heartbeat, cpu=cpu_report()))
                     last_beat = time.time()
             except OrchestratorGone:
                 if not self._stopped.is_set():

@@ -27,6 +27,8 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+from baton import selfcost
+
 
 class _SkipBatches:
     """A batch sampler that drops the first `skip` batches of another one."""
@@ -133,14 +135,16 @@ class DataFeed:
         if self._iter is None:
             self._iter = self._make_iter(index)
         try:
-            return next(self._iter)
+            with selfcost.outside():  # the script's data pipeline: its own work, as under torchrun
+                return next(self._iter)
         except StopIteration:
             # A steps-style loop runs through epochs: start the next one.
             self.epoch += 1
             self.index = 0
             self.record = None
             self._iter = self._make_iter(0)
-            return next(self._iter)
+            with selfcost.outside():
+                return next(self._iter)
 
     def _make_iter(self, skip: int) -> Iterator[Any]:
         data = self.data
@@ -165,7 +169,8 @@ class DataFeed:
     def _iter_at(self, skip: int) -> Iterator[Any]:
         data = self.data
         if skip == 0:
-            it = iter(data)
+            with selfcost.outside():  # starting the epoch's loader (its workers): the script's work
+                it = iter(data)
         elif isinstance(data, DataLoader) and data.batch_sampler is not None and data.num_workers == 0 and \
                 not isinstance(data.dataset, IterableDataset):
             it = iter(_loader_from(data, skip))

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from baton import selfcost
 from baton.worker.group import solo_group
 
 if TYPE_CHECKING:
@@ -79,10 +80,12 @@ def _broadcast_from_rank0(rt: "Runtime", model: torch.nn.Module) -> None:
             dist._broadcast_coalesced(rt.group, tensors, 250 * 1024 * 1024, 0)
 
 
+@selfcost.counted
 def _allreduce_hook(rt, bucket):  # DDP inspects real annotations; see below
     rt.on_sync_backward(first=bucket.index() == 0, last=bucket.is_last())
     buffer = bucket.buffer()
-    buffer.mul_(1.0 / rt.world_size)  # what DDP's reducer does without a hook
+    with selfcost.outside():  # what DDP's reducer does without a hook: not baton's cost
+        buffer.mul_(1.0 / rt.world_size)
     return rt.group.reduce_gradients(buffer)
 
 

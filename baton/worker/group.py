@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 import torch._C._distributed_c10d as _c10d
 
+from baton import selfcost
+
 
 @functools.cache
 def _gloo_device() -> dist.ProcessGroupGloo.Device:
@@ -241,30 +243,31 @@ class LiveGroup(dist.ProcessGroup):
         return self._inner
 
     def _watch(self, work: dist.Work) -> dist.Work:
-        fut = work.get_future()
-
-        def check(f: torch.futures.Future) -> None:
-            try:
-                f.value()
-            except Exception as exc:  # noqa: BLE001 - any error here means the group is broken
-                self.note_failure(exc)
-
-        fut.add_done_callback(check)
+        work.get_future().add_done_callback(self._check)
         return work
+
+    @selfcost.counted
+    def _check(self, f: torch.futures.Future) -> None:
+        try:
+            f.value()
+        except Exception as exc:  # noqa: BLE001 - any error here means the group is broken
+            self.note_failure(exc)
 
     def reduce_gradients(self, tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
         """DDP's bucket all-reduce (baton's own: no guard), resolving to the bucket itself.
         One Python callback per bucket, where a watched collective plus `then` would take two."""
-        fut = self._backend().allreduce([tensor], dist.AllreduceOptions()).get_future()
+        backend = self._backend()
+        with selfcost.outside():  # the all-reduce DDP itself would issue: not baton's cost
+            fut = backend.allreduce([tensor], dist.AllreduceOptions()).get_future()
+        return fut.then(self._reduced)
 
-        def reduced(f: torch.futures.Future) -> torch.Tensor:
-            try:
-                return f.value()[0]
-            except Exception as exc:  # noqa: BLE001 - any error here means the group is broken
-                self.note_failure(exc)
-                raise
-
-        return fut.then(reduced)
+    @selfcost.counted
+    def _reduced(self, f: torch.futures.Future) -> torch.Tensor:
+        try:
+            return f.value()[0]
+        except Exception as exc:  # noqa: BLE001 - any error here means the group is broken
+            self.note_failure(exc)
+            raise
 
     def allreduce(self, tensors, opts=None):  # type: ignore[override]
         opts = opts if opts is not None else dist.AllreduceOptions()

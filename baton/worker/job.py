@@ -36,6 +36,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from baton import selfcost
 from baton.control import messages as m
 from baton.store.rendezvous import rendezvous_store
 from baton.transfer import TransferServer
@@ -79,6 +80,7 @@ class Step:
     def __enter__(self) -> "Step":
         return self
 
+    @selfcost.counted
     def __exit__(self, exc_type, exc, tb) -> bool:
         rt = self._rt
         if exc_type is None:
@@ -192,6 +194,9 @@ class Job:
     def steps(self, total: int, batches_per_step: int = 1, start: int = 0) -> Iterator[Step]:
         """Yield steps `start`..`total`-1 (`start`: where a resume block left off; `step.index`
         counts from 0 either way); a joiner starts at the step its rank was on."""
+        return selfcost.counted_iter(self._steps(total, batches_per_step, start))
+
+    def _steps(self, total: int, batches_per_step: int, start: int) -> Iterator[Step]:
         self._check_total(total, "job.steps")
         self._check_total(start, "job.steps(start=...)")
         rt = self._rt
@@ -204,6 +209,9 @@ class Job:
     def epochs(self, total: int, batches_per_step: int = 1, start: int = 0) -> Iterator[Epoch]:
         """Yield epochs `start`..`total`-1, each iterating its steps over the tracked loader
         (`start`: the epoch a resume block loaded); a joiner starts in the epoch its rank was in."""
+        return selfcost.counted_iter(self._epochs(total, batches_per_step, start))
+
+    def _epochs(self, total: int, batches_per_step: int, start: int) -> Iterator[Epoch]:
         self._check_total(total, "job.epochs")
         self._check_total(start, "job.epochs(start=...)")
         rt = self._rt
@@ -213,16 +221,22 @@ class Job:
             raise UsageError("job.epochs() needs job.track(data=loader) with a loader that has a "
                              "length; use job.steps(total) for endless data")
         rt.enter_loop("epochs", total * spe, total, start * spe)
-        items = rt.items()
+        items = selfcost.counted_iter(rt.items())
         for epoch in range(rt.first_epoch(spe), total):
             yield Epoch(epoch, items)
         for _ in items:  # boundary functions after the last epoch, if any are left
             pass
 
+    def cpu_use(self) -> selfcost.CpuUse:
+        """CPU-seconds this process has used, and baton's own share of them (counted as it
+        runs: see baton.selfcost). Subtract two readings for a window."""
+        return selfcost.snapshot()
+
     def _check_total(self, total: int, where: str) -> None:
         if not isinstance(total, int) or isinstance(total, bool) or total < 0:
             raise ValueError(f"{where}(total): total must be a non-negative integer, got {total!r}")
 
+    @selfcost.counted
     def log(self, **metrics: float) -> None:
         """Attach metrics (loss, ...) to this rank's next heartbeat; shown by `baton status`."""
         self._rt.metrics.update({k: float(v) for k, v in metrics.items()})
@@ -230,7 +244,7 @@ class Job:
     def finish(self) -> None:
         """Report completion; returns once every rank has finished (a rank lost at the end is
         replaced first). Code after it (saving, say) runs as usual."""
-        self._rt.finish()
+        selfcost.counted(self._rt.finish)()
         # Interpreter teardown would destroy gloo groups with the GIL held, which can hang;
         # once the script is done, leave without it, with the script's own exit code.
         atexit.register(_exit_now)
@@ -271,6 +285,8 @@ def init() -> Job:
         if isinstance(got, m.Assign):
             cmd = got
             log.info("assigned rank %s (joiner=%s)", got.rank, got.joiner)
+    if cmd.joiner:
+        selfcost.count_spare_time()
     host, port = os.environ[ENV_STORE].rsplit(":", 1)
     store = rendezvous_store(host, int(port), master=False, formation_timeout_s=config.formation_timeout_s)
     os.environ.update(RANK=str(cmd.rank), WORLD_SIZE=str(cmd.world_size), LOCAL_RANK=str(cmd.rank),

@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from baton import selfcost
 from baton.control import messages as m
 from baton.transfer import TransferError, codec, fetch_state
 from baton.transfer.bundles import Bundle, Pos, newest
@@ -38,7 +39,7 @@ from baton.transfer.protocol import FlatState
 from baton.transfer.server import PUSH, TransferServer, connect
 from baton.worker import rng, verify
 from baton.worker.bundle import BundlePushers, StepCapture, fetch_ward_bundle
-from baton.worker.control import ControlChannel
+from baton.worker.control import ControlChannel, cpu_report
 from baton.worker.data import DataFeed
 from baton.worker.group import CollectiveFailure, LiveGroup, install_as_world, solo_group
 from baton.worker.tracked import Tracked, UsageError, reset_scaler_stage
@@ -293,7 +294,8 @@ class Runtime:
         epoch = (gap // spe - 1 if unit.epoch_end and spe else (gap // spe if spe else self.feed.epoch))
         self.scope = self.tracked.scope = "boundary"
         try:
-            unit.fn(BoundaryInfo(gap, epoch))
+            with selfcost.outside():
+                unit.fn(BoundaryInfo(gap, epoch))
             self.scope = self.tracked.scope = None
             after = (gap, self.pos[1] + 1)
             bundle, after_rng = self._capture_at(after)
@@ -374,6 +376,7 @@ class Runtime:
                 self.group.note_failure(err)
                 raise err
 
+    @selfcost.counted
     def watch_backward_start(self, out: Any) -> None:
         """After a syncing forward: capture when its backward starts, the last moment before
         the gradient collectives by which the step has drawn everything it draws. Hooks the
@@ -384,14 +387,18 @@ class Runtime:
         self.backward_token = token
 
         def started(_grad_outputs: Any) -> None:
-            if self.backward_token is token and not self.backward_captured and self.scope == "step" \
-                    and not self.committed:
-                self.backward_captured = True
-                self._capture_point()
+            self._backward_started(token)
 
         for t in _output_tensors(out):
             if t.grad_fn is not None:
                 t.grad_fn.register_prehook(started)
+
+    @selfcost.counted
+    def _backward_started(self, token: object) -> None:
+        if self.backward_token is token and not self.backward_captured and self.scope == "step" \
+                and not self.committed:
+            self.backward_captured = True
+            self._capture_point()
 
     def on_sync_backward(self, first: bool, last: bool) -> None:
         """From the DDP comm hook: the syncing backward's first/last gradient bucket."""
@@ -407,6 +414,7 @@ class Runtime:
             self.backward_token = None
             self._gate()
 
+    @selfcost.counted
     def _guard(self, op: str) -> dist.ProcessGroup | None:
         if not self.loop_started:
             if self.joiner:
@@ -431,12 +439,14 @@ class Runtime:
             self._gate()
         return None
 
+    @selfcost.counted
     def check_forward_placement(self) -> None:
         if self.loop_started and self.scope is None and not self.loop_done:
             raise UsageError("a forward pass of a wrapped model with buffers (which DDP broadcasts) ran "
                              "outside `with step:` and outside boundary functions: run validation in a "
                              "@job.every / @job.at_epoch_end function")
 
+    @selfcost.counted
     def _on_optimizer_step(self, *_: Any) -> None:
         if not self.loop_started:
             return
@@ -781,7 +791,7 @@ class Runtime:
         if self.finished:
             return
         self.finished = True
-        self.ctl.report(m.Finished(pos=self.pos))
+        self.ctl.report(m.Finished(pos=self.pos, cpu=cpu_report()))
         while True:
             cmd = self.ctl.wait_command(0.5)
             if cmd is None:
@@ -792,7 +802,7 @@ class Runtime:
                 self.finished = False
                 self.recover(in_step=False, error="peer lost after the step loop")
                 self.finished = True
-                self.ctl.report(m.Finished(pos=self.pos))
+                self.ctl.report(m.Finished(pos=self.pos, cpu=cpu_report()))
         self.ctl.flush()
         self.ctl.stop()
         self.pusher.close()
