@@ -385,6 +385,15 @@ def cpu_summary(cpu: CpuWindow, events: list[dict], w: Workload, run_dir: Path) 
     rank_pids = {rk["pid"] for rk in ranks}
     others_s, per_process, fallbacks = cpu.others(rank_pids)
     missing = rank_pids - set(cpu.end)
+    if all("baton" in rk["warm"] and "baton" in rk["end"] for rk in ranks):
+        # baton's own count, bottom up: its share of the ranks' CPU, plus every process outside
+        # the ranks (launcher, spare), which is baton's and nothing else.
+        own = {k: sum(rk["end"]["baton"][k] - rk["warm"]["baton"][k] for rk in ranks)
+               for k in ("entry_s", "threads_s", "baton_s")}
+        out["own_cpu_s_per_step"] = (own["baton_s"] + others_s) / n
+        out["own_cpu_split_s_per_step"] = {"rank entry points": own["entry_s"] / n,
+                                           "rank threads": own["threads_s"] / n,
+                                           "outside the ranks": others_s / n}
     out.update({
         "cpu_s_per_step": (ranks_s + others_s) / n,
         "cpu_others_s_per_step": others_s / n,

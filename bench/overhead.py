@@ -47,10 +47,12 @@ def bench_overhead(py: str, peer_py: str | None, *, sizes_m: list[float], steps:
             r = run_job(contenders[key], w, tmp / f"overhead-{size}M-{key}-{i}", cpu_window=True)
             cpu = r.get("cpu_s_per_step")
             others = r.get("cpu_others_s_per_step")
+            own = r.get("own_cpu_s_per_step")
             print(f"  {size}M params round {i + 1}/{rounds} {key:>12}: step {r['step_s'] * 1e3:.1f} ms (median), "
                   + (f"{r['mean_step_s'] * 1e3:.1f} ms (mean), " if r.get("mean_step_s") else "")
                   + (f"CPU {cpu * 1e3:.1f} ms/step, of which {others * 1e3:.1f} outside the ranks"
-                     if cpu is not None else f"CPU: none ({r.get('cpu_note')})"), flush=True)
+                     if cpu is not None else f"CPU: none ({r.get('cpu_note')})")
+                  + (f", baton's own (counted) {own * 1e3:.2f}" if own is not None else ""), flush=True)
             return r
 
         results = interleave(list(contenders), rounds, one)
@@ -61,6 +63,17 @@ def bench_overhead(py: str, peer_py: str | None, *, sizes_m: list[float], steps:
                               for k in contenders if k != "ddp"}
         row["cpu_others_s_per_step"] = {k: median_range(rnd[k].get("cpu_others_s_per_step") for rnd in results)
                                         for k in contenders}
+        # baton's own CPU, counted by baton as it ran (bottom up), against plain DDP's whole tree
+        # in the same round: what it adds, resolved far below the A/A noise of the ratios above.
+        own = {k: [rnd[k].get("own_cpu_s_per_step") for rnd in results] for k in contenders}
+        own = {k: v for k, v in own.items() if any(x is not None for x in v)}
+        row["own_cpu_s_per_step"] = {k: median_range(v) for k, v in own.items()}
+        row["own_cpu_vs_ddp"] = {k: median_range(_ratio(rnd[k].get("own_cpu_s_per_step"),
+                                                        rnd["ddp"].get("cpu_s_per_step")) for rnd in results)
+                                 for k in own}
+        row["own_cpu_split_s_per_step"] = {
+            k: {part: median_range((rnd[k].get("own_cpu_split_s_per_step") or {}).get(part) for rnd in results)
+                for part in ("rank entry points", "rank threads", "outside the ranks")} for k in own}
         if "baton-verify" in contenders:
             row["verify_vs_baton"] = {
                 metric: median_range(_ratio(rnd["baton-verify"].get(metric), rnd["baton"].get(metric))

@@ -229,6 +229,38 @@ def _reference_ddp(contenders: list[dict]) -> dict | None:
 _MORE = {"step time": "slower than plain DDP", "CPU-seconds per step": "more CPU per step than plain DDP"}
 
 
+def _pct(mr: Any, with_n: bool = False) -> str:
+    """'3.41% (3.02–3.95)' for a fraction's median/min/max."""
+    if not _is_mr(mr):
+        return NONE
+    out = f"{100 * mr['median']:.2f}%"
+    if isinstance(mr.get("min"), (int, float)) and isinstance(mr.get("max"), (int, float)):
+        out += f" ({100 * mr['min']:.2f}{DASH}{100 * mr['max']:.2f})"
+    if with_n and mr.get("n") is not None:
+        out += f", n={mr['n']}"
+    return out
+
+
+def _own_verdict(s: dict) -> str | None:
+    """baton's own CPU per step, as it counted it, against plain DDP's whole tree and the 1% goal."""
+    frac = (s.get("own_cpu_vs_ddp") or {}).get("baton")
+    ms = (s.get("own_cpu_s_per_step") or {}).get("baton")
+    if not _is_mr(frac) or not _is_mr(ms):
+        return None
+    split = (s.get("own_cpu_split_s_per_step") or {}).get("baton") or {}
+    parts = ", ".join(f"{name} {_mr(v, 'ms', 1e3, rng=False)}" for name, v in split.items() if _is_mr(v))
+    hi = frac.get("max", frac["median"])
+    lo = frac.get("min", frac["median"])
+    verdict = ("within the 1% goal in every round" if hi <= OVERHEAD_GOAL - 1 else
+               "above the 1% goal in every round: the goal is missed at this size" if lo > OVERHEAD_GOAL - 1 else
+               "around the 1% goal: within it in some rounds only")
+    return (f"baton's own CPU, counted by baton as it ran (`job.cpu_use()`: its entry points on the training "
+            f"thread and its threads in every rank, plus the launcher and the spare): {_mr(ms, 'ms', 1e3)} per "
+            f"step ({parts}), which is {_pct(frac, with_n=True)} of plain DDP's whole-tree CPU per step in the "
+            f"same round: {verdict}. This count does not see work baton makes torch do outside its entry "
+            "points; the whole-tree ratio above does, within its noise.")
+
+
 def _overhead_verdict(who: str, r: Any, what: str = "step time", aa: Any = None) -> str:
     """One sentence on a contender/plain DDP ratio against the 1% goal, from its range; `aa`, plain
     DDP against itself in the same rounds, says how wide the noise alone is."""
@@ -297,6 +329,8 @@ def headline_overhead(result: dict) -> list[str]:
     verify = _label("baton-verify", ov)
     rows = [("step time (median), baton / plain DDP", "ratio_vs_ddp", "baton"),
             ("CPU-seconds per step, whole process tree, baton / plain DDP", "cpu_ratio_vs_ddp", "baton"),
+            ("baton's own CPU per step, counted by baton itself, as a share of plain DDP's", "own_cpu_vs_ddp",
+             "baton"),
             ("step time (median), plain DDP again / plain DDP (A/A: the noise floor)", "ratio_vs_ddp", "ddp-again"),
             ("CPU-seconds per step, plain DDP again / plain DDP (A/A: the noise floor)", "cpu_ratio_vs_ddp",
              "ddp-again"),
@@ -315,7 +349,8 @@ def headline_overhead(result: dict) -> list[str]:
         (f"{note.removeprefix('n = ')} rounds" if note else "rounds")
     out = [f"| {head} | " + " | ".join(f"{_params(s.get('params'))} params" for s in sizes) + " |",
            "|---|" + "---:|" * len(sizes)]
-    out += [f"| {label} | " + " | ".join(_ratio(m, per_cell) for m in mrs) + " |" for label, mrs in cells]
+    out += [f"| {label} | " + " | ".join((_pct if "own CPU" in label else _ratio)(m, per_cell) for m in mrs) + " |"
+            for label, mrs in cells]
     return out
 
 
@@ -549,6 +584,9 @@ def _overhead_md(sec: dict, img: str | None) -> list[str]:
         if "baton" in ct:
             bullets.append(f"{label}: " + _overhead_verdict("baton", ct.get("baton"), "CPU-seconds per step",
                                                             aa=ct.get("ddp-again")))
+        own = _own_verdict(s)
+        if own:
+            bullets.append(f"{label}: {own}")
         vb = s.get("verify_vs_baton") or {}
         if any(_is_mr(v) for v in vb.values()):
             who = _label("baton-verify", sec)

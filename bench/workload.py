@@ -69,16 +69,21 @@ def batches_from(loader: DataLoader, step: int):
         epoch, skip = epoch + 1, 0
 
 
-def _cpu_mark(done: int) -> dict:
+def _cpu_mark(done: int, own=None) -> dict:
     ru = resource.getrusage(resource.RUSAGE_SELF)
-    return {"t": time.time(), "cpu_s": ru.ru_utime + ru.ru_stime, "step": done}
+    mark = {"t": time.time(), "cpu_s": ru.ru_utime + ru.ru_stime, "step": done}
+    if own is not None:  # baton's own count (job.cpu_use()): its share of this process's CPU
+        use = own()
+        mark["baton"] = {"entry_s": use.entry_s, "threads_s": use.threads_s, "baton_s": use.baton_s}
+    return mark
 
 
 class Progress:
     """Rank 0's event log and every rank's pid and CPU files, for the drivers that kill and time."""
 
-    def __init__(self, run_dir: str | None, rank: int, window: tuple[int, int] | None = None, **tags):
+    def __init__(self, run_dir: str | None, rank: int, window: tuple[int, int] | None = None, own=None, **tags):
         self.dir = Path(run_dir) if run_dir else None
+        self.own = own
         self.rank = rank
         self.window = window  # (warmup, steps): when to read this process's CPU time
         self.marks: dict[str, dict] = {}
@@ -100,9 +105,9 @@ class Progress:
         if self.dir is not None and self.window is not None:
             warmup, steps = self.window
             if "warm" not in self.marks and done >= warmup:
-                self.marks["warm"] = _cpu_mark(done)
+                self.marks["warm"] = _cpu_mark(done, self.own)
             if "end" not in self.marks and "warm" in self.marks and done >= steps:
-                self.marks["end"] = _cpu_mark(done)
+                self.marks["end"] = _cpu_mark(done, self.own)
                 tmp = self.dir / f".cpu.rank{self.rank}.json.tmp"
                 tmp.write_text(json.dumps({"pid": os.getpid(), **self.marks}))
                 os.replace(tmp, self.dir / f"cpu.rank{self.rank}.json")
@@ -183,7 +188,7 @@ def run_baton(args) -> None:
     import baton
 
     job = baton.init()
-    progress = Progress(args.run_dir, job.rank, _window(args))
+    progress = Progress(args.run_dir, job.rank, _window(args), own=job.cpu_use)
     progress.emit("start", process_start=T_PROCESS_START)
     torch.manual_seed(0)
     model = job.wrap(build_model(args.params_m))

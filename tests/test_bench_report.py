@@ -41,6 +41,11 @@ def _result() -> dict:
                                        "torchft": _mr(0.0016, 0.0014, 0.0017)},
              "verify_vs_baton": {"step_s": _mr(1.01, 0.98, 1.03), "mean_step_s": _mr(1.03, 1.01, 1.05),
                                  "cpu_s_per_step": _mr(1.019, 1.012, 1.026)},
+             "own_cpu_s_per_step": {"baton": _mr(0.0030, 0.0028, 0.0033)},
+             "own_cpu_vs_ddp": {"baton": _mr(0.0417, 0.0390, 0.0450)},
+             "own_cpu_split_s_per_step": {"baton": {"rank entry points": _mr(0.0024, 0.0022, 0.0026),
+                                                    "rank threads": _mr(0.0001, 0.0001, 0.0001),
+                                                    "outside the ranks": _mr(0.0005, 0.0005, 0.0006)}},
              "cpu_check": {"ranks_proc_over_self": _mr(0.99, 0.97, 1.01), "max_harness_lag_s": 0.004,
                            "tick_fallbacks": 0, "processes_exited_in_window": 0, "ranks_not_in_tree": 0,
                            "notes": []}},
@@ -103,6 +108,8 @@ def test_page_and_plots(tmp_path):
     assert "baton / plain DDP, CPU-seconds per step = 1.05× (1.03–1.07), n=3: more CPU per step than plain DDP by " \
            "more than 1% in every round; the 1% goal is missed at this size." in text
     assert "baton / plain DDP, CPU-seconds per step = 1.00× (1.00–1.01), n=3: within the 1% goal in every round." in text
+    assert "4.17% (3.90–4.50), n=3 of plain DDP's whole-tree CPU per step in the same round: above the 1% goal " \
+        "in every round" in text
     assert "75.7 ms (75.0–76.5)" in text  # baton's CPU per step at 2.2M
     # the A/A comparison: plain DDP against itself gives the noise any ratio is read against
     assert "A/A comparison" in text
@@ -137,6 +144,8 @@ def test_headline_has_every_size_and_contender():
     assert "1.05× (1.03–1.07)" in cpu and "1.00× (1.00–1.01)" in cpu
     aa = next(ln for ln in lines if ln.startswith("| CPU-seconds per step, plain DDP again / plain DDP (A/A"))
     assert "1.00× (0.96–1.05)" in aa and aa.rstrip().endswith("| — |")
+    own = next(ln for ln in lines if ln.startswith("| baton's own CPU per step, counted by baton itself"))
+    assert "4.17% (3.90–4.50)" in own and own.rstrip().endswith("| — |")  # not counted at 10.6M
     verify = next(ln for ln in lines if ln.startswith("| CPU-seconds per step, `baton --verify-every 10` / baton"))
     assert "1.02× (1.01–1.03)" in verify and verify.rstrip().endswith("| — |")  # not measured at 10.6M
     assert "| what | result |" in table and "time lost per failure" in table

@@ -129,11 +129,16 @@ class WardStore:
              cancelled: Callable[[], bool]) -> bool:
         """Until the ward's bundle for (generation, pos, capture point >= seq) is here."""
         deadline = time.monotonic() + timeout
+
+        def here() -> bool:
+            return any(f.generation == generation and f.pos == pos and f.seq >= seq
+                       for f in self._by_rank.get(rank, []))
+
         while True:
             with self._lock:
-                self._drain_locked()
-                if any(f.generation == generation and f.pos == pos and f.seq >= seq
-                       for f in self._by_rank.get(rank, [])):
+                # Read only until it is here: in steady state one recv takes the frame, and the
+                # read that would find the socket empty (an exception in Python) is skipped.
+                if here() or (self._drain_locked(until=here) and here()):
                     return True
                 conns = list(self._inbox)
             if cancelled():
@@ -162,7 +167,9 @@ class WardStore:
         kept.sort(key=lambda x: (x.pos, x.generation, x.seq))
         self._by_rank[f.rank] = kept[-self.KEEP:]
 
-    def _drain_locked(self) -> None:
+    def _drain_locked(self, until: Callable[[], bool] | None = None) -> bool:
+        """Read and parse what the push connections hold; stop early once `until()` holds
+        (returns whether it did)."""
         for conn, buf in list(self._inbox.items()):
             ended = False
             while True:
@@ -176,6 +183,15 @@ class WardStore:
                     ended = True
                     break
                 buf += chunk
+                if until is not None and len(buf) >= HEAD.size:
+                    try:
+                        self._parse_locked(conn, buf)
+                    except TransferError as exc:
+                        log.warning("dropped a bundle push connection: %s", exc)
+                        ended = True
+                        break
+                    if until():
+                        return True
             try:
                 self._parse_locked(conn, buf)
             except TransferError as exc:
@@ -183,6 +199,7 @@ class WardStore:
                 ended = True
             if ended:
                 self._close_locked(conn)
+        return False
 
     def _parse_locked(self, conn: socket.socket, buf: bytearray) -> None:
         while len(buf) >= HEAD.size:
