@@ -129,6 +129,32 @@ def _bundle(seq: int = 0):
     return Bundle.of(2, (7, 0), 3, seq, state)
 
 
+def test_a_step_frame_written_directly_is_the_bundles_frame_byte_for_byte():
+    """The hot path writes a step's state straight to its wire frame; it must be exactly the
+    frame of the same state made the long way (Bundle.of, then encode_bundle_frame)."""
+    import numpy as np
+
+    from baton.transfer.bundles import Bundle, encode_bundle_frame, encode_frame
+
+    bn = torch.nn.BatchNorm1d(3)
+    bn(torch.randn(4, 3))
+    state = {"rng": rng.capture({"g": torch.Generator().manual_seed(3)}),
+             "buffers": {"bn.running_mean": bn.running_mean, "bn.num_batches_tracked": bn.num_batches_tracked,
+                         "half": torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)[:, 1],  # not contiguous
+                         "empty": torch.empty(0)},
+             "local": {"best": 1.5, "seen": [1, 2], "blob": b"", "tup": (1, "a")},
+             "data": {"epoch": 2, "index": 8, "record": {"epoch": 2, "states": [torch.Generator().get_state()]},
+                      "arr": np.arange(5, dtype=np.int64)}}
+    frame = encode_frame(2, (7, 0), 3, 1, state)
+    long_way = Bundle.of(2, (7, 0), 3, 1, state)
+    assert frame.raw == encode_bundle_frame(long_way)
+    assert (frame.rank, frame.pos, frame.generation, frame.seq) == (2, (7, 0), 3, 1) and frame.checksum_ok()
+    assert frame.bundle().digest() == long_way.digest()
+    back = frame.state()
+    assert rng.equal(back["rng"], state["rng"]) and back["local"] == state["local"]
+    assert bitwise_equal(back["buffers"], state["buffers"])
+
+
 def test_a_corrupt_bundle_frame_is_refused_and_the_good_one_kept():
     """A step bundle damaged in transit is answered with a NACK naming it and never stored;
     sent again, it is. Good bundles get no answer (the buddy's gate is what waits)."""

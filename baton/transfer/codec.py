@@ -41,6 +41,18 @@ def encode(state: Any) -> tuple[bytes, list[torch.Tensor]]:
     return json.dumps(skeleton, separators=(",", ":")).encode(), tensors
 
 
+class Payloads(list):
+    """Where encode_payloads collects what encode would make tensors of: (dtype, shape, bytes)
+    triples, with bytes kept as they are (no tensor made, no copy) for a frame to join."""
+
+
+def encode_payloads(state: Any) -> tuple[bytes, Payloads]:
+    """Like encode, for a wire frame written at once: the payloads as (dtype, shape, bytes-like)."""
+    payloads = Payloads()
+    skeleton = _enc(state, payloads, ("state",))
+    return json.dumps(skeleton, separators=(",", ":")).encode(), payloads
+
+
 def decode(meta: bytes, tensors: list[torch.Tensor]) -> Any:
     return _dec(json.loads(meta), tensors)
 
@@ -66,12 +78,19 @@ def _tensor_index(t: torch.Tensor, tensors: list[torch.Tensor]) -> int:
         t = t.to("cpu")
     if not t.is_contiguous():
         t = t.contiguous()
-    tensors.append(t)
+    if type(tensors) is Payloads:
+        flat = t.reshape(-1)
+        tensors.append((str(t.dtype), list(t.shape), flat.view(torch.uint8).numpy() if flat.numel() else b""))
+    else:
+        tensors.append(t)
     return len(tensors) - 1
 
 
 def _bytes_index(b: bytes | bytearray, tensors: list[torch.Tensor]) -> int:
-    tensors.append(torch.frombuffer(bytearray(b), dtype=torch.uint8) if b else torch.empty(0, dtype=torch.uint8))
+    if type(tensors) is Payloads:
+        tensors.append(("torch.uint8", [len(b)], bytes(b)))
+    else:
+        tensors.append(torch.frombuffer(bytearray(b), dtype=torch.uint8) if b else torch.empty(0, dtype=torch.uint8))
     return len(tensors) - 1
 
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from baton import selfcost
-from baton.transfer.bundles import NACK, Bundle, Pos, encode_bundle_frame, read_bundle_frame
+from baton.transfer.bundles import NACK, Bundle, Frame, Pos, encode_bundle_frame, read_bundle_frame
 from baton.transfer.protocol import TransferError, recv_exact, send_json
 
 log = logging.getLogger("baton.worker")
@@ -49,9 +49,9 @@ class BundlePushers:
         for addr in wanted - set(self._pushers):
             self._pushers[addr] = BundlePusher(self._connect, addr)
 
-    def push(self, b: Bundle) -> None:
+    def push(self, b: Bundle | Frame) -> None:
         if self._pushers:
-            frame = encode_bundle_frame(b)
+            frame = b.raw if isinstance(b, Frame) else encode_bundle_frame(b)
             for p in self._pushers.values():
                 p.push(b, frame)
 
@@ -81,14 +81,14 @@ class BundlePusher:
         self._wake = threading.Condition(self._lock)
         self._backlog: deque[_Frame] = deque()  # what the writer must send, in order
         self._busy = False  # the writer is sending the backlog's head outside the lock
-        self._recent: deque[Bundle] = deque(maxlen=self.RECENT)
+        self._recent: deque[Bundle | Frame] = deque(maxlen=self.RECENT)
         self._sock: socket.socket | None = None
         self._closed = False
         self.sent = 0
         self.resent = 0
         selfcost.spawn(self._writer, "baton-bundle-push")
 
-    def push(self, b: Bundle, frame: bytes) -> None:
+    def push(self, b: Bundle | Frame, frame: bytes) -> None:
         """Send `b`, already encoded as `frame` (once for every buddy)."""
         with self._lock:
             self._recent.append(b)
@@ -163,7 +163,8 @@ class BundlePusher:
                     if again:
                         log.warning("buddy %s refused a bundle (checksum): sending it again", self._addr)
                         self.resent += 1
-                        self._backlog.append(_Frame(encode_bundle_frame(again[-1]), 0))
+                        b = again[-1]
+                        self._backlog.append(_Frame(b.raw if isinstance(b, Frame) else encode_bundle_frame(b), 0))
                         self._wake.notify()
         except (OSError, TransferError, struct.error):
             return  # the connection ended: the writer reconnects when it next has something to send
@@ -203,7 +204,7 @@ class StepCapture:
     nothing was drawn after the capture) and the bundle sent to its buddies."""
 
     rng: dict[str, Any]
-    bundle: Bundle
+    bundle: Bundle | Frame
 
 
 def fetch_ward_bundle(addr: tuple[str, int], token: str, rank: int, limit: Pos,

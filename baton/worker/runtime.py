@@ -34,7 +34,7 @@ import torch.distributed as dist
 from baton import selfcost
 from baton.control import messages as m
 from baton.transfer import TransferError, codec, fetch_state
-from baton.transfer.bundles import Bundle, Pos, newest
+from baton.transfer.bundles import Bundle, Frame, Pos, encode_frame, newest
 from baton.transfer.protocol import FlatState
 from baton.transfer.server import PUSH, TransferServer, connect
 from baton.worker import rng, verify
@@ -112,7 +112,7 @@ class Runtime:
         self.total = 0
         self.spe: int | None = None  # steps per epoch of the tracked loader, if it has a length
         self.loop: m.LoopInfo | None = None
-        self.at_pos: Bundle | None = None  # this rank's bundle describing `pos`
+        self.at_pos: Bundle | Frame | None = None  # this rank's bundle describing `pos`
         self.at_pos_rng: dict[str, Any] | None = None
         self.capture: StepCapture | None = None  # latest capture in the current step
         self.small: Any = None  # small state at the current step's start (restored for a re-run)
@@ -341,24 +341,32 @@ class Runtime:
                 "job.at_epoch_end function.")
 
     # ================================================================ captures and the gate
-    def _capture_at(self, pos: Pos, seq: int = 0) -> tuple[Bundle, dict[str, Any]]:
-        """This rank's bundle for `pos` in the current generation, and the streams in it."""
-        rng_state = rng.capture(self.tracked.generators)
-        state = {
-            "rng": rng_state,
-            "buffers": {name: b.detach().clone() for name, b in self.tracked.local_buffers().items()},
+    def _own_state(self, pos: Pos, clone: bool = True) -> dict[str, Any]:
+        """This rank's own state for `pos`: streams, local buffers, local values, data position."""
+        buffers = self.tracked.local_buffers()
+        return {
+            "rng": rng.capture(self.tracked.generators),
+            "buffers": {name: b.detach().clone() for name, b in buffers.items()} if clone else buffers,
             "local": self.tracked.local.as_dict() if self.tracked.local is not None else {},
             "data": self.feed.position_at(pos[0]),
         }
-        return Bundle.of(self.rank, pos, self.group.generation, seq, state), rng_state
+
+    def _capture_at(self, pos: Pos, seq: int = 0) -> tuple[Bundle, dict[str, Any]]:
+        """This rank's bundle for `pos` in the current generation, and the streams in it."""
+        state = self._own_state(pos)
+        return Bundle.of(self.rank, pos, self.group.generation, seq, state), state["rng"]
 
     def _capture_point(self) -> None:
-        """Inside a step: capture what the next boundary will hold and send it to the buddies."""
-        bundle, rng_state = self._capture_at((self.pos[0] + 1, 0), self.seq)
-        self.capture = StepCapture(rng_state, bundle)
+        """Inside a step: capture what the next boundary will hold and send it to the buddies.
+        Written straight to its wire frame (the buffers' bytes copied once, into it), which
+        stands in for the bundle: it is decoded only if a failure needs it."""
+        pos = (self.pos[0] + 1, 0)
+        state = self._own_state(pos, clone=False)
+        frame = encode_frame(self.rank, pos, self.group.generation, self.seq, state)
+        self.capture = StepCapture(state["rng"], frame)
         self.seq += 1
         if self.wards:
-            self.pusher.push(bundle)
+            self.pusher.push(frame)
 
     def _gate(self) -> None:
         """Contribute to this step's completion only once the ward's bundle is held here."""
