@@ -7,7 +7,11 @@ random streams and rank-local state as a bundle, encodes the bundle's frame and 
 to a buddy, and (as a buddy) takes its ward's frame off the socket at the gate. This
 times each piece on the same state a bench rank carries (torch, `random` and numpy
 streams, a data position), in microseconds per call. A diagnostic: the whole-tree
-figures in the README come from `make bench`; these say which piece to work on.
+figures in the README come from `make bench`; these say which piece to work on. They are
+warm-cache figures (each piece run thousands of times back to back): as the first thing
+after a training step's math, which streams the model and optimizer through the caches,
+the same pieces cost about ten times more (an rng capture: ~10 us here, ~100 us there).
+baton's own count (`job.cpu_use()`, the bench's "own CPU" row) is what a step really pays.
 """
 
 from __future__ import annotations
