@@ -35,7 +35,7 @@ _lock = threading.Lock()
 _entry_totals: list[list[int]] = []  # one [depth, started_ns, total_ns] per thread that entered baton
 _live_clocks: dict[int, int] = {}  # thread ident -> its CPU clock id, for baton's running threads
 _ended_ns = 0  # CPU of baton's threads that have ended
-_spare_ns = [0]  # the process's CPU while it was a spare, when it later took a rank over
+_spare_ns = 0  # the process's CPU while it was a spare, when it later took a rank over
 
 
 @dataclass(frozen=True)
@@ -85,22 +85,17 @@ def counted(fn: F) -> F:
     return entry  # type: ignore[return-value]
 
 
+_counted_next = counted(next)
+
+
 def counted_iter(it: Iterator[T]) -> Iterator[T]:
     """Iterate `it`, counting the CPU of producing each item as baton's (a generator's body
     runs only inside next(), which a decorator on the generator function never sees)."""
-    c = _counter()
     while True:
-        if c[0] == 0:
-            c[1] = time.thread_time_ns()
-        c[0] += 1
         try:
-            item = next(it)
+            item = _counted_next(it)
         except StopIteration:
             return
-        finally:
-            c[0] -= 1
-            if c[0] == 0:
-                c[2] += time.thread_time_ns() - c[1]
         yield item
 
 
@@ -146,7 +141,8 @@ def spawn(target: Callable[..., Any], name: str, args: tuple = (), daemon: bool 
 def count_spare_time() -> None:
     """This process waited as a spare until now and takes a rank over: all of it was baton's
     (its own threads' share is already counted, and not twice)."""
-    _spare_ns[0] = max(0, time.process_time_ns() - int(snapshot().threads_s * 1e9))
+    global _spare_ns
+    _spare_ns = max(0, time.process_time_ns() - int(snapshot().threads_s * 1e9))
 
 
 def snapshot() -> CpuUse:
@@ -159,4 +155,4 @@ def snapshot() -> CpuUse:
                 threads += time.clock_gettime_ns(clock)
             except OSError:  # ending right now: its CPU lands in _ended_ns, next time
                 pass
-    return CpuUse(process / 1e9, entry / 1e9, threads / 1e9, _spare_ns[0] / 1e9)
+    return CpuUse(process / 1e9, entry / 1e9, threads / 1e9, _spare_ns / 1e9)

@@ -99,15 +99,25 @@ def _mr_time(mr: Any, unit_scale: tuple[str, float], with_n: bool = False) -> st
     return _mr(mr, unit_scale[0], unit_scale[1], with_n)
 
 
-def _ratio(mr: Any, with_n: bool = False) -> str:
+def _spread(mr: Any, with_n: bool = False, scale: float = 1.0, unit: str = "×") -> str:
+    """'1.07× (0.97–1.11)' for a ratio's median/min/max (scale 100, unit '%': a fraction's)."""
     if not _is_mr(mr):
         return NONE
-    out = f"{mr['median']:.2f}×"
+    out = f"{scale * mr['median']:.2f}{unit}"
     if isinstance(mr.get("min"), (int, float)) and isinstance(mr.get("max"), (int, float)):
-        out += f" ({mr['min']:.2f}{DASH}{mr['max']:.2f})"
+        out += f" ({scale * mr['min']:.2f}{DASH}{scale * mr['max']:.2f})"
     if with_n and mr.get("n") is not None:
         out += f", n={mr['n']}"
     return out
+
+
+def _ratio(mr: Any, with_n: bool = False) -> str:
+    return _spread(mr, with_n)
+
+
+def _pct(mr: Any, with_n: bool = False) -> str:
+    """'3.41% (3.02–3.95)' for a fraction's median/min/max."""
+    return _spread(mr, with_n, 100.0, "%")
 
 
 def _secs(x: float | None) -> str:
@@ -229,18 +239,6 @@ def _reference_ddp(contenders: list[dict]) -> dict | None:
 _MORE = {"step time": "slower than plain DDP", "CPU-seconds per step": "more CPU per step than plain DDP"}
 
 
-def _pct(mr: Any, with_n: bool = False) -> str:
-    """'3.41% (3.02–3.95)' for a fraction's median/min/max."""
-    if not _is_mr(mr):
-        return NONE
-    out = f"{100 * mr['median']:.2f}%"
-    if isinstance(mr.get("min"), (int, float)) and isinstance(mr.get("max"), (int, float)):
-        out += f" ({100 * mr['min']:.2f}{DASH}{100 * mr['max']:.2f})"
-    if with_n and mr.get("n") is not None:
-        out += f", n={mr['n']}"
-    return out
-
-
 def _own_verdict(s: dict) -> str | None:
     """baton's own CPU per step, as it counted it, against plain DDP's whole tree and the 1% goal."""
     frac = (s.get("own_cpu_vs_ddp") or {}).get("baton")
@@ -339,18 +337,19 @@ def headline_overhead(result: dict) -> list[str]:
              "mean_step_s"),
             ("step time (median), TorchFT / plain DDP", "ratio_vs_ddp", "torchft"),
             ("CPU-seconds per step, whole process tree, TorchFT / plain DDP", "cpu_ratio_vs_ddp", "torchft")]
-    cells = [(label, [(s.get(field) or {}).get(key) for s in sizes]) for label, field, key in rows]
-    cells = [(label, mrs) for label, mrs in cells if any(_is_mr(m) for m in mrs)]
+    # a fraction (baton's own CPU as a share) reads as a percentage, every other row as a ratio
+    cells = [(label, _pct if field == "own_cpu_vs_ddp" else _ratio, [(s.get(field) or {}).get(key) for s in sizes])
+             for label, field, key in rows]
+    cells = [(label, fmt, mrs) for label, fmt, mrs in cells if any(_is_mr(m) for m in mrs)]
     if not cells:
         return []
-    note, per_cell = _n_note([m for _, mrs in cells for m in mrs])
+    note, per_cell = _n_note([m for _, _, mrs in cells for m in mrs])
     nproc = ov.get("nproc")
     head = "steady state" + (f", {nproc} ranks" if nproc else "") + ": median (min–max) over " + \
         (f"{note.removeprefix('n = ')} rounds" if note else "rounds")
     out = [f"| {head} | " + " | ".join(f"{_params(s.get('params'))} params" for s in sizes) + " |",
            "|---|" + "---:|" * len(sizes)]
-    out += [f"| {label} | " + " | ".join((_pct if "own CPU" in label else _ratio)(m, per_cell) for m in mrs) + " |"
-            for label, mrs in cells]
+    out += [f"| {label} | " + " | ".join(fmt(m, per_cell) for m in mrs) + " |" for label, fmt, mrs in cells]
     return out
 
 

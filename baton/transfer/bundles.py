@@ -138,7 +138,7 @@ class WardStore:
             with self._lock:
                 # Read only until it is here: in steady state one recv takes the frame, and the
                 # read that would find the socket empty (an exception in Python) is skipped.
-                if here() or (self._drain_locked(until=here) and here()):
+                if here() or self._drain_locked(until=here):
                     return True
                 conns = list(self._inbox)
             if cancelled():
@@ -171,7 +171,6 @@ class WardStore:
         """Read and parse what the push connections hold; stop early once `until()` holds
         (returns whether it did)."""
         for conn, buf in list(self._inbox.items()):
-            ended = False
             while True:
                 try:
                     chunk = conn.recv(1 << 16)
@@ -179,26 +178,18 @@ class WardStore:
                     break
                 except OSError:
                     chunk = b""
-                if not chunk:
-                    ended = True
-                    break
-                buf += chunk
-                if until is not None and len(buf) >= HEAD.size:
+                if chunk:
+                    buf += chunk
                     try:
                         self._parse_locked(conn, buf)
                     except TransferError as exc:
                         log.warning("dropped a bundle push connection: %s", exc)
-                        ended = True
-                        break
-                    if until():
-                        return True
-            try:
-                self._parse_locked(conn, buf)
-            except TransferError as exc:
-                log.warning("dropped a bundle push connection: %s", exc)
-                ended = True
-            if ended:
-                self._close_locked(conn)
+                        chunk = b""
+                if not chunk:  # the pusher closed, or sent something that is not a frame
+                    self._close_locked(conn)
+                    break
+                if until is not None and until():
+                    return True
         return False
 
     def _parse_locked(self, conn: socket.socket, buf: bytearray) -> None:
@@ -302,27 +293,28 @@ class Frame:
         return Bundle(self.rank, self.pos, self.generation, self.seq, bytes(payload[:meta_len]), tensors)
 
 
+def _pack_frame(rank: int, pos: Pos, generation: int, seq: int, meta: bytes, specs: list[list[Any]],
+                payloads: list[Any]) -> "Frame":
+    """The wire frame: header, tensor list ([dtype, shape] each), skeleton, payloads."""
+    raw_specs = json.dumps({"meta_len": len(meta), "tensors": specs}, separators=(",", ":")).encode()
+    body = b"".join([raw_specs, meta, *payloads])
+    head = _Head(False, rank, generation, (pos[0], pos[1]), seq, len(raw_specs), len(body) - len(raw_specs),
+                 xxhash.xxh3_64_intdigest(body))
+    return Frame(head, HEAD.pack(MAGIC, rank, generation, pos[0], pos[1], seq, head.specs_len, head.payload_len,
+                                 head.xxh3) + body)
+
+
 def encode_frame(rank: int, pos: Pos, generation: int, seq: int, state: dict[str, Any]) -> "Frame":
     """A rank's state straight to its wire frame: what Bundle.of then encode_bundle_frame make,
     byte for byte, without the tensors in between (the step's hot path: one walk, one join)."""
     meta, payloads = codec.encode_payloads(state)
-    specs = json.dumps({"meta_len": len(meta), "tensors": [[d, s] for d, s, _ in payloads]},
-                       separators=(",", ":")).encode()
-    body = b"".join([specs, meta, *(p for _, _, p in payloads)])
-    specs_len = len(specs)
-    xxh3 = xxhash.xxh3_64_intdigest(body)
-    head = HEAD.pack(MAGIC, rank, generation, pos[0], pos[1], seq, specs_len, len(body) - specs_len, xxh3)
-    return Frame(_Head(False, rank, generation, (pos[0], pos[1]), seq, specs_len, len(body) - specs_len, xxh3),
-                 head + body)
+    return _pack_frame(rank, pos, generation, seq, meta, [[d, s] for d, s, _ in payloads],
+                       [p for _, _, p in payloads])
 
 
 def encode_bundle_frame(b: Bundle) -> bytes:
-    specs = json.dumps({"meta_len": len(b.meta), "tensors": [[str(t.dtype), list(t.shape)] for t in b.tensors]},
-                       separators=(",", ":")).encode()
-    body = b"".join([specs, b.meta, *(byte_view(t) for t in b.tensors)])
-    head = HEAD.pack(MAGIC, b.rank, b.generation, b.pos[0], b.pos[1], b.seq, len(specs),
-                     len(body) - len(specs), xxhash.xxh3_64_intdigest(body))
-    return head + body
+    return _pack_frame(b.rank, b.pos, b.generation, b.seq, b.meta,
+                       [[str(t.dtype), list(t.shape)] for t in b.tensors], [byte_view(t) for t in b.tensors]).raw
 
 
 END_FRAME = HEAD.pack(END_MAGIC, 0, 0, 0, 0, 0, 0, 0, 0)

@@ -244,7 +244,7 @@ class Job:
     def finish(self) -> None:
         """Report completion; returns once every rank has finished (a rank lost at the end is
         replaced first). Code after it (saving, say) runs as usual."""
-        selfcost.counted(self._rt.finish)()
+        self._rt.finish()
         # Interpreter teardown would destroy gloo groups with the GIL held, which can hang;
         # once the script is done, leave without it, with the script's own exit code.
         atexit.register(_exit_now)

@@ -793,6 +793,7 @@ class Runtime:
             raise Divergence(f"state check failed at step {self.pos[0]}: {detail}: {', '.join(differing[:20])}")
 
     # ================================================================ finishing
+    @selfcost.counted
     def finish(self) -> None:
         """Report the end, then stay available until every rank is done: a rank lost at the
         very end is still replaced, with its state from these survivors."""
