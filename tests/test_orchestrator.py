@@ -184,3 +184,20 @@ def test_no_spare_within_spare_wait_fails_the_job_clearly(tmp_path):
     assert orch.exit_code == 1 and "no spare became ready for rank(s) [1] within 30s" in orch.failure
     ev = orch.event_list()[0]
     assert ev["status"] == "failed" and ev["resolved_without_rollback"] is False
+
+
+def test_a_planned_moves_leaver_lost_after_a_survivors_report_is_not_moved_twice(tmp_path):
+    """The survivor's report of a failed collective can arrive before the leaver's exit: the
+    move is kept to run again, then dropped once the leaver is known lost (the recovery moves
+    the rank), so the replacement is not moved a second time."""
+    orch, sched = _running(tmp_path, spares=2)
+    orch.handle(m.MigrateRequest(rank=1))
+    report(orch, "w0", {"type": "recover", "generation": orch.generation, "pos": [10, 0],
+                        "error": "connection reset by peer"})
+    assert orch.op.kind.value == "unplanned"
+    orch.handle(m.WorkerExited(worker_id="w1", returncode=-9))
+    planned, unplanned = orch.event_list()
+    assert planned["kind"] == "planned" and planned["status"] == "failed"
+    assert "superseded by the loss of its leaver" in planned["note"]
+    assert unplanned["kind"] == "unplanned" and unplanned["rank"] == 1
+    assert not orch._retry_moves  # nothing left to run once the recovery is over

@@ -25,6 +25,18 @@ class Move:
     to_worker: str | None = None
 
 
+@dataclass(frozen=True)
+class RetryMove:
+    """A planned or pre-emptive move that a failure interrupted; it runs again once the job
+    has re-formed, unless its leaver is lost first (then a recovery has already moved the rank)."""
+
+    rank: int
+    kind: EventKind
+    cause: str
+    event_id: int  # the interrupted move's event, whose note changes if the move is dropped
+    leaver: str | None  # the worker that held the rank when the move was asked for
+
+
 @dataclass
 class Operation:
     """One reconfiguration: the ranks moving and the generation being formed."""

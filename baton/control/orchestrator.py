@@ -32,7 +32,7 @@ from baton.control import effects as fx
 from baton.control import messages as m
 from baton.control.effects import DecisionLock
 from baton.control.mailbox import Mailboxes
-from baton.control.operation import Operation
+from baton.control.operation import Operation, RetryMove
 from baton.control.planned import PlannedMoves
 from baton.control.recovery import Recovery
 from baton.control.spares import SparePool
@@ -97,7 +97,7 @@ class Orchestrator(PlannedMoves, Recovery, SparePool):
         self.mail = Mailboxes()
         self._lock = DecisionLock(self._apply)
         self._last_tick = 0.0
-        self._retry_moves: list[tuple[int, EventKind, str]] = []  # planned moves whose joiner was lost
+        self._retry_moves: list[RetryMove] = []  # interrupted planned moves, run again after a recovery
         self.slots: dict[str, Slot] = {}
         self.workers: dict[str, Worker] = {}
         self.ranks: dict[int, RankInfo] = {r: RankInfo(rank=r) for r in range(config.world_size)}
@@ -401,8 +401,8 @@ class Orchestrator(PlannedMoves, Recovery, SparePool):
         elif op is not None:
             return  # a recovery is still bringing a rank to the end: wait for it
         self._training_done = True
-        for rank, kind, cause in self._retry_moves:
-            self._emit("note", {"message": f"the {kind.value} move of rank {rank} ({cause}) was still waiting "
+        for x in self._retry_moves:
+            self._emit("note", {"message": f"the {x.kind.value} move of rank {x.rank} ({x.cause}) was still waiting "
                                            "to run again when training finished"})
         self._retry_moves = []
         self._emit("finished", {"cpu": self.cpu_summary()})
@@ -538,6 +538,7 @@ class Orchestrator(PlannedMoves, Recovery, SparePool):
             self._joiner_lost(w, rank, cause)
             return
         self.ranks[rank].state = RankState.FAILED
+        self._drop_retries_of(w)
         if not self._training():
             # Before every rank reached its step loop there is no consistent state to hand
             # over (the initial broadcast may be half done): fail clearly instead of guessing.
@@ -638,6 +639,22 @@ class Orchestrator(PlannedMoves, Recovery, SparePool):
         self._pending_taint_moves()
         self._replenish()
         self._maybe_done()
+
+    def _drop_retries_of(self, leaver: Worker) -> None:
+        """The leaver of an interrupted move is lost: the recovery moves its rank to a spare,
+        so running the move again would move the replacement for nothing. (A survivor's report
+        can open that recovery before the leaver's exit is known, which is how such a move was
+        first kept for a retry.)"""
+        keep = []
+        for x in self._retry_moves:
+            if x.leaver != leaver.id:
+                keep.append(x)
+                continue
+            self._close(self.events[x.event_id - 1], "failed",
+                        "superseded by the loss of its leaver: the recovery moves the rank to a spare")
+            self._emit("note", {"message": f"the {x.kind.value} move of rank {x.rank} will not run again: "
+                                           f"its leaver {leaver.id} was lost and the recovery moves the rank"})
+        self._retry_moves = keep
 
     def _close(self, ev: Event, status: str, note: str) -> None:
         ev.status, ev.note = status, note

@@ -162,9 +162,10 @@ class PlannedMoves:
         if not self._ready_spares():
             return  # _on_spare_available calls again
         retry, self._retry_moves = self._retry_moves, []
-        _, kind, cause = retry[0]  # one move at a time: those sharing the first one's kind and cause
-        started = self._start_planned([r for r, k, c in retry if (k, c) == (kind, cause)], kind, cause).moves
-        self._retry_moves = [x for x in retry if x[0] not in started]
+        first = retry[0]  # one move at a time: those sharing the first one's kind and cause
+        same = [x.rank for x in retry if (x.kind, x.cause) == (first.kind, first.cause)]
+        started = self._start_planned(same, first.kind, first.cause).moves
+        self._retry_moves = [x for x in retry if x.rank not in started]
 
     def _pending_taint_moves(self) -> None:
         if self.op is not None or self.exit_code is not None:

@@ -14,7 +14,7 @@ import logging
 import time
 
 from baton.control import messages as m
-from baton.control.operation import Move, Operation
+from baton.control.operation import Move, Operation, RetryMove
 from baton.control.state import EventKind, RankState, Worker, WorkerRole
 
 log = logging.getLogger("baton.orchestrator")
@@ -75,10 +75,10 @@ class Recovery:
                 leaver_died = move.from_worker == (dead_worker.id if dead_worker else None)
                 if leaver_died:
                     note = "superseded by the loss of its leaver: the joiner takes the rank over"
-                elif any(r == rank for r, _, _ in self._retry_moves):
+                elif any(x.rank == rank for x in self._retry_moves):
                     note = "its joiner was lost; the move runs again with another spare"
                 else:  # a bystander failed: the move is still wanted once the job has re-formed
-                    self._retry_moves.append((rank, op.kind, ev.cause))
+                    self._retry_moves.append(RetryMove(rank, op.kind, ev.cause, ev.id, move.from_worker))
                     note = "superseded by an unplanned failure during the move; it runs again after it"
                 self._close(ev, "failed", note)
                 joiner = self.workers.get(move.to_worker or "")
@@ -164,7 +164,8 @@ class Recovery:
             self._advance_collect()
             return
         for rank, move in op.moves.items():
-            self._retry_moves.append((rank, op.kind, self.events[move.event_id - 1].cause))
+            self._retry_moves.append(RetryMove(rank, op.kind, self.events[move.event_id - 1].cause,
+                                               move.event_id, move.from_worker))
         self._open_recovery(cause=f"generation {op.generation} of a {op.kind.value} move did not form in time")
 
     def _restart_collect(self, op: Operation) -> None:
@@ -193,7 +194,7 @@ class Recovery:
         # A planned move: its leaver still holds the rank. Every rank re-forms where it stands
         # (a recovery that moves nobody), then the move starts again with another spare.
         ev = self.events[move.event_id - 1]
-        self._retry_moves.append((rank, op.kind, ev.cause))
+        self._retry_moves.append(RetryMove(rank, op.kind, ev.cause, ev.id, move.from_worker))
         self._open_recovery(cause=f"the spare taking over rank {rank} was lost: {cause}")
 
     def _advance_collect(self) -> None:
