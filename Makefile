@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 SOAK_MINUTES ?= 30
 
-.PHONY: setup demo test bench soak clean
+.PHONY: setup system-packages demo test bench soak clean
 
 $(BIN)/baton: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -15,7 +15,12 @@ $(BIN)/baton: pyproject.toml
 	$(BIN)/pip install -q -e '.[test]'
 	touch $(BIN)/baton
 
-setup: $(BIN)/baton
+# Debian packages for the Slurm/etcd tests (slurm-wlm, munge, etcd-server); needs root, else
+# it says so and those tests skip with the reason.
+system-packages:
+	@scripts/install-system-packages.sh
+
+setup: $(BIN)/baton system-packages
 
 demo: setup
 	$(BIN)/baton demo

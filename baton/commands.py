@@ -15,8 +15,18 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("run", help="run a training script with live migration (replaces torchrun)",
                        description="Start an embedded orchestrator, N ranks and K warm spares.")
     p.add_argument("--nproc", "--nproc-per-node", "--nproc_per_node", dest="nproc", type=int, required=True,
-                   help="number of ranks (world size)")
+                   help="ranks per node (the world size on one node)")
+    p.add_argument("--nodes", "--nnodes", type=int, default=None,
+                   help="nodes holding ranks (Slurm): world size = nodes x nproc-per-node")
+    p.add_argument("--spare-nodes", type=int, default=None,
+                   help="nodes holding only warm spares, nproc-per-node each (Slurm; replaces --spares)")
     p.add_argument("--spares", type=int, default=1, help="warm spares kept ready (default 1)")
+    p.add_argument("--scheduler", choices=("auto", "local", "slurm"), default="auto",
+                   help="where workers run: this machine, or job steps of the Slurm allocation "
+                        "(default: slurm inside an allocation, else local)")
+    p.add_argument("--advertise-addr", default=None,
+                   help="address workers reach this launcher at (default: 127.0.0.1 locally; on Slurm this "
+                        "machine's address on the route to the first node)")
     p.add_argument("--slots", type=int, default=None,
                    help="slots on this machine (default: ranks + spares + 1, so a taint can be absorbed)")
     p.add_argument("--run-dir", type=Path, default=None, help="run directory (default ./.baton or $BATON_RUN_DIR)")
@@ -111,7 +121,9 @@ def cmd_run(args: argparse.Namespace) -> int:
                       slots=args.slots, run_dir=args.run_dir or default_dir(),
                       op_timeout_s=args.op_timeout, heartbeat_timeout_s=args.heartbeat_timeout,
                       formation_timeout_s=args.formation_timeout, verify_every=args.verify_every,
-                      spare_wait_s=args.spare_wait, job_id=args.job_id, quiet=args.quiet)
+                      spare_wait_s=args.spare_wait, job_id=args.job_id, quiet=args.quiet,
+                      scheduler=args.scheduler, nodes=args.nodes, spare_nodes=args.spare_nodes,
+                      advertise_addr=args.advertise_addr)
     return run(opts)
 
 

@@ -1,9 +1,10 @@
-"""`baton run`: the embedded control plane for a single-node job.
+"""`baton run`: the embedded control plane of one job.
 
 One process hosts the rendezvous store (never a rank, so rank 0 can migrate),
-the orchestrator with its SQLite state and HTTP API, and the local scheduler
-that starts N ranks and K warm spares running the user's script. Its exit
-code is the script's.
+the orchestrator with its SQLite state and HTTP API, and a scheduler that starts
+N ranks and K warm spares running the user's script: on this machine (local), or
+as job steps of the Slurm allocation it runs in (slurm, chosen by itself inside
+one). Its exit code is the script's.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from baton.control.orchestrator import TICK_S, Config, Orchestrator
 from baton.control.state import describe_cpu
 from baton.rundir import RunDir, RunDirError
 from baton.schedulers.local import LocalScheduler
+from baton.schedulers.slurm import Allocation, SlurmError, SlurmScheduler, in_allocation, plan_slots
 from baton.store.rendezvous import rendezvous_store
 from baton.store.sqlite import SqliteStore
 
@@ -47,6 +49,10 @@ class RunOptions:
     job_id: str = "job"
     quiet: bool = False
     env: dict[str, str] = field(default_factory=dict)
+    scheduler: str = "auto"  # local | slurm | auto (slurm inside an allocation)
+    nodes: int | None = None  # with it, nproc is per node (torchrun's --nnodes/--nproc-per-node)
+    spare_nodes: int | None = None  # nodes that hold only spares (nproc each); replaces --spares
+    advertise_addr: str | None = None  # where workers reach the launcher (default: found)
 
 
 class EventPrinter:
@@ -73,6 +79,64 @@ class EventPrinter:
         print(f"[baton] {text}", file=sys.stderr, flush=True)
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where the job's ranks and spares go, and where its workers reach the launcher."""
+
+    world_size: int
+    spares: int
+    slots: list[str]
+    allocation: Allocation | None  # None: local processes on this machine
+    advertise_addr: str
+
+
+def _placement(opts: RunOptions) -> Placement:
+    if opts.scheduler not in ("auto", "local", "slurm"):
+        raise SystemExit(f"baton run: --scheduler must be local, slurm or auto, got {opts.scheduler!r}")
+    for flag, value in (("--nodes", opts.nodes), ("--spare-nodes", opts.spare_nodes)):
+        if value is not None and value < (1 if flag == "--nodes" else 0):
+            raise SystemExit(f"baton run: {flag} must be at least {1 if flag == '--nodes' else 0}, got {value}")
+    slurm = opts.scheduler == "slurm" or (opts.scheduler == "auto" and in_allocation())
+    if not slurm:
+        if (opts.nodes or 1) > 1 or opts.spare_nodes:
+            raise SystemExit("baton run: --nodes/--spare-nodes place ranks on several machines, which needs "
+                             "--scheduler slurm (run inside a Slurm allocation)")
+        count = opts.slots if opts.slots is not None else opts.nproc + opts.spares + 1
+        if count < opts.nproc + opts.spares:
+            raise SystemExit(f"baton run: --slots {count} is fewer than ranks + spares ({opts.nproc + opts.spares})")
+        return Placement(opts.nproc, opts.spares, [f"local/{i}" for i in range(count)], None,
+                         opts.advertise_addr or "127.0.0.1")
+    nodes = opts.nodes or 1
+    spare_nodes = opts.spare_nodes if opts.spare_nodes is not None else 0
+    try:
+        alloc = Allocation.from_env()
+        slots = plan_slots(alloc, nodes, opts.nproc, spare_nodes)
+        addr = opts.advertise_addr or _reachable_addr(alloc)
+    except SlurmError as exc:
+        raise SystemExit(f"baton run: {exc}") from None
+    spares = spare_nodes * opts.nproc if opts.spare_nodes is not None else opts.spares
+    world = nodes * opts.nproc
+    if world + spares > len(slots):
+        raise SystemExit(f"baton run: {world} ranks + {spares} spares need more than the {len(slots)} slots of "
+                         f"--nodes {nodes} + --spare-nodes {spare_nodes} with --nproc-per-node {opts.nproc}: "
+                         "use --spare-nodes to hold spares")
+    return Placement(world, spares, slots, alloc, addr)
+
+
+def _reachable_addr(alloc: Allocation) -> str:
+    """This machine's address on the route to the allocation's first node: the address its
+    workers can reach the launcher at (127.0.0.1 where the nodes are this machine)."""
+    import socket
+    import subprocess
+
+    out = subprocess.run(["scontrol", "show", "node", alloc.nodes[0]], capture_output=True, text=True,
+                         timeout=30).stdout
+    node_addr = next((f.split("=", 1)[1] for f in out.split() if f.startswith("NodeAddr=")), alloc.nodes[0])
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((node_addr, 9))  # no packet is sent: this only asks the kernel for the route
+        return s.getsockname()[0]
+
+
 def run(opts: RunOptions, listeners: list[Callable[[str, dict[str, Any]], None]] | None = None,
         started: Callable[[Orchestrator, str, str], None] | None = None) -> int:
     if opts.nproc < 1:
@@ -87,9 +151,7 @@ def run(opts: RunOptions, listeners: list[Callable[[str, dict[str, Any]], None]]
         raise SystemExit("baton run: --spares must be >= 0")
     if not Path(opts.script).is_file():
         raise SystemExit(f"baton run: script not found: {opts.script}")
-    slots = opts.slots if opts.slots is not None else opts.nproc + opts.spares + 1
-    if slots < opts.nproc + opts.spares:
-        raise SystemExit(f"baton run: --slots {slots} is fewer than ranks + spares ({opts.nproc + opts.spares})")
+    placement = _placement(opts)
     logging.basicConfig(level=os.environ.get("BATON_LOG", "WARNING"))
 
     run_dir = RunDir(Path(opts.run_dir))
@@ -101,8 +163,9 @@ def run(opts: RunOptions, listeners: list[Callable[[str, dict[str, Any]], None]]
         db = SqliteStore(run_dir.db)
     except sqlite3.Error as exc:
         raise SystemExit(f"baton run: cannot open the state store {run_dir.db}: {exc}") from None
-    store = rendezvous_store("127.0.0.1", 0, master=True, formation_timeout_s=opts.formation_timeout_s)
-    config = Config(world_size=opts.nproc, spares=opts.spares, job_id=opts.job_id,
+    host = placement.advertise_addr
+    store = rendezvous_store(host, 0, master=True, formation_timeout_s=opts.formation_timeout_s)
+    config = Config(world_size=placement.world_size, spares=placement.spares, job_id=opts.job_id,
                     op_timeout_s=opts.op_timeout_s, heartbeat_timeout_s=opts.heartbeat_timeout_s,
                     formation_timeout_s=opts.formation_timeout_s, verify_every=opts.verify_every,
                     spare_wait_s=opts.spare_wait_s)
@@ -110,17 +173,25 @@ def run(opts: RunOptions, listeners: list[Callable[[str, dict[str, Any]], None]]
     db.on_error = lambda text: orch.handle(m.StoreFailed(message=text))
     orch.listeners.append(EventPrinter(run_dir, opts.quiet))
     orch.listeners.extend(listeners or [])
-    api = ApiServer(orch, token)
+    api = ApiServer(orch, token, host=host)
     api.start()
     run_dir.write_endpoint(api.url)
 
     env = dict(os.environ)
     env.update(opts.env)
-    env.update(BATON_URL=api.url, BATON_TOKEN=token, BATON_STORE=f"127.0.0.1:{store.port}",
-               TORCH_DIST_INIT_BARRIER="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port))
+    env.update(BATON_URL=api.url, BATON_TOKEN=token, BATON_STORE=f"{host}:{store.port}",
+               TORCH_DIST_INIT_BARRIER="0", MASTER_ADDR=host, MASTER_PORT=str(store.port))
     env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does for several ranks per node
-    sched = LocalScheduler(opts.script, opts.script_args, env, slots,
-                           on_exit=lambda wid, code: orch.handle(m.WorkerExited(worker_id=wid, returncode=code)))
+
+    def on_exit(wid: str, code: int) -> None:
+        orch.handle(m.WorkerExited(worker_id=wid, returncode=code))
+
+    sched: LocalScheduler | SlurmScheduler
+    if placement.allocation is not None:
+        sched = SlurmScheduler(placement.allocation, placement.slots, opts.script, opts.script_args, env,
+                               on_exit=on_exit)
+    else:
+        sched = LocalScheduler(opts.script, opts.script_args, env, len(placement.slots), on_exit=on_exit)
     orch.scheduler = sched
 
     def on_signal(signum: int, _frame: Any) -> None:

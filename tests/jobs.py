@@ -21,15 +21,17 @@ TRAIN = REPO / "baton" / "examples" / "train.py"
 
 
 class Job:
+    """`launch` goes before `baton run` (e.g. `salloc -N3` to run it inside a Slurm allocation)."""
+
     def __init__(self, tmp: Path, nproc: int = 3, spares: int = 1, steps: int = 40,
                  script_args: list[str] | None = None, run_args: list[str] | None = None,
                  env: dict[str, str] | None = None, name: str = "job", script: Path = TRAIN,
-                 run_dir: Path | None = None):
+                 run_dir: Path | None = None, launch: list[str] | None = None):
         self.dir = tmp / name
         self.dir.mkdir(parents=True, exist_ok=True)
         self.out = self.dir / "final.pt"
         self.run_dir = run_dir or self.dir / "run"
-        cmd = [sys.executable, "-m", "baton.cli", "run", "--nproc", str(nproc), "--spares", str(spares),
+        cmd = [*(launch or []), sys.executable, "-m", "baton.cli", "run", "--nproc", str(nproc), "--spares", str(spares),
                "--run-dir", str(self.run_dir), *(run_args or []), str(script),
                *(["--steps", str(steps)] if script == TRAIN else []), "--out", str(self.out),
                *(script_args or [])]

@@ -8,14 +8,14 @@ orchestrator, which decides what that means.
 from __future__ import annotations
 
 import os
-import queue
 import signal
 import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import Future
 from typing import Callable
+
+from baton.schedulers.spawner import Spawner
 
 
 class LocalScheduler:
@@ -30,11 +30,9 @@ class LocalScheduler:
         self._procs: dict[str, subprocess.Popen] = {}
         self._lock = threading.Lock()
         self._stopped = threading.Event()
-        # Every worker is started from this one long-lived thread: a worker asks the kernel
-        # to kill it when its parent *thread* ends (PR_SET_PDEATHSIG, see baton.worker.orphan),
-        # so that thread must live exactly as long as the launcher.
-        self._spawn_queue: queue.Queue[tuple[list[str], dict[str, str], Future]] = queue.Queue()
-        threading.Thread(target=self._spawner, name="baton-spawner", daemon=True).start()
+        # A worker asks the kernel to kill it when its parent *thread* ends (see
+        # baton.worker.orphan): every worker is started from one long-lived thread.
+        self._spawner = Spawner()
 
     def slots(self) -> list[str]:
         return [f"local/{i}" for i in range(self.num_slots)]
@@ -42,23 +40,13 @@ class LocalScheduler:
     def start(self, worker_id: str, slot: str) -> int:
         env = {**self.base_env, "BATON_WORKER_ID": worker_id, "BATON_SLOT": slot,
                "BATON_PARENT_PID": str(os.getpid())}
-        done: Future[subprocess.Popen] = Future()
-        self._spawn_queue.put(([self.python, self.script, *self.script_args], env, done))
-        proc = done.result()
+        proc = self._spawner.popen([self.python, self.script, *self.script_args], env=env, start_new_session=True)
         with self._lock:
             self._procs[worker_id] = proc
         # One waiter per process: a death is reported the instant it happens, at no idle cost.
         threading.Thread(target=self._wait, args=(worker_id, proc), name=f"baton-wait-{worker_id}",
                          daemon=True).start()
         return proc.pid
-
-    def _spawner(self) -> None:
-        while True:
-            argv, env, done = self._spawn_queue.get()
-            try:
-                done.set_result(subprocess.Popen(argv, env=env, start_new_session=True))
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller
-                done.set_exception(exc)
 
     def kill(self, worker_id: str, dump_stacks: bool = False) -> None:
         with self._lock:

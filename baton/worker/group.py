@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch._C._distributed_c10d as _c10d
 
 from baton import selfcost
+from baton.worker.address import node_address
 
 
 @functools.cache
@@ -36,6 +37,9 @@ def _gloo_device() -> dist.ProcessGroupGloo.Device:
     interface = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0]
     if interface:
         return dist.ProcessGroupGloo.create_device(interface=interface)
+    addr = node_address()
+    if addr != "127.0.0.1":  # across machines: the address the others can reach, not the hostname's
+        return dist.ProcessGroupGloo.create_device(hostname=addr)
     return dist.ProcessGroupGloo.create_default_device()
 
 

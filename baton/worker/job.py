@@ -40,6 +40,7 @@ from baton import selfcost
 from baton.control import messages as m
 from baton.store.rendezvous import rendezvous_store
 from baton.transfer import TransferServer
+from baton.worker.address import node_address
 from baton.worker import ddp as ddp_mod
 from baton.worker import discover, orphan
 from baton.worker.control import ControlChannel, OrchestratorGone
@@ -268,7 +269,7 @@ def init() -> Job:
     discover.install()
     token = os.environ[ENV_TOKEN]
     ctl = ControlChannel(os.environ[ENV_URL], token, os.environ[ENV_WORKER])
-    server = TransferServer(token)
+    server = TransferServer(token, host=node_address())
     _install_excepthook(ctl)
     _warm_up()  # before registering: a registered spare is a warm spare
     try:

@@ -1,0 +1,189 @@
+"""Slurm scheduler: every worker is a job step (`srun`) of the allocation baton runs in.
+
+baton decides, Slurm starts and stops: a worker on slot `n3/1` is `srun --jobid J --overlap
+-N1 -n1 -w n3 python train.py ...`, named `baton-<worker id>` so it can be found again, and
+killed with `scancel --signal=KILL J.<step>` (the signal reaches the task at once; killing
+only the local srun would leave the task running until Slurm's KillWait). A step's end is
+reported with the same convention as the local scheduler: its exit code, or minus the
+signal that killed it (srun exits with 128 + the signal).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from baton.schedulers.spawner import Spawner
+
+PR_SET_PDEATHSIG = 1
+
+
+class SlurmError(RuntimeError):
+    """The allocation cannot hold the job, or Slurm refused a command."""
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """The Slurm allocation this process runs in (from the variables salloc/sbatch set)."""
+
+    job_id: str
+    nodes: list[str]
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> "Allocation":
+        env = dict(os.environ if env is None else env)
+        job_id = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")
+        node_list = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+        if not job_id or not node_list:
+            raise SlurmError("not inside a Slurm allocation (no SLURM_JOB_ID / SLURM_JOB_NODELIST): run "
+                             "baton inside `salloc` or an `sbatch` script, or use --scheduler local")
+        out = _slurm(["scontrol", "show", "hostnames", node_list], env)
+        return cls(job_id=job_id, nodes=out.split())
+
+
+def in_allocation(env: dict[str, str] | None = None) -> bool:
+    env = os.environ if env is None else env
+    return bool(env.get("SLURM_JOB_ID") and env.get("SLURM_JOB_NODELIST"))
+
+
+def plan_slots(alloc: Allocation, nodes: int, per_node: int, spare_nodes: int) -> list[str]:
+    """Slots `node/i`, node by node: the first `nodes` nodes hold the ranks in order (rank r
+    on node r // per_node, as torchrun places them), the next `spare_nodes` the spares."""
+    wanted = nodes + spare_nodes
+    if len(alloc.nodes) < wanted:
+        raise SlurmError(f"the allocation has {len(alloc.nodes)} node(s) ({', '.join(alloc.nodes)}) but "
+                         f"--nodes {nodes} + --spare-nodes {spare_nodes} need {wanted}: allocate more "
+                         "(sbatch/salloc -N) or ask for fewer")
+    return [f"{n}/{i}" for n in alloc.nodes[:wanted] for i in range(per_node)]
+
+
+def node_of(slot: str) -> str:
+    return slot.rsplit("/", 1)[0]
+
+
+class SlurmScheduler:
+    def __init__(self, alloc: Allocation, slots: list[str], script: str, script_args: list[str],
+                 env: dict[str, str], on_exit: Callable[[str, int], None] | None = None,
+                 python: str = sys.executable):
+        self.alloc = alloc
+        self._slots = list(slots)
+        self.script = script
+        self.script_args = script_args
+        self.base_env = env
+        self.python = python
+        self.on_exit = on_exit
+        self._procs: dict[str, subprocess.Popen] = {}
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+        self._spawner = Spawner()  # srun dies with its parent thread: start it from one that lasts
+
+    def slots(self) -> list[str]:
+        return list(self._slots)
+
+    def start(self, worker_id: str, slot: str) -> int:
+        env = {**self.base_env, "BATON_WORKER_ID": worker_id, "BATON_SLOT": slot}
+        env.pop("BATON_PARENT_PID", None)  # the task's parent is slurmstepd, not this process
+        argv = ["srun", "--jobid", self.alloc.job_id, "--overlap", "--nodes=1", "--ntasks=1",
+                f"--nodelist={node_of(slot)}", f"--job-name=baton-{worker_id}", "--kill-on-bad-exit=0",
+                "--export=ALL", "--quiet", self.python, self.script, *self.script_args]
+        proc = self._spawner.popen(argv, env=env, preexec_fn=_die_with_parent, start_new_session=True)
+        with self._lock:
+            self._procs[worker_id] = proc
+        threading.Thread(target=self._wait, args=(worker_id, proc), name=f"baton-wait-{worker_id}",
+                         daemon=True).start()
+        return proc.pid
+
+    def kill(self, worker_id: str, dump_stacks: bool = False) -> None:
+        with self._lock:
+            proc = self._procs.get(worker_id)
+        if proc is None or proc.poll() is not None:
+            return
+        step = self._step_of(worker_id)
+        if step is None:  # not a step yet (srun still asking for it): stopping srun is enough
+            proc.kill()
+            return
+        if dump_stacks:
+            self._signal(step, "USR1")
+            time.sleep(0.2)
+        self._signal(step, "KILL")
+
+    def pid(self, worker_id: str) -> int | None:
+        with self._lock:
+            proc = self._procs.get(worker_id)
+        return proc.pid if proc else None
+
+    def alive(self) -> list[str]:
+        with self._lock:
+            return [w for w, p in self._procs.items() if p.poll() is None]
+
+    def shutdown(self, grace_s: float = 5.0) -> None:
+        """Stop every remaining step (SIGTERM, then SIGKILL after the grace)."""
+        with self._lock:
+            procs = dict(self._procs)
+        for wid, p in procs.items():
+            if p.poll() is None:
+                step = self._step_of(wid)
+                if step is not None:
+                    self._signal(step, "CONT")
+                    self._signal(step, "TERM")
+        deadline = time.time() + grace_s
+        for wid, p in procs.items():
+            try:
+                p.wait(timeout=max(0.0, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                step = self._step_of(wid)
+                if step is not None:
+                    self._signal(step, "KILL")
+                p.kill()
+                p.wait()
+        self._stopped.set()
+
+    # ---------------------------------------------------------------- internals
+    def _wait(self, worker_id: str, proc: subprocess.Popen) -> None:
+        code = proc.wait()
+        with self._lock:
+            self._procs.pop(worker_id, None)
+        if code > 128:
+            code = -(code - 128)  # srun's 128 + signal: report it as the local scheduler does
+        if self.on_exit is not None and not self._stopped.is_set():
+            self.on_exit(worker_id, code)
+
+    def _step_of(self, worker_id: str) -> str | None:
+        try:
+            out = _slurm(["squeue", "-h", "-s", "-j", self.alloc.job_id, "-o", "%i %j"], self.base_env)
+        except SlurmError:
+            return None
+        for line in out.splitlines():
+            parts = line.split()
+            if len(parts) == 2 and parts[1] == f"baton-{worker_id}":
+                return parts[0]
+        return None
+
+    def _signal(self, step: str, sig: str) -> None:
+        try:
+            _slurm(["scancel", f"--signal={sig}", step], self.base_env)
+        except SlurmError:
+            pass  # the step ended meanwhile
+
+
+def _slurm(argv: list[str], env: dict[str, str]) -> str:
+    try:
+        r = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise SlurmError(f"{' '.join(argv)}: {exc}") from exc
+    if r.returncode != 0:
+        raise SlurmError(f"{' '.join(argv)} failed ({r.returncode}): {r.stderr.strip()[:300]}")
+    return r.stdout
+
+
+def _die_with_parent() -> None:
+    """In srun's child, before exec: srun dies with the launcher, and Slurm then ends its step."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
