@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
 import httpx
 import pytest
 
-from tests.jobs import Job
+from tests.jobs import REPO, Job
 
 ARGS = ["--step-sleep", "0.05"]
 
@@ -183,3 +184,17 @@ def test_random_numbers_drawn_after_backward_are_refused(tmp_path, draw, at, cau
     assert out.returncode == 1, out.stderr
     stream = "torch" if draw.startswith("torch") else "numpy"
     assert f"random numbers ({stream}) were drawn before step {caught_before}" in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("flags, expect", [
+    (["--nodes", "2"], "needs --scheduler slurm"),
+    (["--scheduler", "slurm"], "not inside a Slurm allocation"),
+    (["--nodes", "0", "--scheduler", "slurm"], "--nodes must be at least 1"),
+])
+def test_multi_node_flags_outside_slurm_are_refused_before_anything_starts(tmp_path, flags, expect):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    out = subprocess.run([sys.executable, "-m", "baton.cli", "run", "--nproc", "1", *flags, "--run-dir",
+                          str(tmp_path / "run"), str(REPO / "baton" / "examples" / "train.py")],
+                         capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode != 0 and expect in out.stderr, out.stderr
+    assert not (tmp_path / "run").exists()  # refused before the run directory was made
