@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from baton.address import addr_towards
 from baton.control import messages as m
 from baton.control.api import ApiServer
 from baton.control.orchestrator import TICK_S, Config, Orchestrator
@@ -93,9 +94,9 @@ class Placement:
 def _placement(opts: RunOptions) -> Placement:
     if opts.scheduler not in ("auto", "local", "slurm"):
         raise SystemExit(f"baton run: --scheduler must be local, slurm or auto, got {opts.scheduler!r}")
-    for flag, value in (("--nodes", opts.nodes), ("--spare-nodes", opts.spare_nodes)):
-        if value is not None and value < (1 if flag == "--nodes" else 0):
-            raise SystemExit(f"baton run: {flag} must be at least {1 if flag == '--nodes' else 0}, got {value}")
+    for flag, value, least in (("--nodes", opts.nodes, 1), ("--spare-nodes", opts.spare_nodes, 0)):
+        if value is not None and value < least:
+            raise SystemExit(f"baton run: {flag} must be at least {least}, got {value}")
     slurm = opts.scheduler == "slurm" or (opts.scheduler == "auto" and in_allocation())
     if not slurm:
         if (opts.nodes or 1) > 1 or opts.spare_nodes:
@@ -111,7 +112,8 @@ def _placement(opts: RunOptions) -> Placement:
     try:
         alloc = Allocation.from_env()
         slots = plan_slots(alloc, nodes, opts.nproc, spare_nodes)
-        addr = opts.advertise_addr or _reachable_addr(alloc)
+        # Workers reach the launcher at its address on the route to the first node.
+        addr = opts.advertise_addr or addr_towards(alloc.node_addr(alloc.nodes[0]))
     except SlurmError as exc:
         raise SystemExit(f"baton run: {exc}") from None
     spares = spare_nodes * opts.nproc if opts.spare_nodes is not None else opts.spares
@@ -121,20 +123,6 @@ def _placement(opts: RunOptions) -> Placement:
                          f"--nodes {nodes} + --spare-nodes {spare_nodes} with --nproc-per-node {opts.nproc}: "
                          "use --spare-nodes to hold spares")
     return Placement(world, spares, slots, alloc, addr)
-
-
-def _reachable_addr(alloc: Allocation) -> str:
-    """This machine's address on the route to the allocation's first node: the address its
-    workers can reach the launcher at (127.0.0.1 where the nodes are this machine)."""
-    import socket
-    import subprocess
-
-    out = subprocess.run(["scontrol", "show", "node", alloc.nodes[0]], capture_output=True, text=True,
-                         timeout=30).stdout
-    node_addr = next((f.split("=", 1)[1] for f in out.split() if f.startswith("NodeAddr=")), alloc.nodes[0])
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((node_addr, 9))  # no packet is sent: this only asks the kernel for the route
-        return s.getsockname()[0]
 
 
 def run(opts: RunOptions, listeners: list[Callable[[str, dict[str, Any]], None]] | None = None,

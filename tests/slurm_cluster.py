@@ -112,25 +112,6 @@ class SlurmCluster:
     def start_node(self, node: str) -> None:
         self._spawn(f"slurmd-{node}", ["slurmd", "-D", "-N", node])
 
-    def kill_node(self, node: str) -> None:
-        """A whole node lost: its slurmd and every process it runs, SIGKILLed."""
-        for pid in self.node_pids(node):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        self._kill(f"slurmd-{node}")
-
-    def node_pids(self, node: str) -> list[int]:
-        """The step daemons running on `node` and everything under them (a node's tasks
-        carry its name in SLURMD_NODENAME)."""
-        out = []
-        for pid in self._stepds():
-            below = _descendants(pid)
-            if any(_environ(c).get("SLURMD_NODENAME") == node for c in below):
-                out += [pid, *below]
-        return out
-
     def _stepds(self) -> list[int]:
         """This cluster's slurmstepd processes (they inherit slurmd's SLURM_CONF)."""
         found = subprocess.run(["pgrep", "-x", "slurmstepd"], capture_output=True, text=True).stdout.split()

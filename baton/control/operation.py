@@ -28,12 +28,11 @@ class Move:
 @dataclass(frozen=True)
 class RetryMove:
     """A planned or pre-emptive move that a failure interrupted; it runs again once the job
-    has re-formed, unless its leaver is lost first (then a recovery has already moved the rank)."""
+    has re-formed, unless its leaver is lost first (then a recovery has already moved the rank).
+    Its kind and cause are its event's."""
 
     rank: int
-    kind: EventKind
-    cause: str
-    event_id: int  # the interrupted move's event, whose note changes if the move is dropped
+    event_id: int  # the interrupted move's event
     leaver: str | None  # the worker that held the rank when the move was asked for
 
 

@@ -402,8 +402,9 @@ class Orchestrator(PlannedMoves, Recovery, SparePool):
             return  # a recovery is still bringing a rank to the end: wait for it
         self._training_done = True
         for x in self._retry_moves:
-            self._emit("note", {"message": f"the {x.kind.value} move of rank {x.rank} ({x.cause}) was still waiting "
-                                           "to run again when training finished"})
+            ev = self.events[x.event_id - 1]
+            self._emit("note", {"message": f"the {ev.kind.value} move of rank {x.rank} ({ev.cause}) was still "
+                                           "waiting to run again when training finished"})
         self._retry_moves = []
         self._emit("finished", {"cpu": self.cpu_summary()})
         for info in self.ranks.values():
@@ -650,9 +651,9 @@ class Orchestrator(PlannedMoves, Recovery, SparePool):
             if x.leaver != leaver.id:
                 keep.append(x)
                 continue
-            self._close(self.events[x.event_id - 1], "failed",
-                        "superseded by the loss of its leaver: the recovery moves the rank to a spare")
-            self._emit("note", {"message": f"the {x.kind.value} move of rank {x.rank} will not run again: "
+            ev = self.events[x.event_id - 1]
+            self._close(ev, "failed", "superseded by the loss of its leaver: the recovery moves the rank to a spare")
+            self._emit("note", {"message": f"the {ev.kind.value} move of rank {x.rank} will not run again: "
                                            f"its leaver {leaver.id} was lost and the recovery moves the rank"})
         self._retry_moves = keep
 

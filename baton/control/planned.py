@@ -14,7 +14,7 @@ import math
 import time
 
 from baton.control import messages as m
-from baton.control.operation import Move, Operation
+from baton.control.operation import Move, Operation, RetryMove
 from baton.control.state import EventKind, RankState, Worker, WorkerRole
 
 log = logging.getLogger("baton.orchestrator")
@@ -162,9 +162,14 @@ class PlannedMoves:
         if not self._ready_spares():
             return  # _on_spare_available calls again
         retry, self._retry_moves = self._retry_moves, []
-        first = retry[0]  # one move at a time: those sharing the first one's kind and cause
-        same = [x.rank for x in retry if (x.kind, x.cause) == (first.kind, first.cause)]
-        started = self._start_planned(same, first.kind, first.cause).moves
+
+        def kind_and_cause(x: RetryMove) -> tuple[EventKind, str]:
+            ev = self.events[x.event_id - 1]
+            return ev.kind, ev.cause
+
+        kind, cause = kind_and_cause(retry[0])  # one move at a time: those sharing the first one's
+        started = self._start_planned([x.rank for x in retry if kind_and_cause(x) == (kind, cause)],
+                                      kind, cause).moves
         self._retry_moves = [x for x in retry if x.rank not in started]
 
     def _pending_taint_moves(self) -> None:

@@ -78,7 +78,7 @@ class Recovery:
                 elif any(x.rank == rank for x in self._retry_moves):
                     note = "its joiner was lost; the move runs again with another spare"
                 else:  # a bystander failed: the move is still wanted once the job has re-formed
-                    self._retry_moves.append(RetryMove(rank, op.kind, ev.cause, ev.id, move.from_worker))
+                    self._retry_moves.append(RetryMove(rank, ev.id, move.from_worker))
                     note = "superseded by an unplanned failure during the move; it runs again after it"
                 self._close(ev, "failed", note)
                 joiner = self.workers.get(move.to_worker or "")
@@ -164,8 +164,7 @@ class Recovery:
             self._advance_collect()
             return
         for rank, move in op.moves.items():
-            self._retry_moves.append(RetryMove(rank, op.kind, self.events[move.event_id - 1].cause,
-                                               move.event_id, move.from_worker))
+            self._retry_moves.append(RetryMove(rank, move.event_id, move.from_worker))
         self._open_recovery(cause=f"generation {op.generation} of a {op.kind.value} move did not form in time")
 
     def _restart_collect(self, op: Operation) -> None:
@@ -194,7 +193,7 @@ class Recovery:
         # A planned move: its leaver still holds the rank. Every rank re-forms where it stands
         # (a recovery that moves nobody), then the move starts again with another spare.
         ev = self.events[move.event_id - 1]
-        self._retry_moves.append(RetryMove(rank, op.kind, ev.cause, ev.id, move.from_worker))
+        self._retry_moves.append(RetryMove(rank, ev.id, move.from_worker))
         self._open_recovery(cause=f"the spare taking over rank {rank} was lost: {cause}")
 
     def _advance_collect(self) -> None:

@@ -11,11 +11,10 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from typing import Callable
 
-from baton.schedulers.spawner import Spawner
+from baton.schedulers.processes import WorkerProcesses
 
 
 class LocalScheduler:
@@ -26,32 +25,21 @@ class LocalScheduler:
         self.base_env = env
         self.num_slots = num_slots
         self.python = python
-        self.on_exit = on_exit
-        self._procs: dict[str, subprocess.Popen] = {}
-        self._lock = threading.Lock()
-        self._stopped = threading.Event()
-        # A worker asks the kernel to kill it when its parent *thread* ends (see
-        # baton.worker.orphan): every worker is started from one long-lived thread.
-        self._spawner = Spawner()
+        self._procs = WorkerProcesses(on_exit)
 
     def slots(self) -> list[str]:
         return [f"local/{i}" for i in range(self.num_slots)]
 
     def start(self, worker_id: str, slot: str) -> int:
+        # A worker asks the kernel to kill it when this process dies (see baton.worker.orphan).
         env = {**self.base_env, "BATON_WORKER_ID": worker_id, "BATON_SLOT": slot,
                "BATON_PARENT_PID": str(os.getpid())}
-        proc = self._spawner.popen([self.python, self.script, *self.script_args], env=env, start_new_session=True)
-        with self._lock:
-            self._procs[worker_id] = proc
-        # One waiter per process: a death is reported the instant it happens, at no idle cost.
-        threading.Thread(target=self._wait, args=(worker_id, proc), name=f"baton-wait-{worker_id}",
-                         daemon=True).start()
-        return proc.pid
+        return self._procs.start(worker_id, [self.python, self.script, *self.script_args], env=env,
+                                 start_new_session=True).pid
 
     def kill(self, worker_id: str, dump_stacks: bool = False) -> None:
-        with self._lock:
-            proc = self._procs.get(worker_id)
-        if proc is None or proc.poll() is not None:
+        proc = self._procs.running(worker_id)
+        if proc is None:
             return
         if dump_stacks:
             # Let a hung-but-running process print where it is stuck (baton.init() registers
@@ -67,37 +55,20 @@ class LocalScheduler:
             pass
 
     def pid(self, worker_id: str) -> int | None:
-        with self._lock:
-            proc = self._procs.get(worker_id)
-        return proc.pid if proc else None
+        return self._procs.pid(worker_id)
 
     def alive(self) -> list[str]:
-        with self._lock:
-            return [w for w, p in self._procs.items() if p.poll() is None]
-
-    def _wait(self, worker_id: str, proc: subprocess.Popen) -> None:
-        code = proc.wait()
-        with self._lock:
-            self._procs.pop(worker_id, None)
-        if self.on_exit is not None and not self._stopped.is_set():
-            self.on_exit(worker_id, code)
+        return self._procs.alive()
 
     def shutdown(self, grace_s: float = 5.0) -> None:
         """Ask every remaining worker to stop (SIGTERM), then kill what is left."""
-        with self._lock:
-            procs = list(self._procs.values())
-        for p in procs:
-            if p.poll() is None:
-                try:
-                    os.kill(p.pid, signal.SIGCONT)
-                    p.terminate()
-                except ProcessLookupError:
-                    pass
-        deadline = time.time() + grace_s
-        for p in procs:
-            try:
-                p.wait(timeout=max(0.0, deadline - time.time()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-        self._stopped.set()
+        self._procs.shutdown(_terminate, lambda _left: None, grace_s)
+
+
+def _terminate(procs: dict[str, subprocess.Popen]) -> None:
+    for p in procs.values():
+        try:
+            os.kill(p.pid, signal.SIGCONT)
+            p.terminate()
+        except ProcessLookupError:
+            pass

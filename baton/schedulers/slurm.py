@@ -15,12 +15,11 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
 
-from baton.schedulers.spawner import Spawner
+from baton.schedulers.processes import WorkerProcesses
 
 PR_SET_PDEATHSIG = 1
 
@@ -46,6 +45,14 @@ class Allocation:
                              "baton inside `salloc` or an `sbatch` script, or use --scheduler local")
         out = _slurm(["scontrol", "show", "hostnames", node_list], env)
         return cls(job_id=job_id, nodes=out.split())
+
+    def node_addr(self, node: str) -> str:
+        """The address Slurm reaches `node` at (its NodeAddr; the name where it has none)."""
+        try:
+            out = _slurm(["scontrol", "show", "node", node], dict(os.environ))
+        except SlurmError:
+            return node
+        return next((f.split("=", 1)[1] for f in out.split() if f.startswith("NodeAddr=")), node)
 
 
 def in_allocation(env: dict[str, str] | None = None) -> bool:
@@ -78,11 +85,7 @@ class SlurmScheduler:
         self.script_args = script_args
         self.base_env = env
         self.python = python
-        self.on_exit = on_exit
-        self._procs: dict[str, subprocess.Popen] = {}
-        self._lock = threading.Lock()
-        self._stopped = threading.Event()
-        self._spawner = Spawner()  # srun dies with its parent thread: start it from one that lasts
+        self._procs = WorkerProcesses(on_exit, exit_code=_signal_as_negative)
 
     def slots(self) -> list[str]:
         return list(self._slots)
@@ -91,21 +94,16 @@ class SlurmScheduler:
         env = {**self.base_env, "BATON_WORKER_ID": worker_id, "BATON_SLOT": slot}
         env.pop("BATON_PARENT_PID", None)  # the task's parent is slurmstepd, not this process
         argv = ["srun", "--jobid", self.alloc.job_id, "--overlap", "--nodes=1", "--ntasks=1",
-                f"--nodelist={node_of(slot)}", f"--job-name=baton-{worker_id}", "--kill-on-bad-exit=0",
+                f"--nodelist={node_of(slot)}", f"--job-name={_step_name(worker_id)}", "--kill-on-bad-exit=0",
                 "--export=ALL", "--quiet", self.python, self.script, *self.script_args]
-        proc = self._spawner.popen(argv, env=env, preexec_fn=_die_with_parent, start_new_session=True)
-        with self._lock:
-            self._procs[worker_id] = proc
-        threading.Thread(target=self._wait, args=(worker_id, proc), name=f"baton-wait-{worker_id}",
-                         daemon=True).start()
-        return proc.pid
+        return self._procs.start(worker_id, argv, env=env, preexec_fn=_die_with_parent,
+                                 start_new_session=True).pid
 
     def kill(self, worker_id: str, dump_stacks: bool = False) -> None:
-        with self._lock:
-            proc = self._procs.get(worker_id)
-        if proc is None or proc.poll() is not None:
+        proc = self._procs.running(worker_id)
+        if proc is None:
             return
-        step = self._step_of(worker_id)
+        step = self._steps().get(worker_id)
         if step is None:  # not a step yet (srun still asking for it): stopping srun is enough
             proc.kill()
             return
@@ -115,62 +113,49 @@ class SlurmScheduler:
         self._signal(step, "KILL")
 
     def pid(self, worker_id: str) -> int | None:
-        with self._lock:
-            proc = self._procs.get(worker_id)
-        return proc.pid if proc else None
+        return self._procs.pid(worker_id)
 
     def alive(self) -> list[str]:
-        with self._lock:
-            return [w for w, p in self._procs.items() if p.poll() is None]
+        return self._procs.alive()
 
     def shutdown(self, grace_s: float = 5.0) -> None:
         """Stop every remaining step (SIGTERM, then SIGKILL after the grace)."""
-        with self._lock:
-            procs = dict(self._procs)
-        for wid, p in procs.items():
-            if p.poll() is None:
-                step = self._step_of(wid)
-                if step is not None:
-                    self._signal(step, "CONT")
-                    self._signal(step, "TERM")
-        deadline = time.time() + grace_s
-        for wid, p in procs.items():
-            try:
-                p.wait(timeout=max(0.0, deadline - time.time()))
-            except subprocess.TimeoutExpired:
-                step = self._step_of(wid)
-                if step is not None:
-                    self._signal(step, "KILL")
-                p.kill()
-                p.wait()
-        self._stopped.set()
+        self._procs.shutdown(lambda procs: self._signal_steps(procs, "CONT", "TERM"),
+                             lambda left: self._signal_steps(left, "KILL"), grace_s)
 
     # ---------------------------------------------------------------- internals
-    def _wait(self, worker_id: str, proc: subprocess.Popen) -> None:
-        code = proc.wait()
-        with self._lock:
-            self._procs.pop(worker_id, None)
-        if code > 128:
-            code = -(code - 128)  # srun's 128 + signal: report it as the local scheduler does
-        if self.on_exit is not None and not self._stopped.is_set():
-            self.on_exit(worker_id, code)
-
-    def _step_of(self, worker_id: str) -> str | None:
+    def _steps(self) -> dict[str, str]:
+        """Worker id -> its step id (J.S), for the steps running now: one squeue for all."""
         try:
             out = _slurm(["squeue", "-h", "-s", "-j", self.alloc.job_id, "-o", "%i %j"], self.base_env)
         except SlurmError:
-            return None
-        for line in out.splitlines():
-            parts = line.split()
-            if len(parts) == 2 and parts[1] == f"baton-{worker_id}":
-                return parts[0]
-        return None
+            return {}
+        names = {_step_name(w): w for w in self._procs.alive()}
+        return {names[parts[1]]: parts[0] for parts in map(str.split, out.splitlines())
+                if len(parts) == 2 and parts[1] in names}
+
+    def _signal_steps(self, procs: dict[str, subprocess.Popen], *signals: str) -> None:
+        steps = self._steps()
+        for wid in procs:
+            if wid in steps:
+                for sig in signals:
+                    self._signal(steps[wid], sig)
 
     def _signal(self, step: str, sig: str) -> None:
         try:
             _slurm(["scancel", f"--signal={sig}", step], self.base_env)
         except SlurmError:
             pass  # the step ended meanwhile
+
+
+def _step_name(worker_id: str) -> str:
+    return f"baton-{worker_id}"
+
+
+def _signal_as_negative(code: int) -> int:
+    """srun exits with 128 + the signal that killed its task: report it as the local
+    scheduler does, minus the signal."""
+    return -(code - 128) if code > 128 else code
 
 
 def _slurm(argv: list[str], env: dict[str, str]) -> str:

@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch._C._distributed_c10d as _c10d
 
 from baton import selfcost
-from baton.worker.address import node_address
+from baton.address import node_address
 
 
 @functools.cache

@@ -37,10 +37,10 @@ from typing import Any, Callable, Iterator
 import torch
 
 from baton import selfcost
+from baton.address import node_address
 from baton.control import messages as m
 from baton.store.rendezvous import rendezvous_store
 from baton.transfer import TransferServer
-from baton.worker.address import node_address
 from baton.worker import ddp as ddp_mod
 from baton.worker import discover, orphan
 from baton.worker.control import ControlChannel, OrchestratorGone
