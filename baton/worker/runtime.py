@@ -587,6 +587,10 @@ class Runtime:
                     self.feed.advance()  # as the step's completion would (a seek too would skip a batch)
                     self.pos = target
                     self.at_pos, self.at_pos_rng = self.capture.bundle, self.capture.rng
+                    # The fetched state replaced this rank's own (it cannot go back): if forming
+                    # fails now, it must report the target as its position, or a later plan
+                    # would run the completed step again on top of it.
+                    pos, in_step = target, False
                 else:
                     raise RuntimeError(f"cannot reach position {target} from {pos}")
                 if cmd.publish:
