@@ -152,6 +152,52 @@ def test_serving_survivor_killed_during_a_recovery(tmp_path, gpt_reference):
         job.kill()
 
 
+def test_survivor_that_fetched_a_completed_step_loses_its_sources_before_forming(tmp_path, gpt_reference):
+    """Deterministic: rank 0 loses step 15 after its all-reduce (ranks 1 and 2 complete it)
+    and fetches their result; both are killed before the new generation forms. Rank 0 is the
+    only copy left: it must still hold step 15's start (the fetched state is applied only once
+    formed), and everyone runs step 15 once. Before, it reported step 15 with step 16's state
+    and the job ended with exit 0 one optimizer step ahead (seen in CI), or failed."""
+    mark = tmp_path / "held"
+    env = {"PYTHONPATH": str(Path(__file__).resolve().parent / "inject"),
+           "BATON_TEST_FAIL_AFTER_ALLREDUCE": "0:15",
+           "BATON_TEST_HOLD_AFTER_TAKING_STEP": "0", "BATON_TEST_HOLD_MARK": str(mark)}
+    job = gpt_job(tmp_path, "sources-lost", spares=2, env=env)
+    try:
+        _spare_pids(job, 2)
+        deadline = time.time() + 120
+        while not mark.exists():
+            assert time.time() < deadline and job.proc.poll() is None, job.log()
+            time.sleep(0.05)
+        for r in (1, 2):
+            job.signal_rank(r, signal.SIGKILL)
+        time.sleep(0.5)
+        mark.unlink()
+        events = check_equal(job, gpt_reference)
+        log = job.log(tail=None)
+        assert "injected: rank 0 holds after fetching" in log
+        assert {e["rank"] for e in events} >= {1, 2}, events
+        assert all(e["status"] == "resolved" and e["steps_lost"] == 0 for e in events), events
+    finally:
+        job.kill()
+
+
+def test_a_rank_whose_parameters_are_a_step_ahead_stops_the_job_loudly(tmp_path):
+    """baton counts the steps each rank's parameters hold and checks it before every step:
+    a step applied twice (every replica agreeing, so no digest sees it) ends the job with a
+    divergence, never with exit 0."""
+    env = {"PYTHONPATH": str(Path(__file__).resolve().parent / "inject"), "BATON_TEST_STEP_COUNT_SKEW": "1:6"}
+    job = Job(tmp_path, nproc=2, spares=0, steps=12, env=env, name="skew")
+    try:
+        assert job.wait(timeout=120) == 1, job.log()
+        log = job.log(tail=None)
+        assert "injected: rank 1 miscounts" in log
+        assert "rank 1's parameters hold the updates of 8 steps but it is about to run step 7" in log, log
+        assert [e["kind"] for e in job.events()] == ["divergence"]
+    finally:
+        job.kill()
+
+
 def test_stopped_spare_then_a_kill(tmp_path, gpt_reference):
     """The only spare is SIGSTOPped, then a rank dies: the stopped spare is detected, killed
     and replaced by a new one, and training continues exactly."""

@@ -201,3 +201,26 @@ def test_a_planned_moves_leaver_lost_after_a_survivors_report_is_not_moved_twice
     assert "superseded by the loss of its leaver" in planned["note"]
     assert unplanned["kind"] == "unplanned" and unplanned["rank"] == 1
     assert not orch._retry_moves  # nothing left to run once the recovery is over
+
+
+def test_reports_from_before_a_restart_do_not_make_the_next_plan(tmp_path):
+    """Rank 1 dies; rank 2 completed the step, rank 0 abandoned it and is told to fetch from
+    rank 2; rank 2 dies while serving. Rank 0's first report (step 10) no longer says where
+    its state is, and neither does one it sent before it heard of the restart: the next plan
+    waits for a report made after the restart's Abort."""
+    orch, _ = _running(tmp_path, world=3, spares=2)
+    orch.handle(m.WorkerExited(worker_id="w1", returncode=-9))
+    g1 = orch.op.generation
+    report(orch, "w0", {"type": "recover", "generation": g1, "pos": [10, 0], "in_step": True})
+    report(orch, "w2", {"type": "recover", "generation": g1, "pos": [11, 0]})
+    assert orch.op.phase == "forming" and orch.op.target == (11, 0)
+    seen = len(_commands(orch, "w0"))
+    orch.handle(m.WorkerExited(worker_id="w2", returncode=-9))
+    g2 = orch.op.generation
+    assert g2 > g1 and orch.op.phase == "collect"
+    report(orch, "w0", {"type": "recover", "generation": g1, "pos": [10, 0], "in_step": True})
+    new = _commands(orch, "w0")[seen:]
+    assert [c["type"] for c in new] == ["abort"] and new[0]["generation"] == g2
+    report(orch, "w0", {"type": "recover", "generation": g2, "pos": [10, 0], "in_step": True})
+    forms = [c for c in _commands(orch, "w0")[seen:] if c["type"] == "form"]
+    assert len(forms) == 1 and forms[0]["generation"] == g2 and forms[0]["pos"] == [10, 0] and forms[0]["publish"]

@@ -112,7 +112,9 @@ class Paused(_Msg):
 class Recover(_Msg):
     """A peer was lost. `pos` is the boundary this rank's state is at; `in_step`: it abandoned
     the step starting there (so the step re-runs); `unit_reported`: it had reported the end
-    of the boundary function at `pos` before the failure."""
+    of the boundary function at `pos` before the failure. `generation`: the newest generation
+    this rank knew of when it reported (its group's, or a newer Abort's); a report from before
+    the recovery's latest restart may describe a state the rank has since left."""
 
     type: Literal["recover"] = "recover"
     generation: int

@@ -49,7 +49,7 @@ class Operation:
     target_step: int | None = None
     acks: dict[int, dict[str, Any]] = field(default_factory=dict)
     paused: dict[int, float] = field(default_factory=dict)
-    boundaries: dict[int, int] = field(default_factory=dict)
+    boundaries: dict[int, tuple[int, int]] = field(default_factory=dict)  # survivors: where their state is
     formed: dict[int, float] = field(default_factory=dict)
     deadline: float = float("inf")  # when the current phase has run out of time
     transfer_bytes: int = 0

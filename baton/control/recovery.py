@@ -37,6 +37,11 @@ class Recovery:
             self._open_recovery(cause=f"rank {w.rank} saw a failed collective: {rep.error[:200]}")
             op = self.op
         assert op is not None
+        if rep.generation < op.generation:
+            # Sent before this rank heard of the current generation (its Abort is on the way):
+            # its state may change before that Abort reaches it, so wait for the next report.
+            self._advance_collect()
+            return
         if w.rank not in op.moves:
             pos = tuple(rep.pos)
             if rep.unit_reported and self._unit_durable_everywhere((pos[0], pos[1] + 1)):
@@ -171,6 +176,9 @@ class Recovery:
         """Lost someone while forming: a new generation, and everyone goes back to collecting."""
         op.enter("collect", self._report_window())
         op.formed.clear()
+        # Reports from before are stale: a survivor may have taken a completed step's state
+        # since. Every survivor reports again after the Abort below.
+        op.boundaries.clear()
         self.generation += 1
         op.generation = self.generation
         for info in self.ranks.values():

@@ -59,6 +59,7 @@ class ControlChannel:
         self.pause_at: int | None = None
         self.pause_op: int | None = None
         self.abort_generation: int | None = None
+        self.newest_abort = -1  # the newest generation any Abort named (never cleared)
         self.attention = False  # hot-path flag: the boundary must look closer
         # What the heartbeat carries: latest boundary, step time, metrics.
         self.heartbeat: dict[str, Any] = {}
@@ -162,6 +163,7 @@ class ControlChannel:
         if isinstance(cmd, m.Abort):
             with self.lock:
                 self.abort_generation = cmd.generation
+                self.newest_abort = max(self.newest_abort, cmd.generation)
                 self.attention = True
             if self.on_abort is not None:
                 self.on_abort()

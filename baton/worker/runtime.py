@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from baton import selfcost
 from baton.control import messages as m
-from baton.transfer import TransferError, codec, fetch_state
+from baton.transfer import FetchStats, TransferError, codec, fetch_state
 from baton.transfer.bundles import Bundle, Frame, Pos, encode_frame, newest
 from baton.transfer.protocol import FlatState
 from baton.transfer.server import PUSH, TransferServer, connect
@@ -119,6 +119,11 @@ class Runtime:
         self.verified_at: Pos | None = None  # where --verify-every last checked
         self.scope: str | None = None  # "step" | "boundary" | None
         self.committed = False
+        # How many steps' updates the replicated state (parameters, optimizer) holds. It must
+        # equal pos[0] when a step begins: anything else means a step would be applied twice
+        # or skipped on this rank while every replica still agrees, a divergence no digest
+        # comparison can see.
+        self.params_step = 0
         self.seq = 0
         self.loop_started = False
         self.loop_done = False
@@ -198,6 +203,7 @@ class Runtime:
                                steps_per_epoch=self.spe if style == "epochs" else None, start_step=start)
         if start and not self.joiner:  # resumed from the script's own checkpoint
             self.pos = (start, 0)
+            self.params_step = start
             position = self.feed.position_at(start)
             if position is not None:
                 self.feed.seek(position)
@@ -246,6 +252,8 @@ class Runtime:
 
     def _begin_step(self, step_cls: type) -> Any:
         self._check_no_stray_draws("before step")
+        if self.params_step != self.pos[0]:
+            self._lineage_broken()
         self.small = self.tracked.snapshot_small()
         k = self.pos[0]
         epoch = k // self.spe if self.spe else self.feed.epoch
@@ -274,6 +282,7 @@ class Runtime:
         assert self.capture is not None
         self.feed.advance()
         self.pos = (self.pos[0] + 1, 0)
+        self.params_step = self.pos[0]  # also when a GradScaler skipped the optimizer's step
         self.at_pos, self.at_pos_rng = self.capture.bundle, self.capture.rng
         now = time.perf_counter()
         hb = self.ctl.heartbeat
@@ -460,6 +469,7 @@ class Runtime:
             return
         if self.scope == "step":
             self.committed = True
+            self.params_step = self.pos[0] + 1
             return
         where = "a boundary function" if self.scope == "boundary" else "outside `with step:`"
         raise UsageError(f"optimizer.step() ran in {where}: parameters may only change inside steps")
@@ -564,14 +574,16 @@ class Runtime:
         while True:
             with ctl.lock:
                 ctl.pause_at = ctl.pause_op = None
-            ctl.report(m.Recover(generation=self.group.generation, pos=pos, in_step=in_step,
+                known = max(self.group.generation, ctl.newest_abort)
+            ctl.report(m.Recover(generation=known, pos=pos, in_step=in_step,
                                  unit_reported=unit_reported, error=error[:2000]))
             cmd = self.wait_for(m.Form, m.Abort)
-            if isinstance(cmd, m.Abort):
-                continue
+            if isinstance(cmd, m.Abort) or cmd.generation < known:
+                continue  # a plan made before the latest restart: the next one follows the report
             target: Pos = tuple(cmd.pos)  # type: ignore[assignment]
             # A boundary function every rank finished before the failure keeps its effects.
             unit_done = unit is not None and unit_reported and target == (pos[0], pos[1] + 1)
+            completed = None  # the result of the step this rank abandoned, taken from others
             try:
                 if unit is not None and not unit_done:
                     self._restore_unit(unit)
@@ -581,22 +593,26 @@ class Runtime:
                 elif target == pos:
                     self.pos = target
                 elif self.capture is not None and target == self.capture.bundle.pos:
-                    # Others completed the step this rank abandoned: take their result.
-                    self._fetch_replicated(cmd.fetch_from, cmd.generation, target)
-                    self._apply_bundle(self.capture.bundle.state(), data=False)
-                    self.feed.advance()  # as the step's completion would (a seek too would skip a batch)
-                    self.pos = target
-                    self.at_pos, self.at_pos_rng = self.capture.bundle, self.capture.rng
-                    # The fetched state replaced this rank's own (it cannot go back): if forming
-                    # fails now, it must report the target as its position, or a later plan
-                    # would run the completed step again on top of it.
-                    pos, in_step = target, False
+                    # Others completed the step this rank abandoned: take their result, but
+                    # only once the new generation has formed. Until then this rank's state
+                    # stays at `pos`, the boundary it reported: if the sources are lost while
+                    # forming, the next plan may go back there, and a rank already holding the
+                    # step would run it a second time.
+                    completed, _ = self._fetch_state(cmd.fetch_from, cmd.generation, target,
+                                                       cmd.formation_timeout_s)
                 else:
                     raise RuntimeError(f"cannot reach position {target} from {pos}")
                 if cmd.publish:
                     self.publish(cmd.generation, full=False)
                 self._clear_abort(cmd.generation)
                 self.form(cmd.generation, cmd.buddies, cmd.formation_timeout_s)
+                if completed is not None:
+                    assert self.capture is not None
+                    self._load_replicated(completed)
+                    self._apply_bundle(self.capture.bundle.state(), data=False)
+                    self.feed.advance()  # as the step's completion would (a seek too would skip a batch)
+                    self.pos = target
+                    self.at_pos, self.at_pos_rng = self.capture.bundle, self.capture.rng
                 if cmd.verify:
                     self.verify_state(cmd.generation, None)
             except (CollectiveFailure, dist.DistError, TransferError, OSError) as exc:
@@ -636,13 +652,19 @@ class Runtime:
         if data and state.get("data") is not None:
             self.feed.seek(state["data"])
 
-    def _fetch_replicated(self, sources: list[Any], generation: int, target: Pos) -> tuple[int, float]:
+    def _fetch_state(self, sources: list[Any], generation: int, target: Pos,
+                     timeout: float | None = None) -> tuple[dict[str, Any], FetchStats]:
+        """The state `sources` serve for `generation`, checked to be at `target`."""
         flat, stats = fetch_state([tuple(s) for s in sources], generation, self.token,
-                                  timeout=self.formation_timeout)
+                                  timeout=timeout or self.formation_timeout)
         state = codec.decode(flat.meta, flat.tensors)
         if tuple(state["pos"]) != tuple(target):
             raise TransferError(f"sources serve position {state['pos']}, expected {list(target)}")
+        return state, stats
+
+    def _load_replicated(self, state: dict[str, Any]) -> None:
         self.tracked.load_replicated(state["replicated"])
+        self.params_step = int(state["pos"][0])
         # DDP's "broadcast buffers before the next forward" flag as the step left it on the
         # sources: this rank restored the value from the start of the step it abandoned
         # (False after an evaluation forward), so it would skip the next broadcast alone.
@@ -650,7 +672,6 @@ class Runtime:
 
         for ddp, ddp_state in zip(self.tracked.ddps, state["ddp"]):
             adopt_state(ddp, ddp_state)
-        return stats.bytes, stats.seconds
 
     def _reset_ddp(self) -> None:
         from baton.worker.ddp import reset_after_failure
@@ -672,19 +693,11 @@ class Runtime:
             gen, target = cmd.generation, tuple(cmd.pos)
             try:
                 t0 = time.perf_counter()
-                flat, stats = fetch_state([tuple(s) for s in cmd.fetch_from], gen, self.token,
-                                          timeout=cmd.formation_timeout_s or self.formation_timeout)
+                state, stats = self._fetch_state(cmd.fetch_from, gen, target, cmd.formation_timeout_s)
                 t_fetched = time.perf_counter()
-                state = codec.decode(flat.meta, flat.tensors)
-                if tuple(state["pos"]) != target:
-                    raise TransferError(f"sources serve position {state['pos']}, expected {list(target)}")
-                self.tracked.load_replicated(state["replicated"])
+                self._load_replicated(state)
                 assert self.loop is not None  # the joiner skipped the resume block: adopt its start
                 self.loop = self.loop.model_copy(update={"start_step": int(state["loop_start"])})
-                from baton.worker.ddp import adopt_state
-
-                for ddp, ddp_state in zip(self.tracked.ddps, state["ddp"]):
-                    adopt_state(ddp, ddp_state)
                 expected = None
                 if cmd.full_state:
                     bundle_state, expected = state["bundle"], state.get("digest")
@@ -734,6 +747,15 @@ class Runtime:
                 here["record"] = None
             state["data"] = here
         return state
+
+    def _lineage_broken(self) -> None:
+        """Stop the job loudly: this rank's parameters are not at the step it is about to run."""
+        detail = (f"rank {self.rank}'s parameters hold the updates of {self.params_step} steps but it is about to "
+                  f"run step {self.pos[0]}: a step would be applied twice or skipped (a baton bug; please "
+                  "report it with this job's run directory)")
+        self.ctl.report_now(m.Verified(generation=self.group.generation, pos=self.pos, ok=False,
+                                       differing=["step count"], detail=detail))
+        raise Divergence(detail)
 
     # ================================================================ forming and checking
     def form(self, generation: int, buddies: list[Any], timeout: float | None = None) -> None:

@@ -19,6 +19,15 @@ fire once per job): that rank reaches the agreed boundary
 of a move but its main thread hangs there, as one stuck in its own code between steps (a
 hung filesystem read, say) would. Its heartbeats go on and no collective is pending for the
 others, who wait at the boundary: only the pausing phase's deadline can find it.
+
+BATON_TEST_HOLD_AFTER_TAKING_STEP="rank" (with BATON_TEST_HOLD_MARK, a file path): once, when
+that rank, a survivor that abandoned a step the others completed, has fetched their result,
+it creates the mark and waits until the test removes it (at most 60 s), so that the test can
+kill the sources before the new generation forms.
+
+BATON_TEST_STEP_COUNT_SKEW="rank:step": after that rank's optimizer step at that step, baton's
+count of the steps its parameters hold is one too many, as a bug that applied a step twice
+would leave it. baton's own check must stop the job loudly (never exit 0).
 """
 
 import os
@@ -108,3 +117,42 @@ if _stall:
         return _pause(self, op)
 
     Runtime._paused = _hang_instead
+
+_hold = os.environ.get("BATON_TEST_HOLD_AFTER_TAKING_STEP")
+if _hold:
+    import time
+
+    from baton.worker.runtime import Runtime
+
+    _fetch = Runtime._fetch_state
+    _hold_mark = os.environ["BATON_TEST_HOLD_MARK"]
+    _held = [False]
+
+    def _fetch_then_hold(self, *args, **kwargs):  # noqa: ANN001, ANN202
+        got = _fetch(self, *args, **kwargs)
+        if self.rank == int(_hold) and not self.joiner and not _held[0]:
+            _held[0] = True
+            open(_hold_mark, "w").close()
+            print(f"injected: rank {_hold} holds after fetching the completed step", file=sys.stderr, flush=True)
+            deadline = time.time() + 60
+            while os.path.exists(_hold_mark) and time.time() < deadline:
+                time.sleep(0.05)
+        return got
+
+    Runtime._fetch_state = _fetch_then_hold
+
+_skew = os.environ.get("BATON_TEST_STEP_COUNT_SKEW")
+if _skew:
+    from baton.worker.runtime import Runtime
+
+    _end_step = Runtime._end_step
+    _skew_rank, _skew_step = map(int, _skew.split(":"))
+
+    def _end_then_skew(self, step):  # noqa: ANN001, ANN202
+        due = self.rank == _skew_rank and step.index == _skew_step and not step.failed
+        _end_step(self, step)
+        if due:
+            self.params_step += 1
+            print(f"injected: rank {_skew_rank} miscounts its steps at step {_skew_step}", file=sys.stderr, flush=True)
+
+    Runtime._end_step = _end_then_skew
