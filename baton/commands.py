@@ -36,6 +36,13 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                    help="seconds without a heartbeat before a worker is declared hung, default 3")
     p.add_argument("--formation-timeout", type=float, default=120.0,
                    help="seconds to wait for a new process group to form, default 120")
+    p.add_argument("--return-home", action="store_true",
+                   help="move ranks back to the node they started on once it is healthy again (untainted, "
+                        "with warm spares), at a planned boundary")
+    p.add_argument("--straggler-factor", type=float, default=0.0, metavar="F",
+                   help="taint a rank's slot (and move the rank) when its own work per step stays above F "
+                        "times the other ranks' median for --straggler-steps steps; 0 (default): off")
+    p.add_argument("--straggler-steps", type=int, default=20, metavar="N")
     p.add_argument("--spare-wait", type=float, default=600.0,
                    help="seconds a recovery waits for a spare before the job fails, default 600")
     p.add_argument("--verify-every", type=int, default=0, metavar="N",
@@ -60,17 +67,20 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("migrate", help="move a rank to a spare at the next agreed step boundary")
     _conn_args(p)
     p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--to", default=None, metavar="SLOT|NODE",
+                   help="move it there (a warm spare there is used, or one is started on a free slot)")
     p.set_defaults(func=cmd_migrate)
 
-    p = sub.add_parser("taint", help="mark a slot bad: move its ranks off, schedule nothing new there")
+    p = sub.add_parser("taint", help="mark a slot or a whole node bad: move its ranks off (one move), "
+                                     "schedule nothing new there; a node is drained in Slurm")
     _conn_args(p)
-    p.add_argument("slot", help="slot name, e.g. local/2")
+    p.add_argument("slot", help="slot name (local/2, n3/1) or node name (n3)")
     p.add_argument("--reason", required=True, help="why (ecc, thermal, maintenance, ...)")
     p.set_defaults(func=cmd_taint)
 
-    p = sub.add_parser("untaint", help="return a slot to the pool")
+    p = sub.add_parser("untaint", help="return a slot or node to the pool (a node is resumed in Slurm)")
     _conn_args(p)
-    p.add_argument("slot")
+    p.add_argument("slot", help="slot or node name")
     p.set_defaults(func=cmd_untaint)
 
     p = sub.add_parser("demo", help="4 ranks + 1 spare on CPU: a planned move, a taint and a kill -9, "
@@ -123,7 +133,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                       formation_timeout_s=args.formation_timeout, verify_every=args.verify_every,
                       spare_wait_s=args.spare_wait, job_id=args.job_id, quiet=args.quiet,
                       scheduler=args.scheduler, nodes=args.nodes, spare_nodes=args.spare_nodes,
-                      advertise_addr=args.advertise_addr)
+                      advertise_addr=args.advertise_addr, return_home=args.return_home,
+                      straggler_factor=args.straggler_factor, straggler_steps=args.straggler_steps)
     return run(opts)
 
 
@@ -151,6 +162,10 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"  spares: {spares}")
         taints = ", ".join(f"{t['slot']} ({t['reason']})" for t in job["taints"]) or "none"
         print(f"  taints: {taints}")
+        if len(job.get("nodes", [])) > 1 or any(n["state"] != "healthy" for n in job.get("nodes", [])):
+            for n in job["nodes"]:
+                print(f"  node {n['node']:<8} {n['state']:<8} ranks {n['ranks'] or '-'}  spares {n['spares']}"
+                      + (f"  ({n['reason']})" if n.get("reason") else ""))
         if job.get("cpu"):
             print(f"  CPU: {describe_cpu(job['cpu'])}")
     return 0
@@ -205,8 +220,12 @@ def format_events(events: list[dict[str, Any]]) -> str:
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:
-    data = _api(args, lambda c: c.migrate(args.rank))
-    print(f"migrating rank {args.rank} (operation {data['op']})")
+    data = _api(args, lambda c: c.migrate(args.rank, args.to))
+    if data.get("queued"):
+        print(data["note"])
+    else:
+        print(f"migrating rank {args.rank}" + (f" to {data['to']}" if data.get("to") else "")
+              + f" (operation {data['op']})")
     return 0
 
 

@@ -54,6 +54,9 @@ class RunOptions:
     nodes: int | None = None  # with it, nproc is per node (torchrun's --nnodes/--nproc-per-node)
     spare_nodes: int | None = None  # nodes that hold only spares (nproc each); replaces --spares
     advertise_addr: str | None = None  # where workers reach the launcher (default: found)
+    return_home: bool = False  # move ranks back to their first node once it is healthy again
+    straggler_factor: float = 0.0  # 0: the straggler detector is off
+    straggler_steps: int = 20
 
 
 class EventPrinter:
@@ -135,6 +138,9 @@ def run(opts: RunOptions, listeners: list[Callable[[str, dict[str, Any]], None]]
             raise SystemExit(f"baton run: {flag} must be a positive number of seconds, got {value}")
     if opts.verify_every < 0:
         raise SystemExit("baton run: --verify-every must be >= 0")
+    if not math.isfinite(opts.straggler_factor) or (opts.straggler_factor and opts.straggler_factor <= 1) \
+            or opts.straggler_steps < 1:
+        raise SystemExit("baton run: --straggler-factor must be 0 (off) or above 1, and --straggler-steps at least 1")
     if opts.spares < 0:
         raise SystemExit("baton run: --spares must be >= 0")
     if not Path(opts.script).is_file():
@@ -156,7 +162,10 @@ def run(opts: RunOptions, listeners: list[Callable[[str, dict[str, Any]], None]]
     config = Config(world_size=placement.world_size, spares=placement.spares, job_id=opts.job_id,
                     op_timeout_s=opts.op_timeout_s, heartbeat_timeout_s=opts.heartbeat_timeout_s,
                     formation_timeout_s=opts.formation_timeout_s, verify_every=opts.verify_every,
-                    spare_wait_s=opts.spare_wait_s)
+                    spare_wait_s=opts.spare_wait_s,
+                    ranks_per_node=opts.nproc if placement.allocation is not None else 0,
+                    return_home=opts.return_home, straggler_factor=opts.straggler_factor,
+                    straggler_steps=opts.straggler_steps)
     orch = Orchestrator(config, db)
     db.on_error = lambda text: orch.handle(m.StoreFailed(message=text))
     orch.listeners.append(EventPrinter(run_dir, opts.quiet))

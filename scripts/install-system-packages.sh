@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Debian packages the Slurm and etcd tests use: slurm-wlm (slurmctld, slurmd, srun), munge
-# and etcd-server. Fast when they are there already; without root or apt-get it says so and
+# Debian packages the Slurm and etcd tests use: slurm-wlm (slurmctld, slurmd, srun), munge,
+# etcd-server and iproute2. Fast when they are there already; without root or apt-get it says so and
 # those tests skip with the same reason.
 set -u
 need=()
@@ -9,6 +9,7 @@ command -v slurmd >/dev/null 2>&1 || need+=(slurmd)
 command -v srun >/dev/null 2>&1 || need+=(slurm-client)
 command -v munged >/dev/null 2>&1 || need+=(munge)
 command -v etcd >/dev/null 2>&1 || need+=(etcd-server)
+command -v ip >/dev/null 2>&1 || need+=(iproute2)  # network namespaces: each test node its own address
 [ ${#need[@]} -eq 0 ] && exit 0
 if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then
     echo "note: not installing ${need[*]} (needs root and apt-get): the Slurm and etcd tests will skip" >&2

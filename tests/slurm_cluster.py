@@ -2,7 +2,9 @@
 
 Debian's slurm-wlm 22.05 and munge, each started here in the foreground with its own
 configuration, munge socket, ports and state in a scratch directory, and stopped when the
-test ends. Nothing system-wide is touched. Installed by `scripts/install-system-packages.sh`
+test ends. With `netns=True` every slurmd (and so every task it starts) runs in a network
+namespace of its own with its own address (tests/node_network.py), slurmctld and the
+launcher on the bridge's address; otherwise all on 127.0.0.1. Nothing system-wide is touched. Installed by `scripts/install-system-packages.sh`
 (part of `make setup`); without root or the packages, `skip_reason()` says why and the tests
 skip with it.
 """
@@ -18,7 +20,9 @@ import tempfile
 import time
 from pathlib import Path
 
-BINARIES = ("slurmctld", "slurmd", "srun", "salloc", "sinfo", "scontrol", "munged")
+from tests.node_network import NodeNetwork
+
+BINARIES = ("slurmctld", "slurmd", "srun", "salloc", "sinfo", "scontrol", "munged", "ip")
 
 
 def skip_reason() -> str | None:
@@ -60,10 +64,11 @@ def _free_ports(n: int) -> list[int]:
 class SlurmCluster:
     """`with SlurmCluster(tmp, nodes=4) as c:` - `c.env` runs Slurm commands against it."""
 
-    def __init__(self, root: Path, nodes: int = 4, cpus_per_node: int = 2):
+    def __init__(self, root: Path, nodes: int = 4, cpus_per_node: int = 2, netns: bool = False):
         self.root = Path(root)
         self.nodes = [f"n{i}" for i in range(1, nodes + 1)]
         self.cpus = cpus_per_node
+        self.network = NodeNetwork(self.nodes) if netns else None
         self._procs: dict[str, subprocess.Popen] = {}
         self.munge_dir: Path | None = None
         self.conf = self.root / "slurm.conf"
@@ -87,6 +92,8 @@ class SlurmCluster:
         for d in ("state", "spool", "log"):
             (self.root / d).mkdir(parents=True, exist_ok=True)
         self._start_munge()
+        if self.network is not None:
+            self.network.up()
         ports = _free_ports(2 + len(self.nodes))
         self.conf.write_text(self._config(ports))
         self._spawn("slurmctld", ["slurmctld", "-D", "-i"])
@@ -99,6 +106,8 @@ class SlurmCluster:
             subprocess.run(["scancel", "--full", "-u", "root"], env=self.env, capture_output=True, timeout=20)
         for name in list(self._procs):
             self._kill(name)
+        if self.network is not None:
+            self.network.down()
         if self.munge_dir is not None:
             shutil.rmtree(self.munge_dir, ignore_errors=True)
         # Tasks outlive a SIGKILLed slurmd in their slurmstepd: end whatever this cluster ran.
@@ -110,7 +119,34 @@ class SlurmCluster:
                     pass
 
     def start_node(self, node: str) -> None:
-        self._spawn(f"slurmd-{node}", ["slurmd", "-D", "-N", node])
+        prefix = self.network.run_in(node) if self.network is not None else []
+        self._spawn(f"slurmd-{node}", [*prefix, "slurmd", "-D", "-N", node])
+
+    def lose_node(self, node: str) -> None:
+        """The whole node fails: its slurmd and every process on it killed, its link cut."""
+        assert self.network is not None, "losing a node needs netns=True"
+        self.network.lose(node)
+        p = self._procs.pop(f"slurmd-{node}", None)
+        if p is not None:
+            p.wait(timeout=10)
+
+    def revive_node(self, node: str, timeout: float = 60.0) -> None:
+        """Power a lost node back on: link up, slurmd started, returned to service."""
+        assert self.network is not None
+        self.network.restore(node)
+        self.start_node(node)
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            self.run("scontrol", "update", f"nodename={node}", "state=resume", check=False)
+            if self.node_states().get(node) in ("idle", "mixed", "allocated"):
+                return
+            time.sleep(0.5)
+        raise RuntimeError(f"{node} did not come back: {self.node_states()}")
+
+    def node_reasons(self) -> dict[str, tuple[str, str]]:
+        """node -> (state, reason) as sinfo shows them."""
+        out = self.run("sinfo", "-h", "-N", "-o", "%N|%T|%E", check=False).stdout
+        return {p[0]: (p[1], p[2]) for p in (line.split("|") for line in out.splitlines()) if len(p) == 3}
 
     def _stepds(self) -> list[int]:
         """This cluster's slurmstepd processes (they inherit slurmd's SLURM_CONF)."""
@@ -162,9 +198,17 @@ class SlurmCluster:
 
     def _config(self, ports: list[int]) -> str:
         d = self.root
+        host = socket.gethostname()
+        if self.network is None:
+            nodes = [f"NodeName=n[1-{len(self.nodes)}] NodeHostname={host} NodeAddr=127.0.0.1 "
+                     f"Port=[{ports[2]}-{ports[2] + len(self.nodes) - 1}] CPUs={self.cpus} RealMemory=4000 State=UNKNOWN"]
+        else:  # one address per node: they can all listen on the same port
+            nodes = [f"NodeName={n} NodeHostname={host} NodeAddr={self.network.addrs[n]} Port={ports[2]} "
+                     f"CPUs={self.cpus} RealMemory=4000 State=UNKNOWN" for n in self.nodes]
+        ctld_addr = self.network.host_addr if self.network is not None else "127.0.0.1"
         return "\n".join([
             "ClusterName=batontest",
-            f"SlurmctldHost={socket.gethostname()}(127.0.0.1)",
+            f"SlurmctldHost={host}({ctld_addr})",
             "SlurmUser=root",
             f"SlurmctldPort={ports[0]}",
             f"SlurmdPort={ports[1]}",
@@ -189,8 +233,7 @@ class SlurmCluster:
             "JobAcctGatherType=jobacct_gather/none",
             "SlurmdTimeout=30",
             "KillWait=2",
-            f"NodeName=n[1-{len(self.nodes)}] NodeHostname={socket.gethostname()} NodeAddr=127.0.0.1 "
-            f"Port=[{ports[2]}-{ports[2] + len(self.nodes) - 1}] CPUs={self.cpus} RealMemory=4000 State=UNKNOWN",
+            *nodes,
             "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP",
             "",
         ])

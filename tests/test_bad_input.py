@@ -70,13 +70,29 @@ def test_unauthenticated_and_malformed_requests_are_refused(running):
     assert running.events() == []
 
 
+def test_alert_webhook_refuses_malformed_bodies_and_ignores_other_targets(running):
+    """Alertmanager's webhook body: validated, token required; an alert for a machine this
+    job does not use is answered 200 "ignored" (Alertmanager retries anything else)."""
+    url = running.client.url + "/v1/alerts"
+    auth = {"Authorization": f"Bearer {(running.run_dir / 'token').read_text()}"}
+    body = {"version": "4", "status": "firing", "receiver": "baton",
+            "alerts": [{"status": "firing", "labels": {"alertname": "Hot", "node": "gpu-17"}}]}
+    assert httpx.post(url, json=body).status_code == 401
+    r = httpx.post(url, json=body, headers=auth)
+    assert r.status_code == 200 and r.json()["results"][0]["action"] == "ignored", r.text
+    for bad in ({"alerts": "x"}, {"alerts": [{"status": "burning", "labels": {}}]}, {}):
+        r = httpx.post(url, json=bad, headers=auth)
+        assert r.status_code == 422 and r.json()["error"].startswith("invalid request"), r.text
+    assert running.status()["taints"] == [] and running.events() == []
+
+
 def test_cli_errors_are_clear(running):
     out = _cli(running, "migrate", "--rank", "99")
     assert out.returncode != 0
     assert "unknown rank 99" in out.stderr and "0..1" in out.stderr
     out = _cli(running, "taint", "no/such", "--reason", "ecc")
     assert out.returncode != 0
-    assert "unknown slot 'no/such'" in out.stderr and "local/0" in out.stderr
+    assert "unknown slot or node 'no/such'" in out.stderr and "local/0" in out.stderr
     out = _cli(running, "untaint", "no/such")
     assert out.returncode != 0 and "unknown slot" in out.stderr
     out = subprocess.run([sys.executable, "-m", "baton.cli", "status", "--run-dir", str(running.dir / "nope")],

@@ -99,7 +99,7 @@ def test_refusals_change_nothing(tmp_path):
     with pytest.raises(RequestError, match="unknown rank 7") as e:
         orch.handle(m.MigrateRequest(rank=7))
     assert e.value.status == 404
-    with pytest.raises(RequestError, match="unknown slot 'x/1'"):
+    with pytest.raises(RequestError, match="unknown slot or node 'x/1'; slots are: local/0, .*; nodes: local"):
         orch.handle(m.TaintRequest(slot="x/1", reason="ecc"))
     orch.handle(m.MigrateRequest(rank=0))
     with pytest.raises(RequestError, match="already in progress") as e:
@@ -224,3 +224,189 @@ def test_reports_from_before_a_restart_do_not_make_the_next_plan(tmp_path):
     report(orch, "w0", {"type": "recover", "generation": g2, "pos": [10, 0], "in_step": True})
     forms = [c for c in _commands(orch, "w0")[seen:] if c["type"] == "form"]
     assert len(forms) == 1 and forms[0]["generation"] == g2 and forms[0]["pos"] == [10, 0] and forms[0]["publish"]
+
+
+class NodeScheduler(RecordingScheduler):
+    """Slots on three nodes of two; records probes, drains and resumes (Slurm does them for real)."""
+
+    def __init__(self):
+        super().__init__(6)
+        self.probes: list[tuple[str, object]] = []
+        self.drained: list[tuple[str, str]] = []
+        self.resumed: list[str] = []
+
+    def slots(self) -> list[str]:
+        return [f"n{n}/{i}" for n in (1, 2, 3) for i in (0, 1)]
+
+    def probe_node(self, node, done) -> None:
+        self.probes.append((node, done))
+
+    def drain(self, node: str, reason: str) -> None:
+        self.drained.append((node, reason))
+
+    def resume(self, node: str) -> None:
+        self.resumed.append(node)
+
+
+def _on_nodes(tmp_path) -> tuple[Orchestrator, NodeScheduler]:
+    sched = NodeScheduler()
+    orch = Orchestrator(Config(world_size=4, spares=2, ranks_per_node=2), SqliteStore(tmp_path / "s.db"), sched)
+    orch.start()
+    for wid, _ in list(sched.started):
+        orch.register(wid, m.Register(pid=1, transfer_addr=("127.0.0.1", 1000 + int(wid[1:]))))
+    for r in range(4):
+        report(orch, f"w{r}", {"type": "ready", "loop": LOOP, "bundle": _bundle(r)})
+        report(orch, f"w{r}", {"type": "heartbeat", "step": 10})
+    return orch, sched
+
+
+def test_a_lost_node_recovers_its_ranks_in_one_move_and_is_drained(tmp_path):
+    orch, sched = _on_nodes(tmp_path)
+    orch.handle(m.WorkerExited(worker_id="w2", returncode=-9))
+    orch.handle(m.WorkerExited(worker_id="w3", returncode=-9))
+    assert sorted(orch.op.moves) == [2, 3]
+    assert [p[0] for p in sched.probes] == ["n2"]  # probed once, while suspect
+    for w in ("w0", "w1"):
+        report(orch, w, {"type": "recover", "generation": orch.op.generation, "pos": [10, 0]})
+    forms = {w: [c for c in _commands(orch, w) if c["type"] == "form"] for w in ("w4", "w5")}
+    assert all(forms.values())  # both spares on n3 take the node's ranks in the same generation
+    # Buddies are on the other node: rank 2's state is pushed to rank 0 first, rank 3's to rank 1.
+    assert orch._buddies(2)[0] == 0 and orch._buddies(3)[0] == 1
+    sched.probes[0][1](False, "Task launch failed on node n2: Communication connection failure")
+    node = {n["node"]: n for n in orch.status()["jobs"][0]["nodes"]}["n2"]
+    assert node["state"] == "lost" and "Communication connection failure" in node["reason"]
+    assert sched.drained and sched.drained[0][0] == "n2" and sched.drained[0][1].startswith("baton: node lost")
+    assert all(s["taint"] for s in orch.status()["jobs"][0]["slots"] if s["slot"].startswith("n2/"))
+    started_on = [slot for _, slot in sched.started]
+    assert started_on.count("n2/0") == 1 and started_on.count("n2/1") == 1  # only the first ranks
+
+
+def test_a_healthy_probe_returns_the_node_to_the_pool(tmp_path):
+    orch, sched = _on_nodes(tmp_path)
+    orch.handle(m.WorkerExited(worker_id="w2", returncode=-9))
+    for w in ("w0", "w1", "w3"):
+        report(orch, w, {"type": "recover", "generation": orch.op.generation, "pos": [10, 0]})
+    joiner = orch.op.moves[2].to_worker
+    report(orch, joiner, {"type": "formed", "generation": orch.op.generation, "pos": [10, 0]})
+    for w in ("w0", "w1", "w3"):
+        report(orch, w, {"type": "formed", "generation": orch.op.generation, "pos": [10, 0]})
+    assert orch.op is None
+    assert "n2/0" not in [slot for _, slot in sched.started[6:]]  # suspect: no spare there yet
+    sched.probes[0][1](True, "")
+    assert [slot for _, slot in sched.started[6:]] == ["n2/0"] and not sched.drained
+
+
+def test_taint_of_a_node_moves_all_its_ranks_in_one_move_and_untaint_resumes_it(tmp_path):
+    orch, sched = _on_nodes(tmp_path)
+    out = orch.handle(m.TaintRequest(slot="n2", reason="maintenance"))
+    assert out["moving_ranks"] == [2, 3] and orch.op is not None and sorted(orch.op.moves) == [2, 3]
+    assert sched.drained == [("n2", "baton: maintenance")]
+    assert {e["rank"] for e in orch.event_list()} == {2, 3}
+    assert all(e["kind"] == "pre-emptive" for e in orch.event_list())
+    orch.handle(m.UntaintRequest(slot="n2"))
+    assert sched.resumed == ["n2"]
+    assert not any(s["taint"] for s in orch.status()["jobs"][0]["slots"])
+
+
+def _run_planned(orch: Orchestrator, step: int = 12) -> None:
+    """Drive the current planned move to its end as the workers would."""
+    op = orch.op
+    holders = {r: i.worker for r, i in orch.ranks.items()}
+    for r, wid in holders.items():
+        report(orch, wid, {"type": "pause_ack", "op": op.id, "ok": True, "next_step": step})
+    for r, wid in holders.items():
+        report(orch, wid, {"type": "paused", "op": op.id, "pos": [op.target_step, 0]})
+    for r in orch.ranks:
+        wid = op.moves[r].to_worker if r in op.moves else holders[r]
+        report(orch, wid, {"type": "formed", "generation": op.generation, "pos": [op.target_step, 0]})
+    assert orch.op is None
+    for r, mv in op.moves.items():
+        orch.handle(m.WorkerExited(worker_id=mv.from_worker, returncode=0))
+
+
+def test_migrate_to_a_named_slot_uses_the_spare_there_and_refuses_what_cannot_be(tmp_path):
+    orch, _ = _on_nodes(tmp_path)
+    with pytest.raises(RequestError, match="rank 2 is already on n2/0"):
+        orch.handle(m.MigrateRequest(rank=2, to="n2/0"))
+    with pytest.raises(RequestError, match="no warm spare on n1 and no free slot there"):
+        orch.handle(m.MigrateRequest(rank=2, to="n1"))
+    with pytest.raises(RequestError, match="unknown slot or node 'n9'"):
+        orch.handle(m.MigrateRequest(rank=2, to="n9"))
+    spare = next(w for w in orch.workers.values() if w.slot == "n3/1")
+    out = orch.handle(m.MigrateRequest(rank=2, to="n3/1"))
+    assert out["to"] == "n3/1" and orch.op.moves[2].to_worker == spare.id
+
+
+def test_return_home_moves_ranks_back_once_their_node_is_untainted(tmp_path):
+    sched = NodeScheduler()
+    orch = Orchestrator(Config(world_size=4, spares=2, ranks_per_node=2, return_home=True),
+                        SqliteStore(tmp_path / "s.db"), sched)
+    orch.start()
+    for wid, _ in list(sched.started):
+        orch.register(wid, m.Register(pid=1, transfer_addr=("127.0.0.1", 1000 + int(wid[1:]))))
+    for r in range(4):
+        report(orch, f"w{r}", {"type": "ready", "loop": LOOP, "bundle": _bundle(r)})
+        report(orch, f"w{r}", {"type": "heartbeat", "step": 10})
+    orch.handle(m.TaintRequest(slot="n1", reason="maintenance"))
+    _run_planned(orch)
+    assert {orch.workers[orch.ranks[r].worker].slot.split("/")[0] for r in (0, 1)} == {"n3"}
+    orch.handle(m.UntaintRequest(slot="n1"))
+    fresh = [wid for wid, slot in sched.started if slot.startswith("n1/")][2:]  # spares on the home node
+    assert len(fresh) == 2 and orch.op is None
+    for wid in fresh:
+        orch.register(wid, m.Register(pid=1, transfer_addr=("127.0.0.1", 1000 + int(wid[1:]))))
+    assert orch.op is not None and sorted(orch.op.moves) == [0, 1]
+    assert {orch.op.moves[r].to_worker for r in (0, 1)} == set(fresh)
+    assert orch.event_list()[-1]["cause"] == "return home: its node is healthy again"
+    _run_planned(orch, step=20)
+    assert {orch.workers[orch.ranks[r].worker].slot.split("/")[0] for r in (0, 1)} == {"n1"}
+    assert orch.op is None  # home again: nothing more to do
+
+
+def test_alertmanager_alerts_taint_and_untaint_what_their_labels_name(tmp_path):
+    from baton.health.alerts import AlertBatch
+
+    orch, sched = _on_nodes(tmp_path)
+
+    def alerts(*items):
+        return orch.handle(AlertBatch.model_validate({"version": "4", "status": "firing", "receiver": "baton",
+                                                      "groupLabels": {}, "alerts": list(items)}))
+
+    firing = {"status": "firing", "labels": {"alertname": "NodeHot", "instance": "n2.cluster:9100"},
+              "annotations": {"summary": "GPU 91C"}, "startsAt": "2026-11-22T10:00:00Z"}
+    other = {"status": "firing", "labels": {"alertname": "NodeHot", "instance": "elsewhere:9100"}}
+    out = alerts(firing, other)["results"]
+    assert out[0]["target"] == "n2" and out[0]["action"] == "tainted" and out[0]["moving_ranks"] == [2, 3]
+    assert out[1]["action"] == "ignored"
+    assert sched.drained == [("n2", "baton: alert NodeHot: GPU 91C")]
+    assert alerts(firing)["results"][0]["action"] == "ignored"  # re-sent while firing: nothing new
+    slot_alert = {"status": "firing", "labels": {"alertname": "EccErrors", "baton_slot": "n1/1"}}
+    assert alerts(slot_alert)["results"][0] == {"target": "n1/1", "action": "tainted", "moving_ranks": [1]}
+    assert alerts({**firing, "status": "resolved"})["results"][0]["action"] == "untainted"
+    assert sched.resumed == ["n2"]
+    wrong = {"status": "resolved", "labels": {"alertname": "Other", "baton_slot": "n1/1"}}
+    assert alerts(wrong)["results"][0]["action"] == "ignored"  # another alert's taint stays
+
+
+def test_a_spare_that_fails_to_start_on_slurm_is_judged_after_its_node_is_probed(tmp_path):
+    """srun cannot start a step on a dead node and exits 1 like a broken script would: the node
+    is probed first. A bad node is tainted and the job goes on; a good node means the script
+    itself failed, and the job ends with that."""
+    orch, sched = _on_nodes(tmp_path)
+    orch.handle(m.WorkerExited(worker_id="w4", returncode=0))  # the spare on n3/0 leaves; another starts
+    orch.handle(m.Tick(now=time.time()))
+    fresh, where = sched.started[-1]
+    assert fresh == "w6" and where == "n3/0"
+    orch.handle(m.WorkerExited(worker_id=fresh, returncode=1))
+    assert orch.exit_code is None and sched.probes[-1][0] == "n3"
+    sched.probes[-1][1](False, "Unable to create step: Requested node configuration is not available")
+    assert orch.exit_code is None and {n["node"]: n["state"] for n in orch.status()["jobs"][0]["nodes"]}["n3"] == "lost"
+
+    (tmp_path / "again").mkdir()
+    orch2, sched2 = _on_nodes(tmp_path / "again")
+    orch2.handle(m.WorkerExited(worker_id="w4", returncode=0))
+    orch2.handle(m.Tick(now=time.time()))
+    fresh = sched2.started[-1][0]
+    orch2.handle(m.WorkerExited(worker_id=fresh, returncode=1))
+    sched2.probes[-1][1](True, "")
+    assert orch2.exit_code == 1 and "exited with code 1 before baton.init()" in orch2.failure

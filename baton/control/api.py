@@ -1,4 +1,5 @@
-"""HTTP API over the orchestrator (FastAPI). Every route needs the job's bearer token.
+"""HTTP API over the orchestrator (FastAPI). Every route needs the job's bearer token,
+`/metrics` (Prometheus) included.
 
 Errors are always JSON `{"error": "..."}` with a 4xx status; a refused request
 changes nothing.
@@ -15,7 +16,8 @@ import anyio.to_thread
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -23,7 +25,9 @@ from pydantic import ValidationError
 
 from baton.control import messages as m
 from baton.control.beats import BeatReceiver
+from baton.control.metrics import JobMetrics
 from baton.control.orchestrator import Orchestrator, RequestError
+from baton.health.alerts import AlertBatch
 
 
 _REPORT_TYPES = {"heartbeat", "ready", "unit_done", "pause_ack", "paused", "recover", "formed", "verified",
@@ -75,6 +79,14 @@ def create_app(orch: Orchestrator, token: str, beat_addr: tuple[str, int] | None
     def status() -> dict[str, Any]:
         return {**orch.status(), "heartbeat_addr": beat_addr}  # the UDP port a firewall must also open
 
+    metrics = JobMetrics(orch)
+    orch.listeners.append(metrics.on_event)
+
+    @app.get("/metrics")
+    def prometheus() -> Response:
+        """Prometheus text format (scrape it with `authorization: {credentials_file: <run dir>/token}`)."""
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
     @app.get("/v1/events")
     def events() -> dict[str, Any]:
         return {"events": orch.event_list(), "yoco_ratio": orch.yoco_ratio()}
@@ -85,6 +97,11 @@ def create_app(orch: Orchestrator, token: str, beat_addr: tuple[str, int] | None
 
     @app.post("/v1/taint")
     def taint(req: m.TaintRequest) -> dict[str, Any]:
+        return orch.handle(req)
+
+    @app.post("/v1/alerts")
+    def alerts(req: AlertBatch) -> dict[str, Any]:
+        """Alertmanager webhook receiver: an external detector's taints (health/alerts.py)."""
         return orch.handle(req)
 
     @app.post("/v1/untaint")

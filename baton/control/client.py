@@ -38,8 +38,8 @@ class ApiClient:
     def events(self) -> dict[str, Any]:
         return self._call("GET", "/v1/events")
 
-    def migrate(self, rank: int) -> dict[str, Any]:
-        return self._call("POST", "/v1/migrate", {"rank": rank})
+    def migrate(self, rank: int, to: str | None = None) -> dict[str, Any]:
+        return self._call("POST", "/v1/migrate", {"rank": rank, **({"to": to} if to else {})})
 
     def taint(self, slot: str, reason: str) -> dict[str, Any]:
         return self._call("POST", "/v1/taint", {"slot": slot, "reason": reason})

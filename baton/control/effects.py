@@ -43,7 +43,27 @@ class WriteRows:
     rows: list[tuple[str, str, dict[str, Any]]] = field(hash=False)
 
 
-Effect = Union[StartWorker, KillWorker, Emit, WriteEvent, WriteRows]
+@dataclass(frozen=True)
+class ProbeNode:
+    """Ask the scheduler whether a node still runs anything; it answers with NodeProbed."""
+
+    node: str
+
+
+@dataclass(frozen=True)
+class DrainNode:
+    """Tell the scheduler to place nothing new on a node (Slurm: state=drain with the reason)."""
+
+    node: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class ResumeNode:
+    node: str
+
+
+Effect = Union[StartWorker, KillWorker, Emit, WriteEvent, WriteRows, ProbeNode, DrainNode, ResumeNode]
 
 
 class DecisionLock:

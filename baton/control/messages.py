@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Union
 
+from baton.health.alerts import AlertBatch
 from pydantic import PositiveFloat, BaseModel, ConfigDict, Field, NonNegativeInt, TypeAdapter
 
 Pos = tuple[NonNegativeInt, NonNegativeInt]
@@ -67,6 +68,7 @@ class Heartbeat(_Msg):
     type: Literal["heartbeat"] = "heartbeat"
     step: NonNegativeInt | None = None
     step_time: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
+    busy_time: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None  # own work until the last bucket
     metrics: Annotated[dict[Annotated[str, Field(max_length=64)], float], Field(max_length=64)] = {}
     cpu: CpuReport | None = None
 
@@ -180,6 +182,7 @@ class Registered(_Msg):
     formation_timeout_s: float
     verify_every: int = 0
     redundancy: int = 2
+    ranks_per_node: int = 0  # 0: every rank on one node
     heartbeat_timeout_s: float = 3.0
     heartbeat_addr: Addr | None = None  # where heartbeat datagrams go; None: POST them as reports
 
@@ -263,14 +266,17 @@ class _Request(_Msg):
 
 
 class MigrateRequest(_Request):
-    """`baton migrate RANK`: a planned move of the rank to a spare."""
+    """`baton migrate --rank R [--to SLOT|NODE]`: a planned move of the rank to a spare (one
+    on the named slot or node, started there if needed)."""
 
     type: Literal["migrate"] = "migrate"
     rank: NonNegativeInt
+    to: Annotated[str, Field(min_length=1, max_length=200)] | None = None
 
 
 class TaintRequest(_Request):
-    """`baton taint SLOT`: the slot will fail; move its rank (pre-emptive), keep no spare there."""
+    """`baton taint SLOT|NODE`: the slot (or every slot of the node) will fail; move its ranks
+    (pre-emptive, one move), keep no spare there; a node is drained in the scheduler."""
 
     type: Literal["taint"] = "taint"
     slot: Annotated[str, Field(min_length=1, max_length=200)]
@@ -311,4 +317,14 @@ class StoreFailed(_Msg):
     message: str
 
 
-Input = Union[MigrateRequest, TaintRequest, UntaintRequest, WorkerExited, Tick, Interrupted, StoreFailed]
+class NodeProbed(_Msg):
+    """From the scheduler: whether a suspect node still starts and runs processes."""
+
+    type: Literal["node_probed"] = "node_probed"
+    node: str
+    ok: bool
+    detail: str = ""
+
+
+Input = Union[MigrateRequest, TaintRequest, UntaintRequest, WorkerExited, Tick, Interrupted, StoreFailed,
+              NodeProbed, AlertBatch]

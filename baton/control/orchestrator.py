@@ -31,7 +31,9 @@ from pydantic import BaseModel
 from baton.control import effects as fx
 from baton.control import messages as m
 from baton.control.effects import DecisionLock
+from baton.control.homing import Homing
 from baton.control.mailbox import Mailboxes
+from baton.control.nodes import Node, NodeHealth, node_of
 from baton.control.operation import Operation, RetryMove
 from baton.control.planned import PlannedMoves
 from baton.control.recovery import Recovery
@@ -47,6 +49,8 @@ from baton.control.state import (
     to_json,
     yoco_ratio,
 )
+from baton.health.alerts import AlertBatch, reason_of, target_of
+from baton.health.straggler import StragglerDetector
 from baton.store.sqlite import SqliteStore
 
 log = logging.getLogger("baton.orchestrator")
@@ -87,9 +91,13 @@ class Config:
     spare_wait_s: float = 600.0  # a recovery waits this long for a spare, then the job fails
     verify_every: int = 0  # also check replicas agree every N steps (0: only after moves)
     redundancy: int = 2  # buddies holding each rank's own state (simultaneous losses survived)
+    ranks_per_node: int = 0  # ranks r*k..r*k+k-1 share a node (0: all on one); buddies go to other nodes
+    return_home: bool = False  # move ranks back to their first node once it is healthy again
+    straggler_factor: float = 0.0  # taint a rank's slot when its busy time stays above this x median (0: off)
+    straggler_steps: int = 20  # ... for this many consecutive steps
 
 
-class Orchestrator(PlannedMoves, Recovery, SparePool):
+class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing):
     def __init__(self, config: Config, store: SqliteStore, scheduler: Scheduler | None = None):
         self.config = config
         self.store = store
@@ -99,6 +107,10 @@ class Orchestrator(PlannedMoves, Recovery, SparePool):
         self._last_tick = 0.0
         self._retry_moves: list[RetryMove] = []  # interrupted planned moves, run again after a recovery
         self.slots: dict[str, Slot] = {}
+        self.nodes: dict[str, Node] = {}
+        self.home: dict[int, str] = {}  # rank -> the slot it started on
+        self._targeted: dict[int, str] = {}  # rank -> slot or node it moves to once a spare is ready there
+        self.stragglers = StragglerDetector(config.straggler_factor, config.straggler_steps)
         self.workers: dict[str, Worker] = {}
         self.ranks: dict[int, RankInfo] = {r: RankInfo(rank=r) for r in range(config.world_size)}
         self.events: list[Event] = []
@@ -122,12 +134,14 @@ class Orchestrator(PlannedMoves, Recovery, SparePool):
         with self._lock:
             for name in self.scheduler.slots():
                 self.slots[name] = Slot(name=name)
+                self._node(name)
             names = list(self.slots)
             need = self.config.world_size + self.config.spares
             if len(names) < need:
                 raise RequestError(f"{need} slots needed (ranks + spares), scheduler has {len(names)}")
             for r in range(self.config.world_size):
                 self._launch(names[r], intended_rank=r)
+                self.home[r] = names[r]
             for i in range(self.config.spares):
                 self._launch(names[self.config.world_size + i])
             self._persist(force=True)
@@ -168,6 +182,14 @@ class Orchestrator(PlannedMoves, Recovery, SparePool):
             self.store.put_event(effect.event_id, effect.body)
         elif isinstance(effect, fx.WriteRows):
             self.store.put_many(effect.rows)
+        elif isinstance(effect, fx.ProbeNode):
+            node = effect.node
+            self.scheduler.probe_node(  # type: ignore[union-attr]
+                node, lambda ok, detail: self.handle(m.NodeProbed(node=node, ok=ok, detail=detail[:500])))
+        elif isinstance(effect, (fx.DrainNode, fx.ResumeNode)):
+            fn = getattr(self.scheduler, "drain" if isinstance(effect, fx.DrainNode) else "resume", None)
+            if fn is not None:
+                fn(*([effect.node, effect.reason] if isinstance(effect, fx.DrainNode) else [effect.node]))
 
     # ------------------------------------------------------------------ inputs
     def handle(self, event: m.Input) -> dict[str, Any]:
@@ -251,7 +273,7 @@ class Orchestrator(PlannedMoves, Recovery, SparePool):
                                 op_timeout_s=self.config.op_timeout_s,
                                 formation_timeout_s=self.config.formation_timeout_s,
                                 verify_every=self.config.verify_every,
-                                redundancy=self._redundancy(),
+                                redundancy=self._redundancy(), ranks_per_node=self._per_node(),
                                 heartbeat_timeout_s=self.config.heartbeat_timeout_s).model_dump()
 
     def _maybe_start_generation0(self) -> None:
@@ -298,6 +320,13 @@ class Orchestrator(PlannedMoves, Recovery, SparePool):
                 info.metrics = dict(rep.metrics)
             if rep.step_time is not None:
                 info.metrics["step_time"] = rep.step_time
+            if rep.busy_time is not None:
+                info.metrics["busy_time"] = rep.busy_time
+                if rep.step is not None and self.op is None:
+                    why = self.stragglers.observe(w.rank, rep.step, rep.busy_time)
+                    if why is not None and self.slots[w.slot].healthy:
+                        self._emit("straggler", {"rank": w.rank, "slot": w.slot, "detail": why})
+                        self._on_taint(m.TaintRequest(slot=w.slot, reason=why[:200]))
 
     def _on_formed(self, w: Worker, rep: m.Formed) -> None:
         op = self.op
@@ -498,11 +527,13 @@ class Orchestrator(PlannedMoves, Recovery, SparePool):
         self._emit("store-error", {"message": ev.message + " (the job goes on; the ledger is kept in memory "
                                               "and written when it can be)"})
 
-    def _exited_before_init(self, w: Worker, returncode: int) -> None:
+    def _exited_before_init(self, w: Worker, returncode: int, judged: bool = False) -> None:
         """A worker that ends before baton.init() registers it failed in the script's startup
         (a SyntaxError, argparse, a missing variable) or never calls baton.init(): starting
         another would fail the same way, so the job ends now with the script's code."""
         w.role = WorkerRole.GONE
+        if w.intended_rank is None and returncode != 0 and not judged and self._spare_start_failed(w, returncode):
+            return  # the node is probed first: a bad node is not a bug in the script
         if returncode < 0:
             self._emit("worker-lost", {"worker": w.id, "slot": w.slot, "rank": w.intended_rank,
                                        "cause": f"killed by signal {-returncode} while starting"})
@@ -533,6 +564,7 @@ class Orchestrator(PlannedMoves, Recovery, SparePool):
         if self.scheduler is not None:
             self._kill(w.id, dump_stacks="hung" in cause)
         self._emit("worker-lost", {"worker": w.id, "slot": w.slot, "rank": rank, "cause": cause})
+        self._suspect_node(w)
         if rank is None or role not in (WorkerRole.RANK,):
             return
         if self.ranks[rank].worker != w.id:
@@ -558,12 +590,16 @@ class Orchestrator(PlannedMoves, Recovery, SparePool):
         self._check_running()
         if self.op is not None:
             raise RequestError(f"a {self.op.kind.value} migration is already in progress (op {self.op.id})", 409)
+        if req.to is not None:
+            return self._migrate_to(req.rank, req.to)
         if not self._ready_spares():
             raise RequestError("no spare available: wait for one to start, or untaint a slot", 409)
         op = self._start_planned([req.rank], EventKind.PLANNED, "requested")
         return {"op": op.id, "events": [mv.event_id for mv in op.moves.values()]}
 
     def _on_taint(self, req: m.TaintRequest) -> dict[str, Any]:
+        if req.slot not in self.slots and req.slot in self.nodes:
+            return self._taint_node(req.slot, req.reason)
         s = self._slot(req.slot)
         s.taint, s.tainted_at = req.reason, time.time()
         self._emit("taint", {"slot": req.slot, "reason": req.reason})
@@ -585,7 +621,34 @@ class Orchestrator(PlannedMoves, Recovery, SparePool):
                 result["note"] = "rank will move when a spare is free and no other migration runs"
         return result
 
+    def _on_alerts(self, batch: AlertBatch) -> dict[str, Any]:
+        """Alertmanager's webhook: firing taints the slot or node its labels name, resolved
+        untaints it if that alert's taint is still the one in place (see health/alerts.py)."""
+        results = []
+        for alert in batch.alerts:
+            target = target_of(alert, set(self.slots), set(self.nodes))
+            reason = reason_of(alert)[:200]
+            if target is None:
+                results.append({"action": "ignored", "why": "names no slot or node of this job",
+                                "labels": dict(list(alert.labels.items())[:10])})
+                continue
+            current = self.slots[target].taint if target in self.slots else self.nodes[target].reason
+            if alert.status == "firing":
+                if current is not None:
+                    results.append({"target": target, "action": "ignored", "why": f"already tainted ({current})"})
+                    continue
+                out = self._on_taint(m.TaintRequest(slot=target, reason=reason))
+                results.append({"target": target, "action": "tainted", "moving_ranks": out.get("moving_ranks", [])})
+            elif current is not None and current.endswith(reason):
+                self._on_untaint(m.UntaintRequest(slot=target))
+                results.append({"target": target, "action": "untainted"})
+            else:
+                results.append({"target": target, "action": "ignored", "why": "not tainted by this alert"})
+        return {"results": results}
+
     def _on_untaint(self, req: m.UntaintRequest) -> dict[str, Any]:
+        if req.slot not in self.slots and req.slot in self.nodes:
+            return self._untaint_node(req.slot)
         s = self._slot(req.slot)
         was = s.taint
         s.taint, s.tainted_at = None, None
@@ -601,6 +664,7 @@ class Orchestrator(PlannedMoves, Recovery, SparePool):
         now = time.time()
         first_stop = min(op.paused.values(), default=op.started_at)
         for rank, move in op.moves.items():
+            self.stragglers.forget(rank)  # a new process: its own history starts now
             ev = self.events[move.event_id - 1]
             if move.from_worker:
                 leaver = self.workers[move.from_worker]
@@ -638,6 +702,8 @@ class Orchestrator(PlannedMoves, Recovery, SparePool):
         # ran still need their ranks moved.
         self._retry_lost_moves()
         self._pending_taint_moves()
+        self._pending_targeted()
+        self._pending_return_home()
         self._replenish()
         self._maybe_done()
 
@@ -698,7 +764,8 @@ class Orchestrator(PlannedMoves, Recovery, SparePool):
         s = self.slots.get(slot)
         if s is None:
             known = ", ".join(self.slots) or "none"
-            raise RequestError(f"unknown slot {slot!r}; slots are: {known}", 404)
+            raise RequestError(f"unknown slot or node {slot!r}; slots are: {known}; nodes: "
+                               f"{', '.join(self.nodes) or 'none'}", 404)
         return s
 
     def _emit(self, kind: str, data: dict[str, Any]) -> None:
@@ -731,6 +798,7 @@ class Orchestrator(PlannedMoves, Recovery, SparePool):
                 "spares": spares,
                 "taints": taints,
                 "slots": [{"slot": s.name, "taint": s.taint} for s in self.slots.values()],
+                "nodes": self._node_view(),
                 "yoco_ratio": self.yoco_ratio(),
                 "cpu": self.cpu_summary(),
                 "operation": None if self.op is None else {

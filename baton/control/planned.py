@@ -74,8 +74,10 @@ class PlannedMoves:
         if op is not None and op.phase == "pausing":
             op.enter("pausing", self._pause_window())
 
-    def _start_planned(self, ranks: list[int], kind: EventKind, cause: str) -> Operation:
-        spares = self._ready_spares()
+    def _start_planned(self, ranks: list[int], kind: EventKind, cause: str,
+                       joiners: list[Worker] | None = None) -> Operation:
+        """Move `ranks` to `joiners` (default: the freshest ready spares), as many as there are."""
+        spares = joiners if joiners is not None else self._ready_spares()
         ranks = ranks[: len(spares)]
         self.generation += 1
         self._op_ids += 1
@@ -173,10 +175,13 @@ class PlannedMoves:
         self._retry_moves = [x for x in retry if x.rank not in started]
 
     def _pending_taint_moves(self) -> None:
-        if self.op is not None or self.exit_code is not None:
+        """Ranks on tainted slots move, those sharing a reason (a node's slots) in one move."""
+        if self.op is not None or self.exit_code is not None or not self._ready_spares():
             return
-        for w in self.workers.values():
-            if w.role == WorkerRole.RANK and w.rank is not None and not self.slots[w.slot].healthy:
-                if self._ready_spares():
-                    self._start_planned([w.rank], EventKind.PREEMPTIVE, f"taint: {self.slots[w.slot].taint}")
-                return
+        held = {w.rank: w.slot for w in self.workers.values()
+                if w.role == WorkerRole.RANK and w.rank is not None and self.ranks[w.rank].worker == w.id
+                and not self.slots[w.slot].healthy}
+        if held:
+            reason = self.slots[held[min(held)]].taint
+            ranks = sorted(r for r, slot in held.items() if self.slots[slot].taint == reason)
+            self._start_planned(ranks, EventKind.PREEMPTIVE, f"taint: {reason}")

@@ -14,6 +14,7 @@ import logging
 import time
 
 from baton.control import messages as m
+from baton.control.buddies import buddies_of
 from baton.control.operation import Move, Operation, RetryMove
 from baton.control.state import EventKind, RankState, Worker, WorkerRole
 
@@ -56,11 +57,16 @@ class Recovery:
     def _redundancy(self) -> int:
         return max(0, min(self.config.redundancy, self.config.world_size - 1))
 
+    def _per_node(self) -> int:
+        return self.config.ranks_per_node or self.config.world_size
+
+    def _buddies(self, rank: int) -> list[int]:
+        return buddies_of(rank, self.config.world_size, self._per_node(), self._redundancy())
+
     def _buddy_addr(self, rank: int, op: Operation | None = None) -> list[tuple[str, int]]:
-        """Where `rank` pushes its bundles: the workers holding rank+1.. in the new generation."""
+        """Where `rank` pushes its bundles: the workers holding its buddies in the new generation."""
         out = []
-        for i in range(1, self._redundancy() + 1):
-            b = (rank + i) % self.config.world_size
+        for b in self._buddies(rank):
             move = op.moves.get(b) if op is not None else None
             wid = move.to_worker if move is not None and move.to_worker else self.ranks[b].worker
             w = self.workers.get(wid or "")
@@ -256,9 +262,8 @@ class Recovery:
     def _lost_rank(self, rank: int, op: Operation) -> m.LostRank:
         """Where the rank-local state of a lost rank lives: its old buddy, and what is held here."""
         buddies = []
-        for i in range(1, self._redundancy() + 1):
-            b = (rank + i) % self.config.world_size
-            if b != rank and b not in op.moves:
+        for b in self._buddies(rank):
+            if b not in op.moves:
                 w = self.workers.get(self.ranks[b].worker or "")
                 if w is not None and w.transfer_addr and w.role == WorkerRole.RANK:
                     buddies.append(tuple(w.transfer_addr))

@@ -30,6 +30,8 @@ class SparePool:
         elif op is None:
             self._retry_lost_moves()
             self._pending_taint_moves()
+            self._pending_targeted()
+            self._pending_return_home()
 
     def _replenish(self) -> None:
         """Keep `spares` warm spares, each on a healthy slot nobody else uses."""
@@ -43,7 +45,7 @@ class SparePool:
         if missing <= 0:
             return
         used = {w.slot for w in live}
-        free = [s for s in self.slots.values() if s.healthy and s.name not in used]
+        free = [s for s in self.slots.values() if s.healthy and s.name not in used and self._node(s.name).usable]
         for slot in free[:missing]:
             w = self._launch(slot.name)
             self._emit("spare-starting", {"worker": w.id, "slot": slot.name})
@@ -53,4 +55,5 @@ class SparePool:
         fresh = time.time() - 2 * self.config.heartbeat_timeout_s
         ready = [w for w in self.workers.values()
                  if w.role == WorkerRole.SPARE and self.slots[w.slot].healthy and w.last_seen >= fresh]
-        return sorted(ready, key=lambda w: -w.last_seen)
+        # A spare on a node being probed after a loss there is the last choice.
+        return sorted(ready, key=lambda w: (not self._node(w.slot).usable, -w.last_seen))

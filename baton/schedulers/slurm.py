@@ -11,10 +11,12 @@ signal that killed it (srun exits with 128 + the signal).
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -22,6 +24,8 @@ from typing import Callable
 from baton.schedulers.processes import WorkerProcesses
 
 PR_SET_PDEATHSIG = 1
+PROBE_TIMEOUT_S = 20.0
+log = logging.getLogger("baton.slurm")
 
 
 class SlurmError(RuntimeError):
@@ -100,6 +104,13 @@ class SlurmScheduler:
                                  start_new_session=True).pid
 
     def kill(self, worker_id: str, dump_stacks: bool = False) -> None:
+        """Kill a worker's step, on a thread: scancel waits for slurmctld, which waits for the
+        node, and a dead node's slurmd answers nothing for Slurm's message timeout (~20 s);
+        the orchestrator must not wait with it."""
+        threading.Thread(target=self._kill, args=(worker_id, dump_stacks), name=f"baton-kill-{worker_id}",
+                         daemon=True).start()
+
+    def _kill(self, worker_id: str, dump_stacks: bool) -> None:
         proc = self._procs.running(worker_id)
         if proc is None:
             return
@@ -117,6 +128,41 @@ class SlurmScheduler:
 
     def alive(self) -> list[str]:
         return self._procs.alive()
+
+    def probe_node(self, node: str, done: Callable[[bool, str], None]) -> None:
+        """Whether `node` still runs a step (`srun -w NODE true`), answered on a thread of its
+        own: a dead node's slurmd does not answer, and srun gives up after Slurm's message
+        timeout (10 s by default), bounded here by PROBE_TIMEOUT_S."""
+
+        def probe() -> None:
+            argv = ["srun", "--jobid", self.alloc.job_id, "--overlap", "--nodes=1", "--ntasks=1",
+                    f"--nodelist={node}", "--job-name=baton-probe", "--quiet", "true"]
+            try:
+                r = subprocess.run(argv, env=self.base_env, capture_output=True, text=True,
+                                   timeout=PROBE_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                done(False, f"srun on {node} did not finish within {PROBE_TIMEOUT_S:g}s")
+                return
+            except OSError as exc:
+                done(False, f"srun could not run: {exc}")
+                return
+            lines = [x for x in r.stderr.strip().splitlines() if x.strip()]
+            done(r.returncode == 0, lines[0][:300] if lines else f"srun exited with code {r.returncode}")
+
+        threading.Thread(target=probe, name=f"baton-probe-{node}", daemon=True).start()
+
+    def drain(self, node: str, reason: str) -> None:
+        """Slurm places nothing new on `node` and shows why (`sinfo -R`)."""
+        try:
+            _slurm(["scontrol", "update", f"nodename={node}", "state=drain", f"reason={reason}"], self.base_env)
+        except SlurmError as exc:
+            log.warning("could not drain %s in Slurm: %s", node, exc)
+
+    def resume(self, node: str) -> None:
+        try:
+            _slurm(["scontrol", "update", f"nodename={node}", "state=resume"], self.base_env)
+        except SlurmError as exc:
+            log.warning("could not resume %s in Slurm: %s", node, exc)
 
     def shutdown(self, grace_s: float = 5.0) -> None:
         """Stop every remaining step (SIGTERM, then SIGKILL after the grace)."""

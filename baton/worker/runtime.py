@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from baton import selfcost
 from baton.control import messages as m
+from baton.control.buddies import wards_of
 from baton.transfer import FetchStats, TransferError, codec, fetch_state
 from baton.transfer.bundles import Bundle, Frame, Pos, encode_frame, newest
 from baton.transfer.protocol import FlatState
@@ -129,13 +130,13 @@ class Runtime:
         self.loop_done = False
         self.finished = False
         self.metrics: dict[str, float] = {}
+        self._busy_s: float | None = None  # this step's own work, until its last gradient bucket
         self.warned_no_capture = False
         self.backward_captured = False  # the syncing backward's start captured this step's bundle
         self.backward_token: object | None = None  # identifies the latest syncing forward
         self.pusher = BundlePushers(lambda addr: connect(addr, token, PUSH, timeout=self.op_timeout))
         # The ranks whose bundles this rank holds (and waits for before completing a step).
-        self.wards = [(rank - i) % world_size for i in range(1, int(config.redundancy) + 1)] \
-            if world_size > 1 else []
+        self.wards = wards_of(rank, world_size, config.ranks_per_node or world_size, int(config.redundancy))
         self.group.known_local_ports.add(server.address[1])
         self.group.known_remote_ports.update(_ports_of(os.environ.get("BATON_URL", ""),
                                                        os.environ.get("BATON_STORE", "")))
@@ -262,6 +263,7 @@ class Runtime:
         self.backward_captured, self.backward_token = False, None
         self.tracked.scope = "step"
         self._step_t0 = time.perf_counter()
+        self._busy_s = None
         return step_cls(self, k, batch, epoch)
 
     def _end_step(self, step: Any) -> None:
@@ -290,6 +292,9 @@ class Runtime:
         dt = now - self._step_t0
         ema = hb.get("step_time")
         hb["step_time"] = dt if ema is None else 0.8 * ema + 0.2 * dt
+        if self._busy_s is not None:
+            ema = hb.get("busy_time")
+            hb["busy_time"] = self._busy_s if ema is None else 0.8 * ema + 0.2 * self._busy_s
         if self.metrics:
             hb["metrics"] = dict(self.metrics)
 
@@ -429,6 +434,9 @@ class Runtime:
         if last:
             self.backward_captured = False
             self.backward_token = None
+            # This rank's own work in the step: until its last gradient bucket is ready, before
+            # it waits for anyone. Wall step time cannot tell a straggler (every rank waits for it).
+            self._busy_s = time.perf_counter() - self._step_t0
             self._gate()
 
     @selfcost.counted

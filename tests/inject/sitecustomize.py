@@ -25,6 +25,10 @@ that rank, a survivor that abandoned a step the others completed, has fetched th
 it creates the mark and waits until the test removes it (at most 60 s), so that the test can
 kill the sources before the new generation forms.
 
+BATON_TEST_SLOW_SLOT="slot:seconds:step": the process on that slot (the machine, not the
+rank: a replacement elsewhere is fast) spends that many more seconds in every forward of a
+wrapped model from that step on, as a throttling GPU would.
+
 BATON_TEST_STEP_COUNT_SKEW="rank:step": after that rank's optimizer step at that step, baton's
 count of the steps its parameters hold is one too many, as a bug that applied a step twice
 would leave it. baton's own check must stop the job loudly (never exit 0).
@@ -156,3 +160,22 @@ if _skew:
             print(f"injected: rank {_skew_rank} miscounts its steps at step {_skew_step}", file=sys.stderr, flush=True)
 
     Runtime._end_step = _end_then_skew
+
+_slow = os.environ.get("BATON_TEST_SLOW_SLOT")
+if _slow and os.environ.get("BATON_SLOT") == _slow.rsplit(":", 2)[0]:
+    import time
+
+    from torch.nn.modules.module import register_module_forward_pre_hook
+    from torch.nn.parallel import DistributedDataParallel
+
+    _slow_s, _slow_from = float(_slow.rsplit(":", 2)[1]), int(_slow.rsplit(":", 2)[2])
+
+    def _throttle(module, args):  # noqa: ANN001, ANN202
+        from baton.worker import job
+
+        rt = job._RUNTIME[0]
+        if isinstance(module, DistributedDataParallel) and rt is not None and rt.pos[0] >= _slow_from \
+                and rt.scope == "step":
+            time.sleep(_slow_s)
+
+    register_module_forward_pre_hook(_throttle)

@@ -1,0 +1,136 @@
+"""Whole nodes on a real Slurm cluster whose nodes have their own addresses (a network
+namespace each, slurmd and every task inside it): a node lost with two ranks on it, and a
+node tainted by the operator. Both end bit-for-bit equal to the same four ranks run
+locally without failures, and Slurm's view is kept honest (the node drained with baton's
+reason, resumed on untaint)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.jobs import Job, state_diff
+from tests.slurm_cluster import SlurmCluster, skip_reason
+
+pytestmark = pytest.mark.skipif(skip_reason() is not None, reason=skip_reason() or "")
+
+STEPS = 80
+ARGS = ["--step-sleep", "0.15"]
+FAST = ["--heartbeat-timeout", "2", "--op-timeout", "3"]
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    with SlurmCluster(tmp_path_factory.mktemp("slurm-nodes"), nodes=4, netns=True) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Four ranks on this machine, no Slurm, no failures."""
+    ref = Job(tmp_path_factory.mktemp("nodes-ref"), nproc=4, spares=0, steps=STEPS, script_args=ARGS)
+    assert ref.wait() == 0, ref.log()
+    return ref.params()
+
+
+def _job(tmp_path, slurm: SlurmCluster, extra: list[str] | None = None) -> Job:
+    """2 nodes x 2 ranks + 1 spare node with 2 spares; --no-kill keeps the allocation alive
+    when Slurm marks a node down (as a job that wants to survive a node must ask)."""
+    return Job(tmp_path, nproc=2, steps=STEPS, script_args=ARGS, env=slurm.env,
+               run_args=["--nodes", "2", "--spare-nodes", "1", *FAST, *(extra or [])],
+               launch=["salloc", "-N3", "--no-kill", "--quiet"])
+
+
+def _cli(job: Job, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "baton.cli", *args, "--run-dir", str(job.run_dir)],
+                          capture_output=True, text=True, timeout=30)
+
+
+def _node_of_rank(st: dict, rank: int) -> str:
+    return next(r["slot"] for r in st["ranks"] if r["rank"] == rank).split("/")[0]
+
+
+def _peers_seen_from(slurm: SlurmCluster, node: str) -> set[str]:
+    """Addresses that processes on `node` hold established TCP connections to."""
+    out = subprocess.run([*slurm.network.run_in(node), "ss", "-tnH", "state", "established"],
+                         capture_output=True, text=True, check=True).stdout
+    return {line.split()[-1].rsplit(":", 1)[0].strip("[]").removeprefix("::ffff:") for line in out.splitlines()
+            if line.split()}
+
+
+def test_ranks_on_two_nodes_talk_over_their_own_addresses(tmp_path, slurm, reference):
+    job = _job(tmp_path, slurm)
+    try:
+        st = job.wait_step(3)
+        first, second = _node_of_rank(st, 0), _node_of_rank(st, 2)
+        assert first != second
+        # Gloo connects ranks directly, node address to node address (and each to the launcher
+        # on the bridge): nothing crosses nodes on 127.0.0.1.
+        seen = _peers_seen_from(slurm, first)
+        assert slurm.network.addrs[second] in seen and slurm.network.host_addr in seen, seen
+        assert job.wait() == 0, job.log()
+        assert not state_diff(job.params(), reference), job.log()
+    finally:
+        job.kill()
+
+
+def test_a_lost_node_recovers_both_its_ranks_onto_the_spare_node_bitwise(tmp_path, slurm, reference):
+    job = _job(tmp_path, slurm)
+    lost = None
+    try:
+        st = job.wait_step(5)
+        lost, spare_node = _node_of_rank(st, 2), st["spares"][0]["slot"].split("/")[0]
+        assert _node_of_rank(st, 3) == lost
+        slurm.lose_node(lost)  # slurmd and every process on it killed, its link cut
+        assert job.wait(timeout=180) == 0, job.log()
+        assert not state_diff(job.params(), reference), job.log()
+        events = job.events()
+        assert sorted((e["kind"], e["status"], e["rank"]) for e in events) == \
+            [("unplanned", "resolved", 2), ("unplanned", "resolved", 3)], events
+        assert all(e["steps_lost"] == 0 and e["to_slot"].startswith(spare_node + "/") for e in events), events
+        assert len({e["step"] for e in events}) == 1, events  # one recovery for the node, not two
+        log = job.log(tail=None)
+        assert f"node-lost node={lost}" in log, log
+        state, reason = slurm.node_reasons()[lost]
+        assert "drain" in state and reason.startswith("baton: node lost"), (state, reason)
+    finally:
+        job.kill()
+        if lost is not None:
+            slurm.revive_node(lost)
+
+
+def test_taint_of_a_node_moves_its_ranks_in_one_move_and_they_return_after_untaint(tmp_path, slurm, reference):
+    """`baton taint NODE`: both ranks move in one pre-emptive move and Slurm drains the node;
+    `baton untaint NODE` resumes it, spares start there, and --return-home moves both ranks
+    back in one planned move."""
+    job = _job(tmp_path, slurm, extra=["--return-home"])
+    node = None
+    try:
+        st = job.wait_step(5)
+        node = _node_of_rank(st, 0)
+        out = _cli(job, "taint", node, "--reason", "ecc")
+        assert out.returncode == 0 and "moving ranks [0, 1]" in out.stdout, out
+        job.wait_until(lambda s: not s["operation"] and _node_of_rank(s, 0) != node, what="the node's ranks moved")
+        state, reason = slurm.node_reasons()[node]
+        assert "drain" in state and reason == "baton: ecc", (state, reason)
+        assert {n["node"]: n["state"] for n in job.status()["nodes"]}[node] == "tainted"
+        out = _cli(job, "untaint", node)
+        assert out.returncode == 0, out
+        assert "drain" not in slurm.node_reasons()[node][0]
+        job.wait_until(lambda s: not s["operation"] and _node_of_rank(s, 0) == node == _node_of_rank(s, 1),
+                       timeout=120, what="ranks 0 and 1 back home")
+        assert job.wait(timeout=180) == 0, job.log()
+        assert not state_diff(job.params(), reference), job.log()
+        events = job.events()
+        assert [(e["kind"], e["status"], e["rank"]) for e in sorted(events, key=lambda e: (e["id"]))] == \
+            [("pre-emptive", "resolved", 0), ("pre-emptive", "resolved", 1),
+             ("planned", "resolved", 0), ("planned", "resolved", 1)], events
+        assert events[2]["cause"].startswith("return home") and events[2]["to_slot"].startswith(node + "/")
+        assert len({e["step"] for e in events[:2]}) == 1 and len({e["step"] for e in events[2:]}) == 1, events
+        assert all(e["steps_lost"] == 0 for e in events), events
+    finally:
+        job.kill()
+        if node is not None:
+            slurm.run("scontrol", "update", f"nodename={node}", "state=resume", check=False)
