@@ -43,6 +43,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                    help="taint a rank's slot (and move the rank) when its own work per step stays above F "
                         "times the other ranks' median for --straggler-steps steps; 0 (default): off")
     p.add_argument("--straggler-steps", type=int, default=20, metavar="N")
+    p.add_argument("--borrow-spares", action="store_true",
+                   help="Slurm: with no dedicated spare left, borrow a whole node from a lower-priority job "
+                        "(Slurm preempts and requeues it) and give it back when done")
+    p.add_argument("--borrow-partition", default=None, metavar="NAME",
+                   help="the partition to borrow in (default: the allocation's)")
     p.add_argument("--spare-wait", type=float, default=600.0,
                    help="seconds a recovery waits for a spare before the job fails, default 600")
     p.add_argument("--verify-every", type=int, default=0, metavar="N",
@@ -134,7 +139,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                       spare_wait_s=args.spare_wait, job_id=args.job_id, quiet=args.quiet,
                       scheduler=args.scheduler, nodes=args.nodes, spare_nodes=args.spare_nodes,
                       advertise_addr=args.advertise_addr, return_home=args.return_home,
-                      straggler_factor=args.straggler_factor, straggler_steps=args.straggler_steps)
+                      straggler_factor=args.straggler_factor, straggler_steps=args.straggler_steps,
+                      borrow_spares=args.borrow_spares, borrow_partition=args.borrow_partition)
     return run(opts)
 
 
@@ -158,7 +164,9 @@ def cmd_status(args: argparse.Namespace) -> int:
             metrics = " ".join(f"{k}={v:.4g}" for k, v in sorted(r.get("metrics", {}).items()))
             print(f"  {r['rank']:>4}  {r['pid'] or '-':>7}  {r['slot'] or '-':<10} {r['step']:>6}  "
                   f"{r['state']:<18} {metrics}")
-        spares = ", ".join(f"{s['slot']} ({s['state']}, pid {s['pid']})" for s in job["spares"]) or "none"
+        spares = ", ".join(f"{s['slot']} ({s['state']}, pid {s['pid']}"
+                           + (f", borrowed from {s['from']})" if s.get("kind") == "borrowed" else ")")
+                           for s in job["spares"]) or "none"
         print(f"  spares: {spares}")
         taints = ", ".join(f"{t['slot']} ({t['reason']})" for t in job["taints"]) or "none"
         print(f"  taints: {taints}")

@@ -57,6 +57,8 @@ class RunOptions:
     return_home: bool = False  # move ranks back to their first node once it is healthy again
     straggler_factor: float = 0.0  # 0: the straggler detector is off
     straggler_steps: int = 20
+    borrow_spares: bool = False  # with no dedicated spare left, borrow a node through Slurm preemption
+    borrow_partition: str | None = None  # the partition to ask in (default: the allocation's)
 
 
 class EventPrinter:
@@ -102,6 +104,9 @@ def _placement(opts: RunOptions) -> Placement:
             raise SystemExit(f"baton run: {flag} must be at least {least}, got {value}")
     slurm = opts.scheduler == "slurm" or (opts.scheduler == "auto" and in_allocation())
     if not slurm:
+        if opts.borrow_spares:
+            raise SystemExit("baton run: --borrow-spares borrows nodes through Slurm's preemption, which needs "
+                             "--scheduler slurm (run inside a Slurm allocation)")
         if (opts.nodes or 1) > 1 or opts.spare_nodes:
             raise SystemExit("baton run: --nodes/--spare-nodes place ranks on several machines, which needs "
                              "--scheduler slurm (run inside a Slurm allocation)")
@@ -165,7 +170,7 @@ def run(opts: RunOptions, listeners: list[Callable[[str, dict[str, Any]], None]]
                     spare_wait_s=opts.spare_wait_s,
                     ranks_per_node=opts.nproc if placement.allocation is not None else 0,
                     return_home=opts.return_home, straggler_factor=opts.straggler_factor,
-                    straggler_steps=opts.straggler_steps)
+                    straggler_steps=opts.straggler_steps, borrow_spares=opts.borrow_spares)
     orch = Orchestrator(config, db)
     db.on_error = lambda text: orch.handle(m.StoreFailed(message=text))
     orch.listeners.append(EventPrinter(run_dir, opts.quiet))
@@ -186,7 +191,7 @@ def run(opts: RunOptions, listeners: list[Callable[[str, dict[str, Any]], None]]
     sched: LocalScheduler | SlurmScheduler
     if placement.allocation is not None:
         sched = SlurmScheduler(placement.allocation, placement.slots, opts.script, opts.script_args, env,
-                               on_exit=on_exit)
+                               on_exit=on_exit, borrow_partition=opts.borrow_partition)
     else:
         sched = LocalScheduler(opts.script, opts.script_args, env, len(placement.slots), on_exit=on_exit)
     orch.scheduler = sched

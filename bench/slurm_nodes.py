@@ -11,6 +11,9 @@ Each round runs the same job twice, in alternating order: 2 nodes x 2 ranks + 1 
 "node": at step 5 the node holding ranks 2 and 3 is lost (every process in its namespace
 SIGKILLed, its link cut: peers get no answer, as from a machine that lost power).
 "rank": at step 5 rank 2's process is SIGKILLed (its node stays up).
+"borrowed": no spare node at all (--spare-nodes 0 --borrow-spares) and the two other nodes
+held by low-priority jobs; rank 2's process is SIGKILLed and the recovery borrows a node
+through Slurm's preemption (KillWait=2 in the test cluster), whose spare takes the rank.
 Figures are the ledger's downtime_s of each recovered rank (the failure, i.e. the lost
 worker's last sign of life, -> every rank formed the next generation; for a node, both
 ranks' events) and since_kill_s (the moment this script killed -> the ledger's resumed_at,
@@ -40,9 +43,26 @@ MARK = "bench:slurm-nodes"
 RUN_ARGS = ["--nodes", "2", "--spare-nodes", "1", "--heartbeat-timeout", "2", "--op-timeout", "3"]
 
 
+def _hold_with_low_priority_jobs(cluster: SlurmCluster, nodes: list[str]) -> list[str]:
+    jobs = []
+    for node in nodes:
+        out = cluster.run("sbatch", "--parsable", "-p", "low", "--exclusive", "-N1", "-w", node, "--requeue",
+                          "-J", f"lowprio-{node}", "-o", "/dev/null", "--wrap", "sleep 3600")
+        jobs.append(out.stdout.strip())
+    deadline = time.time() + 30
+    while cluster.run("squeue", "-h", "-t", "R", "-p", "low", "-o", "%i").stdout.split() != sorted(jobs):
+        if time.time() > deadline:
+            raise RuntimeError("low-priority jobs did not start")
+        time.sleep(0.2)
+    return jobs
+
+
 def one(kind: str, cluster: SlurmCluster, work: Path, i: int) -> dict:
+    lenders = _hold_with_low_priority_jobs(cluster, ["n3", "n4"]) if kind == "borrowed" else []
+    args = ["--nodes", "2", "--spare-nodes", "0", "--borrow-spares", *RUN_ARGS[4:]] if kind == "borrowed" else RUN_ARGS
     job = Job(work, nproc=2, steps=40, script_args=["--step-sleep", "0.15"], env=cluster.env,
-              run_args=RUN_ARGS, name=f"{kind}-{i}", launch=["salloc", "-N3", "--no-kill", "--quiet"])
+              run_args=args, name=f"{kind}-{i}",
+              launch=["salloc", "-N2" if kind == "borrowed" else "-N3", "--no-kill", "--quiet"])
     lost = None
     try:
         st = job.wait_step(5, timeout=120)
@@ -65,6 +85,8 @@ def one(kind: str, cluster: SlurmCluster, work: Path, i: int) -> dict:
                 "ranks": sorted(e["rank"] for e in events), "steps_lost": sum(e["steps_lost"] for e in events)}
     finally:
         job.kill()
+        for j in lenders:
+            cluster.run("scancel", j, check=False)
         if lost is not None:
             cluster.revive_node(lost)
 
@@ -77,11 +99,13 @@ def sentence(result: dict) -> str:
     node, rank = result["node"], result["rank"]
     return (f"On the test Slurm cluster (4 nodes, each in its own network namespace; {result['machine']}), "
             f"from the kill to every rank training again: a whole node lost with 2 ranks "
-            f"{_mr(node['since_kill_s'])}, one killed rank process {_mr(rank['since_kill_s'])}; steps lost: "
-            f"{node['steps_lost']} and {rank['steps_lost']} (per recovered rank, medians and min–max; "
-            f"`bench/slurm_nodes.py`, {result['when']}). The difference is detection: a dead node sends no "
-            f"exit, so it is found by missing heartbeats (--heartbeat-timeout 2 s here), a killed process by "
-            f"its exit at once.")
+            f"{_mr(node['since_kill_s'])}, one killed rank process {_mr(rank['since_kill_s'])}, one killed rank "
+            f"with no spare left, recovered onto a node borrowed from a low-priority job through Slurm's "
+            f"preemption {_mr(result['borrowed']['since_kill_s'])}; steps lost: {node['steps_lost']}, "
+            f"{rank['steps_lost']} and {result['borrowed']['steps_lost']} (per recovered rank, medians and min–max; "
+            f"`bench/slurm_nodes.py`, {result['when']}). A dead node sends no exit, so it is found by missing "
+            f"heartbeats (--heartbeat-timeout 2 s here), a killed process by its exit at once; a borrowed node "
+            f"adds Slurm's preemption (KillWait=2 s in the test cluster) and a cold spare's start.")
 
 
 def update_readme(result: dict, readme: Path = REPO / "README.md") -> None:
@@ -104,10 +128,11 @@ def main() -> int:
     import platform
 
     work = Path(tempfile.mkdtemp(prefix="baton-slurm-nodes-"))
-    runs: dict[str, list[dict]] = {"node": [], "rank": []}
+    runs: dict[str, list[dict]] = {"node": [], "rank": [], "borrowed": []}
     with SlurmCluster(work / "cluster", nodes=4, netns=True) as cluster:
         for i in range(args.rounds):
-            for kind in (["node", "rank"] if i % 2 == 0 else ["rank", "node"]):
+            kinds = list(runs)
+            for kind in kinds[i % 3:] + kinds[:i % 3]:
                 runs[kind].append(one(kind, cluster, work, i))
                 print(kind, i, runs[kind][-1], flush=True)
     import os

@@ -213,7 +213,8 @@ class SlurmCluster:
             f"SlurmctldPort={ports[0]}",
             f"SlurmdPort={ports[1]}",
             "AuthType=auth/munge",
-            f"AuthInfo=socket={self.munge_dir}/munge.sock",
+            # cred_expire: also how long Slurm holds a requeued job before it may run again
+            f"AuthInfo=socket={self.munge_dir}/munge.sock,cred_expire=10",
             f"StateSaveLocation={d}/state",
             f"SlurmdSpoolDir={d}/spool/%n",
             f"SlurmctldPidFile={d}/slurmctld.pid",
@@ -234,7 +235,13 @@ class SlurmCluster:
             "SlurmdTimeout=30",
             "KillWait=2",
             *nodes,
-            "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP",
+            # Two tiers over the same nodes: a request in "debug" (the default) preempts jobs in
+            # "low" by requeueing them, as a site lends idle capacity to low-priority work.
+            "PreemptType=preempt/partition_prio",
+            "PreemptMode=REQUEUE",
+            "JobRequeue=1",
+            "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP PriorityTier=10",
+            "PartitionName=low Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=REQUEUE",
             "",
         ])
 

@@ -410,3 +410,63 @@ def test_a_spare_that_fails_to_start_on_slurm_is_judged_after_its_node_is_probed
     orch2.handle(m.WorkerExited(worker_id=fresh, returncode=1))
     sched2.probes[-1][1](True, "")
     assert orch2.exit_code == 1 and "exited with code 1 before baton.init()" in orch2.failure
+
+
+class BorrowingScheduler(NodeScheduler):
+    def __init__(self):
+        super().__init__()
+        self.borrows: list[object] = []
+        self.released: list[str] = []
+
+    def slots(self) -> list[str]:
+        return [f"n{n}/{i}" for n in (1, 2) for i in (0, 1)]
+
+    def borrow(self, done) -> None:
+        self.borrows.append(done)
+
+    def release(self, node: str) -> None:
+        self.released.append(node)
+
+
+def test_with_no_spare_left_a_node_is_borrowed_and_given_back_once_it_holds_no_rank(tmp_path):
+    sched = BorrowingScheduler()
+    orch = Orchestrator(Config(world_size=4, spares=0, ranks_per_node=2, borrow_spares=True),
+                        SqliteStore(tmp_path / "s.db"), sched)
+    orch.start()
+    for wid, _ in list(sched.started):
+        orch.register(wid, m.Register(pid=1, transfer_addr=("127.0.0.1", 1000 + int(wid[1:]))))
+    for r in range(4):
+        report(orch, f"w{r}", {"type": "ready", "loop": LOOP, "bundle": _bundle(r)})
+        report(orch, f"w{r}", {"type": "heartbeat", "step": 10})
+    orch.handle(m.WorkerExited(worker_id="w3", returncode=-9))
+    for w in ("w0", "w1", "w2"):
+        report(orch, w, {"type": "recover", "generation": orch.op.generation, "pos": [10, 0]})
+    assert orch.op.phase == "spares" and len(sched.borrows) == 1
+    report(orch, "w0", {"type": "recover", "generation": orch.op.generation, "pos": [10, 0]})
+    assert len(sched.borrows) == 1  # one request at a time
+    sched.borrows[0]("n7", "job 31 (lowprio, alice, partition low)")
+    wid, slot = sched.started[-1]
+    assert slot == "n7/0"
+    spare = orch.status()["jobs"][0]["spares"][0]
+    assert spare["kind"] == "borrowed" and spare["from"] == "job 31 (lowprio, alice, partition low)"
+    orch.register(wid, m.Register(pid=1, transfer_addr=("127.0.0.1", 2000)))
+    assert orch.op.phase == "forming" and orch.op.moves[3].to_worker == wid
+    for w in ("w0", "w1", "w2", wid):
+        report(orch, w, {"type": "formed", "generation": orch.op.generation, "pos": [10, 0]})
+    assert orch.op is None and not sched.released  # it holds rank 3 now
+    nodes = {n["node"]: n for n in orch.status()["jobs"][0]["nodes"]}
+    assert nodes["n7"]["ranks"] == [3] and nodes["n7"]["borrowed_from"].startswith("job 31")
+    # Rank 3 goes back to its first slot (n2 probed fine: only a process died there); the
+    # borrowed node then holds no rank and is given back.
+    assert sched.probes[-1][0] == "n2"
+    sched.probes[-1][1](True, "")
+    out = orch.handle(m.MigrateRequest(rank=3, to="n2/1"))
+    assert out["queued"] and sched.started[-1][1] == "n2/1"
+    home = sched.started[-1][0]
+    orch.register(home, m.Register(pid=1, transfer_addr=("127.0.0.1", 2001)))
+    assert orch.op is not None and orch.op.moves[3].to_worker == home
+    _run_planned(orch, step=20)
+    assert sched.released == ["n7"]
+    nodes = {n["node"]: n for n in orch.status()["jobs"][0]["nodes"]}
+    assert nodes["n7"]["state"] == "released" and nodes["n7"]["ranks"] == []
+    assert not any(s.startswith("n7/") for _, s in sched.started[-1:])

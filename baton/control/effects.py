@@ -63,7 +63,21 @@ class ResumeNode:
     node: str
 
 
-Effect = Union[StartWorker, KillWorker, Emit, WriteEvent, WriteRows, ProbeNode, DrainNode, ResumeNode]
+@dataclass(frozen=True)
+class BorrowNode:
+    """Ask the scheduler for one more node (Slurm: preempting a lower-priority job); it answers
+    with NodeBorrowed."""
+
+
+@dataclass(frozen=True)
+class ReleaseNode:
+    """Give a borrowed node back to its lender."""
+
+    node: str
+
+
+Effect = Union[StartWorker, KillWorker, Emit, WriteEvent, WriteRows, ProbeNode, DrainNode, ResumeNode, BorrowNode,
+               ReleaseNode]
 
 
 class DecisionLock:

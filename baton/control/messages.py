@@ -326,5 +326,14 @@ class NodeProbed(_Msg):
     detail: str = ""
 
 
+class NodeBorrowed(_Msg):
+    """From the scheduler: the node it borrowed and from whom, or why it could not."""
+
+    type: Literal["node_borrowed"] = "node_borrowed"
+    node: str | None
+    lender: str = ""
+    detail: str = ""
+
+
 Input = Union[MigrateRequest, TaintRequest, UntaintRequest, WorkerExited, Tick, Interrupted, StoreFailed,
-              NodeProbed, AlertBatch]
+              NodeProbed, NodeBorrowed, AlertBatch]

@@ -16,7 +16,7 @@ from typing import Any
 
 from baton.control import effects as fx
 from baton.control import messages as m
-from baton.control.state import EventKind, Worker, WorkerRole
+from baton.control.state import EventKind, Slot, Worker, WorkerRole
 
 log = logging.getLogger("baton.orchestrator")
 
@@ -31,6 +31,8 @@ class Node:
     state: str = "healthy"  # healthy | suspect (being probed) | lost | tainted
     reason: str | None = None
     failed_start: tuple[str, int] | None = None  # a spare that exited while starting here: decided by the probe
+    lender: str | None = None  # borrowed: who Slurm preempted for it
+    held_rank: bool = False  # a borrowed node that took a rank is given back once it holds none
 
     @property
     def usable(self) -> bool:
@@ -145,6 +147,62 @@ class NodeHealth:
         self._replenish()
         return {"node": name, "was": was}
 
+    # ---------------------------------------------------------------- floating spares
+    @property
+    def can_borrow(self) -> bool:
+        return self.config.borrow_spares and callable(getattr(self.scheduler, "borrow", None))
+
+    def _maybe_borrow(self) -> None:
+        """No dedicated spare is left: ask the scheduler for a node (once at a time)."""
+        if not self.can_borrow or self._borrowing or self.exit_code is not None:
+            return
+        self._borrowing = True
+        self._emit("borrowing", {"message": "no dedicated spare left: asking Slurm for a node from a "
+                                            "lower-priority job"})
+        self._lock.add(fx.BorrowNode())
+
+    def _on_node_borrowed(self, ev: m.NodeBorrowed) -> None:
+        self._borrowing = False
+        if ev.node is None:
+            self._emit("note", {"message": f"could not borrow a node: {ev.detail}"})
+            return
+        node = self.nodes.setdefault(ev.node, Node(ev.node))
+        node.state, node.reason, node.lender, node.held_rank = "healthy", None, ev.lender, False
+        per_node = max(1, self.config.ranks_per_node)
+        slots = [f"{ev.node}/{i}" for i in range(per_node)]
+        for name in slots:
+            self.slots.setdefault(name, Slot(name=name))
+            self.slots[name].taint = self.slots[name].tainted_at = None
+        self._emit("borrowed", {"node": ev.node, "from": ev.lender})
+        if self.exit_code is not None:
+            self._release(node)
+            return
+        waiting = sum(1 for mv in self.op.moves.values() if mv.to_worker is None) if self.op is not None else 0
+        for name in slots[: max(1, waiting)]:
+            w = self._launch(name)
+            self._emit("spare-starting", {"worker": w.id, "slot": name, "borrowed_from": ev.lender})
+
+    def _release_idle_borrowed(self) -> None:
+        """A borrowed node that no longer holds a rank goes back to its lender."""
+        for node in self.nodes.values():
+            if node.lender is None or node.state != "healthy":
+                continue
+            ranks = [w for w in self.workers.values() if w.role == WorkerRole.RANK and node_of(w.slot) == node.name]
+            if ranks:
+                node.held_rank = True
+            elif node.held_rank:
+                self._release(node)
+
+    def _release(self, node: Node) -> None:
+        self._taint_slots(node, f"returned to its lender ({node.lender})")
+        node.state, node.reason = "released", f"returned to {node.lender}"
+        self._emit("released", {"node": node.name, "to": node.lender})
+        self._lock.add(fx.ReleaseNode(node.name))
+
+    def _spare_kind(self, slot: str) -> dict[str, Any]:
+        node = self._node(slot)
+        return {"kind": "borrowed", "from": node.lender} if node.lender else {"kind": "dedicated"}
+
     def _node_view(self) -> list[dict[str, Any]]:
         out = []
         for name, node in self.nodes.items():
@@ -154,5 +212,5 @@ class NodeHealth:
                            and self.ranks[w.rank].worker == w.id)
             spares = sum(1 for w in self.workers.values() if w.role == WorkerRole.SPARE and node_of(w.slot) == name)
             out.append({"node": name, "state": node.state, "reason": node.reason, "slots": len(slots),
-                        "ranks": ranks, "spares": spares})
+                        "ranks": ranks, "spares": spares, "borrowed_from": node.lender})
         return out

@@ -95,6 +95,7 @@ class Config:
     return_home: bool = False  # move ranks back to their first node once it is healthy again
     straggler_factor: float = 0.0  # taint a rank's slot when its busy time stays above this x median (0: off)
     straggler_steps: int = 20  # ... for this many consecutive steps
+    borrow_spares: bool = False  # with no dedicated spare left, borrow a node from a lower-priority job
 
 
 class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing):
@@ -111,6 +112,7 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing):
         self.home: dict[int, str] = {}  # rank -> the slot it started on
         self._targeted: dict[int, str] = {}  # rank -> slot or node it moves to once a spare is ready there
         self.stragglers = StragglerDetector(config.straggler_factor, config.straggler_steps)
+        self._borrowing = False  # a request for a borrowed node is out
         self.workers: dict[str, Worker] = {}
         self.ranks: dict[int, RankInfo] = {r: RankInfo(rank=r) for r in range(config.world_size)}
         self.events: list[Event] = []
@@ -186,6 +188,12 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing):
             node = effect.node
             self.scheduler.probe_node(  # type: ignore[union-attr]
                 node, lambda ok, detail: self.handle(m.NodeProbed(node=node, ok=ok, detail=detail[:500])))
+        elif isinstance(effect, fx.BorrowNode):
+            self.scheduler.borrow(  # type: ignore[union-attr]
+                lambda node, text: self.handle(m.NodeBorrowed(node=node, lender=text if node else "",
+                                                              detail="" if node else text[:500])))
+        elif isinstance(effect, fx.ReleaseNode):
+            self.scheduler.release(effect.node)  # type: ignore[union-attr]
         elif isinstance(effect, (fx.DrainNode, fx.ResumeNode)):
             fn = getattr(self.scheduler, "drain" if isinstance(effect, fx.DrainNode) else "resume", None)
             if fn is not None:
@@ -704,6 +712,7 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing):
         self._pending_taint_moves()
         self._pending_targeted()
         self._pending_return_home()
+        self._release_idle_borrowed()
         self._replenish()
         self._maybe_done()
 
@@ -784,7 +793,8 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing):
                 ranks.append({"rank": r, "pid": w.pid if w else None, "slot": w.slot if w else None,
                               "step": info.step, "state": info.state.value,
                               "metrics": info.metrics})
-            spares = [{"worker": w.id, "slot": w.slot, "pid": w.pid, "state": w.role.value}
+            spares = [{"worker": w.id, "slot": w.slot, "pid": w.pid, "state": w.role.value,
+                       **self._spare_kind(w.slot)}
                       for w in self.workers.values()
                       if w.role in (WorkerRole.SPARE, WorkerRole.STARTING) and w.intended_rank is None]
             taints = [{"slot": s.name, "reason": s.taint, "since": s.tainted_at}

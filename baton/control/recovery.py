@@ -227,6 +227,7 @@ class Recovery:
             if move.to_worker is None:
                 spares = self._ready_spares()
                 if not spares:
+                    self._maybe_borrow()
                     if op.phase != "spares":
                         op.enter("spares", self.config.spare_wait_s)
                     msg = (f"rank {rank} lost and no spare is available: the job is paused until a "

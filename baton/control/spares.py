@@ -45,7 +45,8 @@ class SparePool:
         if missing <= 0:
             return
         used = {w.slot for w in live}
-        free = [s for s in self.slots.values() if s.healthy and s.name not in used and self._node(s.name).usable]
+        free = [s for s in self.slots.values() if s.healthy and s.name not in used and self._node(s.name).usable
+                and self._node(s.name).lender is None]  # a borrowed node holds only what it was borrowed for
         for slot in free[:missing]:
             w = self._launch(slot.name)
             self._emit("spare-starting", {"worker": w.id, "slot": slot.name})

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -25,6 +26,7 @@ from baton.schedulers.processes import WorkerProcesses
 
 PR_SET_PDEATHSIG = 1
 PROBE_TIMEOUT_S = 20.0
+BORROW_WAIT_S = 60  # how long Slurm may take to grant a borrowed node (preemption included)
 log = logging.getLogger("baton.slurm")
 
 
@@ -82,9 +84,11 @@ def node_of(slot: str) -> str:
 class SlurmScheduler:
     def __init__(self, alloc: Allocation, slots: list[str], script: str, script_args: list[str],
                  env: dict[str, str], on_exit: Callable[[str, int], None] | None = None,
-                 python: str = sys.executable):
+                 python: str = sys.executable, borrow_partition: str | None = None):
         self.alloc = alloc
         self._slots = list(slots)
+        self.borrow_partition = borrow_partition
+        self._borrowed: dict[str, str] = {}  # node -> the job id of the allocation that holds it
         self.script = script
         self.script_args = script_args
         self.base_env = env
@@ -97,7 +101,8 @@ class SlurmScheduler:
     def start(self, worker_id: str, slot: str) -> int:
         env = {**self.base_env, "BATON_WORKER_ID": worker_id, "BATON_SLOT": slot}
         env.pop("BATON_PARENT_PID", None)  # the task's parent is slurmstepd, not this process
-        argv = ["srun", "--jobid", self.alloc.job_id, "--overlap", "--nodes=1", "--ntasks=1",
+        job = self._borrowed.get(node_of(slot), self.alloc.job_id)
+        argv = ["srun", "--jobid", job, "--overlap", "--nodes=1", "--ntasks=1",
                 f"--nodelist={node_of(slot)}", f"--job-name={_step_name(worker_id)}", "--kill-on-bad-exit=0",
                 "--export=ALL", "--quiet", self.python, self.script, *self.script_args]
         return self._procs.start(worker_id, argv, env=env, preexec_fn=_die_with_parent,
@@ -151,6 +156,55 @@ class SlurmScheduler:
 
         threading.Thread(target=probe, name=f"baton-probe-{node}", daemon=True).start()
 
+    def borrow(self, done: Callable[[str | None, str], None]) -> None:
+        """Ask Slurm for one more whole node, on a thread: an exclusive allocation that Slurm
+        grants by preempting (requeueing) a lower-priority job where no node is free. Answers
+        done(node, lender) with who had it, or done(None, why)."""
+
+        def ask() -> None:
+            before = self._running_jobs()
+            argv = ["salloc", "--no-shell", "--exclusive", "--nodes=1", f"--immediate={BORROW_WAIT_S}",
+                    f"--job-name=baton-borrow-{self.alloc.job_id}",
+                    *([f"--partition={self.borrow_partition}"] if self.borrow_partition else [])]
+            try:
+                r = subprocess.run(argv, env=self.base_env, capture_output=True, text=True,
+                                   timeout=BORROW_WAIT_S + 15)
+            except (OSError, subprocess.TimeoutExpired) as exc:
+                done(None, f"salloc: {exc}")
+                return
+            granted = re.search(r"Granted job allocation (\d+)", r.stderr)
+            if r.returncode != 0 or granted is None:
+                lines = [x for x in r.stderr.strip().splitlines() if x.strip()]
+                done(None, lines[-1][:300] if lines else f"salloc exited with code {r.returncode}")
+                return
+            job = granted.group(1)
+            try:
+                node = _slurm(["squeue", "-h", "-j", job, "-o", "%N"], self.base_env).strip()
+            except SlurmError as exc:
+                _slurm_quiet(["scancel", job], self.base_env)
+                done(None, str(exc))
+                return
+            self._borrowed[node] = job
+            lenders = [f"job {j} ({name}, {user}, partition {part})" for j, name, user, part, nodes in before
+                       if node in _hostnames(nodes, self.base_env) and j != job]
+            done(node, ", ".join(lenders) or "a free node (nobody was preempted)")
+
+        threading.Thread(target=ask, name="baton-borrow", daemon=True).start()
+
+    def release(self, node: str) -> None:
+        """Give a borrowed node back: its lender, requeued by Slurm, can run there again."""
+        job = self._borrowed.pop(node, None)
+        if job is not None:
+            _slurm_quiet(["scancel", job], self.base_env)
+
+    def _running_jobs(self) -> list[tuple[str, str, str, str, str]]:
+        try:
+            out = _slurm(["squeue", "-h", "-t", "R", "-o", "%i|%j|%u|%P|%N"], self.base_env)
+        except SlurmError:
+            return []
+        rows = [tuple(line.split("|")) for line in out.splitlines() if line.count("|") == 4]
+        return [r for r in rows if r[0] != self.alloc.job_id]  # type: ignore[misc]
+
     def drain(self, node: str, reason: str) -> None:
         """Slurm places nothing new on `node` and shows why (`sinfo -R`)."""
         try:
@@ -168,12 +222,15 @@ class SlurmScheduler:
         """Stop every remaining step (SIGTERM, then SIGKILL after the grace)."""
         self._procs.shutdown(lambda procs: self._signal_steps(procs, "CONT", "TERM"),
                              lambda left: self._signal_steps(left, "KILL"), grace_s)
+        for node in list(self._borrowed):
+            self.release(node)
 
     # ---------------------------------------------------------------- internals
     def _steps(self) -> dict[str, str]:
         """Worker id -> its step id (J.S), for the steps running now: one squeue for all."""
+        jobs = ",".join([self.alloc.job_id, *self._borrowed.values()])
         try:
-            out = _slurm(["squeue", "-h", "-s", "-j", self.alloc.job_id, "-o", "%i %j"], self.base_env)
+            out = _slurm(["squeue", "-h", "-s", "-j", jobs, "-o", "%i %j"], self.base_env)
         except SlurmError:
             return {}
         names = {_step_name(w): w for w in self._procs.alive()}
@@ -212,6 +269,20 @@ def _slurm(argv: list[str], env: dict[str, str]) -> str:
     if r.returncode != 0:
         raise SlurmError(f"{' '.join(argv)} failed ({r.returncode}): {r.stderr.strip()[:300]}")
     return r.stdout
+
+
+def _slurm_quiet(argv: list[str], env: dict[str, str]) -> None:
+    try:
+        _slurm(argv, env)
+    except SlurmError as exc:
+        log.warning("%s", exc)
+
+
+def _hostnames(nodelist: str, env: dict[str, str]) -> list[str]:
+    try:
+        return _slurm(["scontrol", "show", "hostnames", nodelist], env).split()
+    except SlurmError:
+        return []
 
 
 def _die_with_parent() -> None:
