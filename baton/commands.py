@@ -43,6 +43,12 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                    help="taint a rank's slot (and move the rank) when its own work per step stays above F "
                         "times the other ranks' median for --straggler-steps steps; 0 (default): off")
     p.add_argument("--straggler-steps", type=int, default=20, metavar="N")
+    p.add_argument("--taint-gpu-temp", type=float, default=90.0, metavar="C",
+                   help="NVML: taint a slot whose GPU reaches C degrees (0: off), default 90")
+    p.add_argument("--taint-ecc-uncorrected", type=int, default=1, metavar="N",
+                   help="NVML: taint a slot whose GPU has N uncorrected ECC errors (0: off), default 1")
+    p.add_argument("--taint-ecc-corrected", type=int, default=0, metavar="N",
+                   help="NVML: taint a slot whose GPU has N corrected ECC errors (0: off, the default)")
     p.add_argument("--borrow-spares", action="store_true",
                    help="Slurm: with no dedicated spare left, borrow a whole node from a lower-priority job "
                         "(Slurm preempts and requeues it) and give it back when done")
@@ -127,6 +133,7 @@ def _api(args: argparse.Namespace, call) -> Any:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from baton.health.gpu import GpuThresholds
     from baton.launcher import RunOptions, run
 
     script_args = list(args.script_args)
@@ -140,7 +147,9 @@ def cmd_run(args: argparse.Namespace) -> int:
                       scheduler=args.scheduler, nodes=args.nodes, spare_nodes=args.spare_nodes,
                       advertise_addr=args.advertise_addr, return_home=args.return_home,
                       straggler_factor=args.straggler_factor, straggler_steps=args.straggler_steps,
-                      borrow_spares=args.borrow_spares, borrow_partition=args.borrow_partition)
+                      borrow_spares=args.borrow_spares, borrow_partition=args.borrow_partition,
+                      gpu_limits=GpuThresholds(temp_c=args.taint_gpu_temp, ecc_uncorrected=args.taint_ecc_uncorrected,
+                                               ecc_corrected=args.taint_ecc_corrected))
     return run(opts)
 
 

@@ -29,6 +29,7 @@ from baton.control.orchestrator import TICK_S, Config, Orchestrator
 from baton.control.state import describe_cpu
 from baton.rundir import RunDir, RunDirError
 from baton.schedulers.local import LocalScheduler
+from baton.health.gpu import GpuThresholds
 from baton.schedulers.slurm import Allocation, SlurmError, SlurmScheduler, in_allocation, plan_slots
 from baton.store.rendezvous import rendezvous_store
 from baton.store.sqlite import SqliteStore
@@ -59,6 +60,7 @@ class RunOptions:
     straggler_steps: int = 20
     borrow_spares: bool = False  # with no dedicated spare left, borrow a node through Slurm preemption
     borrow_partition: str | None = None  # the partition to ask in (default: the allocation's)
+    gpu_limits: GpuThresholds = GpuThresholds()  # NVML readings past these taint a slot
 
 
 class EventPrinter:
@@ -143,6 +145,9 @@ def run(opts: RunOptions, listeners: list[Callable[[str, dict[str, Any]], None]]
             raise SystemExit(f"baton run: {flag} must be a positive number of seconds, got {value}")
     if opts.verify_every < 0:
         raise SystemExit("baton run: --verify-every must be >= 0")
+    g = opts.gpu_limits
+    if not math.isfinite(g.temp_c) or g.temp_c < 0 or g.ecc_uncorrected < 0 or g.ecc_corrected < 0:
+        raise SystemExit("baton run: --taint-gpu-temp and --taint-ecc-* must be >= 0 (0: that check is off)")
     if not math.isfinite(opts.straggler_factor) or (opts.straggler_factor and opts.straggler_factor <= 1) \
             or opts.straggler_steps < 1:
         raise SystemExit("baton run: --straggler-factor must be 0 (off) or above 1, and --straggler-steps at least 1")
@@ -170,7 +175,8 @@ def run(opts: RunOptions, listeners: list[Callable[[str, dict[str, Any]], None]]
                     spare_wait_s=opts.spare_wait_s,
                     ranks_per_node=opts.nproc if placement.allocation is not None else 0,
                     return_home=opts.return_home, straggler_factor=opts.straggler_factor,
-                    straggler_steps=opts.straggler_steps, borrow_spares=opts.borrow_spares)
+                    straggler_steps=opts.straggler_steps, borrow_spares=opts.borrow_spares,
+                    gpu_limits=opts.gpu_limits)
     orch = Orchestrator(config, db)
     db.on_error = lambda text: orch.handle(m.StoreFailed(message=text))
     orch.listeners.append(EventPrinter(run_dir, opts.quiet))

@@ -41,3 +41,26 @@ def test_tiny_steps_made_slower_by_scheduling_noise_are_not_stragglers():
     d = StragglerDetector(factor=2.0, steps=1)
     d.observe(0, 1, 0.004)
     assert d.observe(1, 1, 0.030) is None  # 7.5x, but only 26 ms: a busy core, not a bad machine
+
+
+def test_gpu_thresholds_name_what_was_crossed():
+    from baton.health.gpu import GpuReading, GpuThresholds
+
+    limits = GpuThresholds(temp_c=90, ecc_uncorrected=1, ecc_corrected=100)
+    assert limits.judge(GpuReading(temp_c=70, ecc_uncorrected=0, ecc_corrected=3)) is None
+    assert limits.judge(GpuReading(temp_c=91)).startswith("thermal: GPU at 91 C")
+    assert limits.judge(GpuReading(temp_c=95, ecc_uncorrected=2)).startswith("ecc: 2 uncorrected")
+    assert limits.judge(GpuReading(ecc_corrected=100)).startswith("ecc: 100 corrected")
+    assert GpuThresholds(temp_c=0, ecc_uncorrected=0).judge(GpuReading(temp_c=120, ecc_uncorrected=9)) is None
+    assert limits.judge(GpuReading()) is None  # a GPU without ECC or sensors reports nothing
+
+
+def test_without_nvml_the_reader_says_why_and_reads_nothing():
+    from baton.health.gpu import GpuReader
+
+    reader = GpuReader("local/0")
+    if reader.reason is None:
+        import pytest
+
+        pytest.skip("this machine has NVML and a GPU: the reader is live (checked on GPU machines)")
+    assert reader.read() is None and ("NVML" in reader.reason or "nvidia-ml-py" in reader.reason)

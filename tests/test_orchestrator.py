@@ -470,3 +470,16 @@ def test_with_no_spare_left_a_node_is_borrowed_and_given_back_once_it_holds_no_r
     nodes = {n["node"]: n for n in orch.status()["jobs"][0]["nodes"]}
     assert nodes["n7"]["state"] == "released" and nodes["n7"]["ranks"] == []
     assert not any(s.startswith("n7/") for _, s in sched.started[-1:])
+
+
+def test_gpu_readings_past_a_threshold_taint_the_slot_and_move_its_rank(tmp_path):
+    orch, sched = _on_nodes(tmp_path)
+    report(orch, "w1", {"type": "heartbeat", "step": 11, "gpu": {"temp_c": 70.0, "ecc_uncorrected": 0}})
+    assert orch.op is None and orch.status()["jobs"][0]["ranks"][1]["gpu"] == {"temp_c": 70.0, "ecc_uncorrected": 0}
+    report(orch, "w1", {"type": "heartbeat", "step": 12, "gpu": {"temp_c": 71.0, "ecc_uncorrected": 1}})
+    assert orch.op is not None and sorted(orch.op.moves) == [1]
+    ev = orch.event_list()[0]
+    assert ev["kind"] == "pre-emptive" and ev["cause"].startswith("taint: ecc: 1 uncorrected")
+    # A spare on a hot GPU: its slot is tainted and the spare stopped, so no rank goes there.
+    report(orch, "w5", {"type": "heartbeat", "gpu": {"temp_c": 97.0}})
+    assert orch.status()["jobs"][0]["taints"][-1]["reason"].startswith("thermal: GPU at 97 C")

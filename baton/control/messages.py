@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Annotated, Literal, Union
 
 from baton.health.alerts import AlertBatch
+from baton.health.gpu import GpuReading
 from pydantic import PositiveFloat, BaseModel, ConfigDict, Field, NonNegativeInt, TypeAdapter
 
 Pos = tuple[NonNegativeInt, NonNegativeInt]
@@ -71,6 +72,7 @@ class Heartbeat(_Msg):
     busy_time: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None  # own work until the last bucket
     metrics: Annotated[dict[Annotated[str, Field(max_length=64)], float], Field(max_length=64)] = {}
     cpu: CpuReport | None = None
+    gpu: GpuReading | None = None  # NVML readings of the slot's GPU, where there is one
 
 
 class BeatEnvelope(_Msg):

@@ -37,6 +37,21 @@ class _JobCollector:
         yield step
         yield step_time
 
+        temp = GaugeMetricFamily("baton_gpu_temperature_celsius", "GPU temperature of each rank's slot (NVML)",
+                                 labels=["job", "rank", "slot"])
+        ecc = GaugeMetricFamily("baton_gpu_ecc_errors", "Volatile ECC error counts of each rank's GPU (NVML)",
+                                labels=["job", "rank", "slot", "type"])
+        for r in job["ranks"]:
+            gpu = r.get("gpu") or {}
+            labels = [jid, str(r["rank"]), r["slot"] or ""]
+            if "temp_c" in gpu:
+                temp.add_metric(labels, gpu["temp_c"])
+            for kind in ("uncorrected", "corrected"):
+                if f"ecc_{kind}" in gpu:
+                    ecc.add_metric([*labels, kind], gpu[f"ecc_{kind}"])
+        yield temp
+        yield ecc
+
         by_kind: dict[tuple[str, str], int] = {}
         for e in events:
             key = (e["kind"], e["status"])

@@ -50,6 +50,7 @@ from baton.control.state import (
     yoco_ratio,
 )
 from baton.health.alerts import AlertBatch, reason_of, target_of
+from baton.health.gpu import GpuReading, GpuThresholds
 from baton.health.straggler import StragglerDetector
 from baton.store.sqlite import SqliteStore
 
@@ -96,6 +97,7 @@ class Config:
     straggler_factor: float = 0.0  # taint a rank's slot when its busy time stays above this x median (0: off)
     straggler_steps: int = 20  # ... for this many consecutive steps
     borrow_spares: bool = False  # with no dedicated spare left, borrow a node from a lower-priority job
+    gpu_limits: GpuThresholds = GpuThresholds()  # NVML readings past these taint the slot
 
 
 class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing):
@@ -314,6 +316,8 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing):
 
     def _on_heartbeat(self, w: Worker, rep: m.Heartbeat) -> None:
         self._note_cpu(w, rep.cpu)
+        if rep.gpu is not None:
+            self._judge_gpu(w, rep.gpu)
         if w.role == WorkerRole.RANK and w.rank is not None:
             info = self.ranks[w.rank]
             if info.worker != w.id:
@@ -335,6 +339,15 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing):
                     if why is not None and self.slots[w.slot].healthy:
                         self._emit("straggler", {"rank": w.rank, "slot": w.slot, "detail": why})
                         self._on_taint(m.TaintRequest(slot=w.slot, reason=why[:200]))
+
+    def _judge_gpu(self, w: Worker, reading: GpuReading) -> None:
+        """NVML readings from a rank or a spare: past a threshold, its slot is tainted (a rank
+        there moves pre-emptively, a spare there is stopped)."""
+        w.gpu = reading.model_dump(exclude_none=True)
+        why = self.config.gpu_limits.judge(reading)
+        if why is not None and w.slot in self.slots and self.slots[w.slot].healthy and self.exit_code is None:
+            self._emit("gpu-health", {"worker": w.id, "slot": w.slot, "detail": why})
+            self._on_taint(m.TaintRequest(slot=w.slot, reason=why[:200]))
 
     def _on_formed(self, w: Worker, rep: m.Formed) -> None:
         op = self.op
@@ -792,7 +805,7 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing):
                 w = self.workers.get(info.worker or "")
                 ranks.append({"rank": r, "pid": w.pid if w else None, "slot": w.slot if w else None,
                               "step": info.step, "state": info.state.value,
-                              "metrics": info.metrics})
+                              "metrics": info.metrics, **({"gpu": w.gpu} if w and w.gpu else {})})
             spares = [{"worker": w.id, "slot": w.slot, "pid": w.pid, "state": w.role.value,
                        **self._spare_kind(w.slot)}
                       for w in self.workers.values()

@@ -61,6 +61,7 @@ class Worker:
     last_seen: float = field(default_factory=time.time)
     exit_code: int | None = None
     transfer_addr: tuple[str, int] | None = None  # where this worker serves its state
+    gpu: dict[str, float] | None = None  # its slot's latest NVML readings, where there is a GPU
     held_rank: bool = False  # took a rank at some point (else: its whole CPU was a spare's)
     cpu_s: float = 0.0  # CPU-seconds of the process, as it last reported them
     baton_cpu_s: float = 0.0  # baton's own part of cpu_s (see baton.selfcost)

@@ -170,6 +170,9 @@ class ControlChannel:
         self.commands.put(cmd)
 
     def _report_loop(self) -> None:
+        from baton.health.gpu import GpuReader
+
+        gpu = GpuReader()  # NVML for this slot's GPU, read here, off the training thread
         last_beat = 0.0
         while not self._stopped.is_set():
             try:
@@ -180,7 +183,7 @@ class ControlChannel:
                 if item is not None:
                     self._post(f"/v1/workers/{self.worker_id}/reports", item)
                 if time.time() - last_beat >= self.beat_every:
-                    self._beat(m.Heartbeat(**self.heartbeat, cpu=cpu_report()))
+                    self._beat(m.Heartbeat(**self.heartbeat, cpu=cpu_report(), gpu=gpu.read()))
                     last_beat = time.time()
             except OrchestratorGone:
                 if not self._stopped.is_set():
