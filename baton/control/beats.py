@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 from pydantic import ValidationError
 
 from baton.control import messages as m
+from baton.control.errors import RequestError
 
 if TYPE_CHECKING:  # workers import this module for BeatSender; they never load the orchestrator
     from baton.control.orchestrator import Orchestrator
@@ -87,8 +88,6 @@ class BeatReceiver:
         self.sock.close()
 
     def _serve(self) -> None:
-        from baton.control.orchestrator import RequestError  # the launcher has it loaded already
-
         while not self._stopped:
             try:
                 datagram, sender = self.sock.recvfrom(MAX_DATAGRAM)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from baton.control.errors import RequestError
 from baton.control.nodes import node_of
 from baton.control.state import EventKind, Worker, WorkerRole
 
@@ -23,17 +24,12 @@ class Homing:
             return [to]
         if to in self.nodes:
             return [s for s in self.slots if node_of(s) == to]
-        from baton.control.orchestrator import RequestError
+        return [self._slot(to).name]  # refuses an unknown name, listing the slots and nodes
 
-        raise RequestError(f"unknown slot or node {to!r}; slots are: {', '.join(self.slots)}; nodes: "
-                           f"{', '.join(self.nodes)}", 404)
-
-    def _spare_on(self, slots: list[str], taken: set[str] = frozenset()) -> Worker | None:  # type: ignore[assignment]
-        return next((w for w in self._ready_spares() if w.slot in slots and w.id not in taken), None)
+    def _spare_on(self, slots: list[str]) -> Worker | None:
+        return next((w for w in self._ready_spares() if w.slot in slots), None)
 
     def _migrate_to(self, rank: int, to: str) -> dict[str, Any]:
-        from baton.control.orchestrator import RequestError
-
         slots = self._target_slots(to)
         here = self.workers[self.ranks[rank].worker or ""].slot
         if here in slots:

@@ -11,6 +11,7 @@ one move; `baton untaint NODE` returns the slots and resumes the node.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,8 +103,6 @@ class NodeHealth:
 
     def _taint_slots(self, node: Node, reason: str) -> list[int]:
         """Taint every slot on `node`, stop its spares; returns the ranks still on it."""
-        import time
-
         ranks = []
         for s in self.slots.values():
             if node_of(s.name) == node.name and s.taint is None:

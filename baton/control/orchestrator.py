@@ -31,6 +31,7 @@ from pydantic import BaseModel
 from baton.control import effects as fx
 from baton.control import messages as m
 from baton.control.effects import DecisionLock
+from baton.control.errors import RequestError
 from baton.control.homing import Homing
 from baton.control.mailbox import Mailboxes
 from baton.control.nodes import Node, NodeHealth, node_of
@@ -57,17 +58,6 @@ from baton.store.sqlite import SqliteStore
 log = logging.getLogger("baton.orchestrator")
 EXIT_PEER_LOST = 75  # a rank's exit code for "died of a lost peer" (baton.worker.job)
 TICK_S = 0.25  # how often the host calls tick()
-
-
-class RequestError(Exception):
-    """A request the orchestrator refuses; `status` is the HTTP status to answer with."""
-
-    status = 400
-
-    def __init__(self, message: str, status: int | None = None):
-        super().__init__(message)
-        if status is not None:
-            self.status = status
 
 
 class Scheduler(Protocol):
