@@ -237,12 +237,22 @@ class SlurmScheduler:
         return {names[parts[1]]: parts[0] for parts in map(str.split, out.splitlines())
                 if len(parts) == 2 and parts[1] in names}
 
-    def _signal_steps(self, procs: dict[str, subprocess.Popen], *signals: str) -> None:
+    def _signal_steps(self, procs: dict[str, subprocess.Popen], *signals: str, wait_s: float = 2.0) -> None:
+        """Signal the steps of `procs` in parallel, waiting at most `wait_s`: scancel of a step
+        on a dead node blocks for Slurm's message timeout, and shutdown must not wait on it (the
+        local srun is killed after the grace, and Slurm ends a step whose srun is gone)."""
         steps = self._steps()
-        for wid in procs:
-            if wid in steps:
-                for sig in signals:
-                    self._signal(steps[wid], sig)
+
+        def signal_one(step: str) -> None:
+            for sig in signals:
+                self._signal(step, sig)
+
+        threads = [threading.Thread(target=signal_one, args=(steps[w],), daemon=True) for w in procs if w in steps]
+        for t in threads:
+            t.start()
+        deadline = time.time() + wait_s
+        for t in threads:
+            t.join(timeout=max(0.0, deadline - time.time()))
 
     def _signal(self, step: str, sig: str) -> None:
         try:
