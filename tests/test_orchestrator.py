@@ -43,16 +43,21 @@ class RecordingScheduler:
         self.killed.append(worker_id)
 
 
-def _running(tmp_path, world=2, spares=1) -> tuple[Orchestrator, RecordingScheduler]:
-    sched = RecordingScheduler(world + spares + 1)
-    orch = Orchestrator(Config(world_size=world, spares=spares), SqliteStore(tmp_path / "s.db"), sched)
+def _started(tmp_path, sched, config: Config) -> Orchestrator:
+    """An orchestrator whose workers all registered and whose ranks are at step 10."""
+    orch = Orchestrator(config, SqliteStore(tmp_path / "s.db"), sched)
     orch.start()
     for wid, _ in list(sched.started):
         orch.register(wid, m.Register(pid=1, transfer_addr=("127.0.0.1", 1000 + int(wid[1:]))))
-    for r in range(world):
+    for r in range(config.world_size):
         report(orch, f"w{r}", {"type": "ready", "loop": LOOP, "bundle": _bundle(r)})
         report(orch, f"w{r}", {"type": "heartbeat", "step": 10})
-    return orch, sched
+    return orch
+
+
+def _running(tmp_path, world=2, spares=1) -> tuple[Orchestrator, RecordingScheduler]:
+    sched = RecordingScheduler(world + spares + 1)
+    return _started(tmp_path, sched, Config(world_size=world, spares=spares)), sched
 
 
 def _commands(orch: Orchestrator, wid: str) -> list[dict]:
@@ -169,14 +174,7 @@ def test_a_rank_that_stops_short_of_the_agreed_step_is_lost_once_the_others_wait
 
 
 def test_no_spare_within_spare_wait_fails_the_job_clearly(tmp_path):
-    sched = RecordingScheduler(2)
-    orch = Orchestrator(Config(world_size=2, spares=0, spare_wait_s=30), SqliteStore(tmp_path / "s.db"), sched)
-    orch.start()
-    for wid, _ in list(sched.started):
-        orch.register(wid, m.Register(pid=1, transfer_addr=("127.0.0.1", 1000 + int(wid[1:]))))
-    for r in range(2):
-        report(orch, f"w{r}", {"type": "ready", "loop": LOOP, "bundle": _bundle(r)})
-        report(orch, f"w{r}", {"type": "heartbeat", "step": 10})
+    orch = _started(tmp_path, RecordingScheduler(2), Config(world_size=2, spares=0, spare_wait_s=30))
     orch.handle(m.WorkerExited(worker_id="w1", returncode=-9))
     report(orch, "w0", {"type": "recover", "generation": orch.generation, "pos": [10, 0]})
     assert orch.op.phase == "spares" and orch.status()["jobs"][0]["state"] == "waiting-for-spare"
@@ -248,16 +246,10 @@ class NodeScheduler(RecordingScheduler):
         self.resumed.append(node)
 
 
-def _on_nodes(tmp_path) -> tuple[Orchestrator, NodeScheduler]:
-    sched = NodeScheduler()
-    orch = Orchestrator(Config(world_size=4, spares=2, ranks_per_node=2), SqliteStore(tmp_path / "s.db"), sched)
-    orch.start()
-    for wid, _ in list(sched.started):
-        orch.register(wid, m.Register(pid=1, transfer_addr=("127.0.0.1", 1000 + int(wid[1:]))))
-    for r in range(4):
-        report(orch, f"w{r}", {"type": "ready", "loop": LOOP, "bundle": _bundle(r)})
-        report(orch, f"w{r}", {"type": "heartbeat", "step": 10})
-    return orch, sched
+def _on_nodes(tmp_path, sched: NodeScheduler | None = None, **config) -> tuple[Orchestrator, NodeScheduler]:
+    """4 ranks, 2 per node; spares on the third node unless `config` says otherwise."""
+    sched = sched or NodeScheduler()
+    return _started(tmp_path, sched, Config(**{"world_size": 4, "spares": 2, "ranks_per_node": 2, **config})), sched
 
 
 def test_a_lost_node_recovers_its_ranks_in_one_move_and_is_drained(tmp_path):
@@ -338,15 +330,7 @@ def test_migrate_to_a_named_slot_uses_the_spare_there_and_refuses_what_cannot_be
 
 
 def test_return_home_moves_ranks_back_once_their_node_is_untainted(tmp_path):
-    sched = NodeScheduler()
-    orch = Orchestrator(Config(world_size=4, spares=2, ranks_per_node=2, return_home=True),
-                        SqliteStore(tmp_path / "s.db"), sched)
-    orch.start()
-    for wid, _ in list(sched.started):
-        orch.register(wid, m.Register(pid=1, transfer_addr=("127.0.0.1", 1000 + int(wid[1:]))))
-    for r in range(4):
-        report(orch, f"w{r}", {"type": "ready", "loop": LOOP, "bundle": _bundle(r)})
-        report(orch, f"w{r}", {"type": "heartbeat", "step": 10})
+    orch, sched = _on_nodes(tmp_path, return_home=True)
     orch.handle(m.TaintRequest(slot="n1", reason="maintenance"))
     _run_planned(orch)
     assert {orch.workers[orch.ranks[r].worker].slot.split("/")[0] for r in (0, 1)} == {"n3"}
@@ -429,15 +413,7 @@ class BorrowingScheduler(NodeScheduler):
 
 
 def test_with_no_spare_left_a_node_is_borrowed_and_given_back_once_it_holds_no_rank(tmp_path):
-    sched = BorrowingScheduler()
-    orch = Orchestrator(Config(world_size=4, spares=0, ranks_per_node=2, borrow_spares=True),
-                        SqliteStore(tmp_path / "s.db"), sched)
-    orch.start()
-    for wid, _ in list(sched.started):
-        orch.register(wid, m.Register(pid=1, transfer_addr=("127.0.0.1", 1000 + int(wid[1:]))))
-    for r in range(4):
-        report(orch, f"w{r}", {"type": "ready", "loop": LOOP, "bundle": _bundle(r)})
-        report(orch, f"w{r}", {"type": "heartbeat", "step": 10})
+    orch, sched = _on_nodes(tmp_path, BorrowingScheduler(), spares=0, borrow_spares=True)
     orch.handle(m.WorkerExited(worker_id="w3", returncode=-9))
     for w in ("w0", "w1", "w2"):
         report(orch, w, {"type": "recover", "generation": orch.op.generation, "pos": [10, 0]})
