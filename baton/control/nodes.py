@@ -17,7 +17,7 @@ from typing import Any
 
 from baton.control import effects as fx
 from baton.control import messages as m
-from baton.control.state import EventKind, Slot, Worker, WorkerRole
+from baton.control.state import Slot, Worker, WorkerRole
 
 log = logging.getLogger("baton.orchestrator")
 
@@ -124,15 +124,7 @@ class NodeHealth:
         self._emit("taint", {"node": name, "reason": reason})
         moved = self._taint_slots(node, f"node {name}: {reason}")
         self._lock.add(fx.DrainNode(name, f"baton: {reason}"[:200]))
-        result: dict[str, Any] = {"node": name, "reason": reason, "moving_ranks": sorted(moved)}
-        if moved and self.exit_code is None:
-            if self.op is None and len(self._ready_spares()) >= len(moved):
-                op = self._start_planned(sorted(moved), EventKind.PREEMPTIVE, f"taint: node {name}: {reason}")
-                result["op"] = op.id
-            else:
-                result["note"] = (f"{len(moved)} rank(s) will move when enough spares are free and no other "
-                                  "migration runs")
-        return result
+        return self._move_off_taint({"node": name, "reason": reason}, sorted(moved), f"taint: node {name}: {reason}")
 
     def _untaint_node(self, name: str) -> dict[str, Any]:
         node = self.nodes[name]

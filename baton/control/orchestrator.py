@@ -623,14 +623,7 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing):
                 self._post(w.id, m.Stop(reason=f"slot {req.slot} tainted"))
             elif w.role == WorkerRole.RANK and w.rank is not None:
                 moved.append(w.rank)
-        result: dict[str, Any] = {"slot": req.slot, "reason": req.reason, "moving_ranks": moved}
-        if moved and self.exit_code is None:
-            if self.op is None and self._ready_spares():
-                op = self._start_planned(moved, EventKind.PREEMPTIVE, f"taint: {req.reason}")
-                result["op"] = op.id
-            else:
-                result["note"] = "rank will move when a spare is free and no other migration runs"
-        return result
+        return self._move_off_taint({"slot": req.slot, "reason": req.reason}, moved, f"taint: {req.reason}")
 
     def _on_alerts(self, batch: AlertBatch) -> dict[str, Any]:
         """Alertmanager's webhook: firing taints the slot or node its labels name, resolved

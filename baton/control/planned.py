@@ -174,6 +174,20 @@ class PlannedMoves:
                                       kind, cause).moves
         self._retry_moves = [x for x in retry if x.rank not in started]
 
+    def _move_off_taint(self, result: dict, ranks: list[int], cause: str) -> dict:
+        """A taint's ranks move now in one pre-emptive move when a spare is ready for each and
+        nothing else is moving; else later (_pending_taint_moves). `result` is the answer."""
+        result["moving_ranks"] = ranks
+        if ranks and self.exit_code is None:
+            if self.op is None and len(self._ready_spares()) >= len(ranks):
+                result["op"] = self._start_planned(ranks, EventKind.PREEMPTIVE, cause).id
+            elif len(ranks) == 1:
+                result["note"] = "rank will move when a spare is free and no other migration runs"
+            else:
+                result["note"] = (f"{len(ranks)} rank(s) will move when enough spares are free and no other "
+                                  "migration runs")
+        return result
+
     def _pending_taint_moves(self) -> None:
         """Ranks on tainted slots move, those sharing a reason (a node's slots) in one move."""
         if self.op is not None or self.exit_code is not None or not self._ready_spares():
