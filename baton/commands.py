@@ -1,4 +1,4 @@
-"""Runtime subcommands: run, status, migrate, taint, untaint, events, demo."""
+"""Runtime subcommands: run, serve, jobs, status, migrate, taint, untaint, events, demo."""
 
 from __future__ import annotations
 
@@ -61,9 +61,36 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                         "data corruption; 0: only after moves)")
     p.add_argument("--job-id", default="job")
     p.add_argument("--quiet", action="store_true", help="do not print events")
+    p.add_argument("--server", default=None, metavar="URL[,URL]",
+                   help="attach to a `baton serve` control plane instead of embedding one (several URLs: "
+                        "servers sharing one store; the leader answers)")
+    p.add_argument("--server-token-file", type=Path, default=None,
+                   help="the server's admin token (default: $BATON_SERVER_TOKEN, else .baton-serve/token)")
+    p.add_argument("--priority", type=int, default=0,
+                   help="with --server: a higher-priority job gets a contested spare first (default 0)")
+    p.add_argument("--control-grace", type=float, default=600.0, metavar="S",
+                   help="with --server: how long the job keeps training and retrying while the server is "
+                        "unreachable (restart, failover), default 600")
     p.add_argument("script", help="training script")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("serve", help="run the control plane as a service for several jobs (`baton run --server`)",
+                       description="Orchestrators for every attached job, state in SQLite or etcd; "
+                                   "restart it (or run a standby) and it picks the jobs up again.")
+    p.add_argument("--listen", default="127.0.0.1:8470", metavar="HOST:PORT",
+                   help="where jobs and operators reach it (default 127.0.0.1:8470)")
+    p.add_argument("--store", default="sqlite:.baton-serve", metavar="sqlite:DIR|etcd://HOST:PORT",
+                   help="where state lives (default sqlite:.baton-serve); two servers on one store: one leads")
+    p.add_argument("--token-file", type=Path, default=None,
+                   help="admin token (made, mode 0600, if missing; default .baton-serve/token)")
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("jobs", help="list the jobs a `baton serve` hosts")
+    p.add_argument("--server", default="http://127.0.0.1:8470", metavar="URL")
+    p.add_argument("--server-token-file", type=Path, default=None)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_jobs)
 
     p = sub.add_parser("status", help="show the job, its ranks, spares, taints and YOCO ratio")
     _conn_args(p)
@@ -150,7 +177,80 @@ def cmd_run(args: argparse.Namespace) -> int:
                       borrow_spares=args.borrow_spares, borrow_partition=args.borrow_partition,
                       gpu_limits=GpuThresholds(temp_c=args.taint_gpu_temp, ecc_uncorrected=args.taint_ecc_uncorrected,
                                                ecc_corrected=args.taint_ecc_corrected))
+    if args.server:
+        from baton.agent import ServerOptions, run_attached
+
+        return run_attached(opts, ServerOptions(urls=args.server, admin_token=_server_token(args.server_token_file),
+                                                priority=args.priority, grace_s=args.control_grace))
     return run(opts)
+
+
+_DEFAULT_SERVER_TOKEN = Path(".baton-serve/token")
+
+
+def _server_token(path: Path | None) -> str:
+    import os
+
+    if path is None and os.environ.get("BATON_SERVER_TOKEN"):
+        return os.environ["BATON_SERVER_TOKEN"]
+    path = path or _DEFAULT_SERVER_TOKEN
+    try:
+        return path.read_text().strip()
+    except OSError as exc:
+        raise SystemExit(f"baton: cannot read the server's admin token from {path}: {exc.strerror} "
+                         "(--server-token-file, or $BATON_SERVER_TOKEN)") from None
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import logging
+    import os
+    import secrets
+    import signal
+
+    from baton.control.server import Backend, ControlServer
+
+    host, _, port = args.listen.rpartition(":")
+    if not host or not port.isdigit():
+        return _fail(f"--listen must be HOST:PORT, got {args.listen!r}")
+    logging.basicConfig(level=os.environ.get("BATON_LOG", "WARNING"))
+    backend = Backend(args.store)
+    token_file = args.token_file or _DEFAULT_SERVER_TOKEN
+    if not token_file.exists():
+        token_file.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_urlsafe(32))
+        print(f"[baton serve] admin token written to {token_file}", file=sys.stderr, flush=True)
+    server = ControlServer(backend, _server_token(token_file), host=host, port=int(port))
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: server.stop())
+    server.serve_forever()
+    return 0
+
+
+def cmd_jobs(args: argparse.Namespace) -> int:
+    import httpx
+
+    token = _server_token(args.server_token_file)
+    try:
+        resp = httpx.get(args.server.split(",")[0].rstrip("/") + "/v1/jobs",
+                         headers={"Authorization": f"Bearer {token}"}, timeout=10)
+    except httpx.TransportError as exc:
+        return _fail(f"cannot reach {args.server}: {exc}", 1)
+    data = resp.json()
+    if resp.status_code >= 400:
+        return _fail(data.get("error", resp.text), 1)
+    if args.json:
+        print(json.dumps(data, indent=2))
+        return 0
+    print(f"{'job':<16} {'priority':>8}  {'state':<8} {'ranks':>5} {'step':>6} {'gen':>4} {'spares':>6} "
+          f"{'events':>6} {'restarts':>8}")
+    for j in data["jobs"]:
+        state = j["state"] + (f" ({j['exit_code']})" if j["exit_code"] is not None else "")
+        print(f"{j['job_id']:<16} {j['priority']:>8}  {state:<8} {j['world_size']:>5} {j['step']:>6} "
+              f"{j['generation']:>4} {j['spares_ready']:>6} {j['events']:>6} {j['lives']:>8}")
+    print(f"leader {data['leader']}, state in {data['store']}")
+    return 0
 
 
 def cmd_status(args: argparse.Namespace) -> int:

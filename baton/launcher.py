@@ -135,8 +135,8 @@ def _placement(opts: RunOptions) -> Placement:
     return Placement(world, spares, slots, alloc, addr)
 
 
-def run(opts: RunOptions, listeners: list[Callable[[str, dict[str, Any]], None]] | None = None,
-        started: Callable[[Orchestrator, str, str], None] | None = None) -> int:
+def validate(opts: RunOptions) -> None:
+    """Refuse bad options before anything starts (SystemExit with the reason)."""
     if opts.nproc < 1:
         raise SystemExit("baton run: --nproc must be at least 1")
     for flag, value in (("--op-timeout", opts.op_timeout_s), ("--heartbeat-timeout", opts.heartbeat_timeout_s),
@@ -155,6 +155,29 @@ def run(opts: RunOptions, listeners: list[Callable[[str, dict[str, Any]], None]]
         raise SystemExit("baton run: --spares must be >= 0")
     if not Path(opts.script).is_file():
         raise SystemExit(f"baton run: script not found: {opts.script}")
+
+
+def worker_env(opts: RunOptions, url: str, token: str, store_addr: str, store_port: int) -> dict[str, str]:
+    """What every worker process gets: the control plane, the rendezvous store, and torch's."""
+    env = dict(os.environ)
+    env.update(opts.env)
+    env.update(BATON_URL=url, BATON_TOKEN=token, BATON_STORE=f"{store_addr}:{store_port}",
+               TORCH_DIST_INIT_BARRIER="0", MASTER_ADDR=store_addr, MASTER_PORT=str(store_port))
+    env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does for several ranks per node
+    return env
+
+
+def make_scheduler(placement: Placement, opts: RunOptions, env: dict[str, str],
+                   on_exit: Callable[[str, int], None]) -> LocalScheduler | SlurmScheduler:
+    if placement.allocation is not None:
+        return SlurmScheduler(placement.allocation, placement.slots, opts.script, opts.script_args, env,
+                              on_exit=on_exit, borrow_partition=opts.borrow_partition)
+    return LocalScheduler(opts.script, opts.script_args, env, len(placement.slots), on_exit=on_exit)
+
+
+def run(opts: RunOptions, listeners: list[Callable[[str, dict[str, Any]], None]] | None = None,
+        started: Callable[[Orchestrator, str, str], None] | None = None) -> int:
+    validate(opts)
     placement = _placement(opts)
     logging.basicConfig(level=os.environ.get("BATON_LOG", "WARNING"))
 
@@ -185,21 +208,12 @@ def run(opts: RunOptions, listeners: list[Callable[[str, dict[str, Any]], None]]
     api.start()
     run_dir.write_endpoint(api.url)
 
-    env = dict(os.environ)
-    env.update(opts.env)
-    env.update(BATON_URL=api.url, BATON_TOKEN=token, BATON_STORE=f"{host}:{store.port}",
-               TORCH_DIST_INIT_BARRIER="0", MASTER_ADDR=host, MASTER_PORT=str(store.port))
-    env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does for several ranks per node
+    env = worker_env(opts, api.url, token, host, store.port)
 
     def on_exit(wid: str, code: int) -> None:
         orch.handle(m.WorkerExited(worker_id=wid, returncode=code))
 
-    sched: LocalScheduler | SlurmScheduler
-    if placement.allocation is not None:
-        sched = SlurmScheduler(placement.allocation, placement.slots, opts.script, opts.script_args, env,
-                               on_exit=on_exit, borrow_partition=opts.borrow_partition)
-    else:
-        sched = LocalScheduler(opts.script, opts.script_args, env, len(placement.slots), on_exit=on_exit)
+    sched = make_scheduler(placement, opts, env, on_exit)
     orch.scheduler = sched
 
     def on_signal(signum: int, _frame: Any) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hmac
 import socket
 import threading
+import time
 from typing import Any
 
 import anyio.to_thread
@@ -24,6 +25,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from pydantic import ValidationError
 
 from baton.control import messages as m
+from baton.control.agent_link import AgentLink
 from baton.control.beats import BeatReceiver
 from baton.control.metrics import JobMetrics
 from baton.control.orchestrator import Orchestrator, RequestError
@@ -54,7 +56,8 @@ class _BearerAuth:
         await self.app(scope, receive, send)
 
 
-def create_app(orch: Orchestrator, token: str, beat_addr: tuple[str, int] | None = None) -> FastAPI:
+def create_app(orch: Orchestrator, token: str, beat_addr: tuple[str, int] | None = None,
+               link: AgentLink | None = None) -> FastAPI:
     app = FastAPI(title="baton", version="1", docs_url=None, redoc_url=None)
 
     app.add_middleware(_BearerAuth, token=token)
@@ -135,7 +138,28 @@ def create_app(orch: Orchestrator, token: str, beat_addr: tuple[str, int] | None
         result = await anyio.to_thread.run_sync(orch.report, worker_id, rep)
         return JSONResponse(result)
 
+    if link is not None:
+        _agent_routes(app, orch, link)
     return app
+
+
+def _agent_routes(app: FastAPI, orch: Orchestrator, link: AgentLink) -> None:
+    """Under `baton serve`: the job's agent fetches scheduler commands and reports back."""
+
+    @app.get("/v1/agent/commands")
+    def agent_commands(after: int = 0, timeout: float = 10.0) -> dict[str, Any]:
+        if after < 0 or not 0 <= timeout <= 60:
+            raise RequestError("after must be >= 0 and timeout within 0..60 s")
+        return {"commands": link.commands(after, timeout)}
+
+    @app.post("/v1/agent/reports")
+    async def agent_report(request: Request) -> JSONResponse:
+        try:
+            rep = m.AGENT_REPORT.validate_python(await request.json())
+        except (ValueError, ValidationError) as exc:
+            raise RequestError(f"invalid agent report: {str(exc)[:500]}", 422) from None
+        link.last_seen = time.time()
+        return JSONResponse(await anyio.to_thread.run_sync(orch.handle, rep))
 
 
 class ApiServer:

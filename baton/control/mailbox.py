@@ -13,7 +13,12 @@ from typing import Any
 
 
 class Mailboxes:
-    def __init__(self) -> None:
+    """`base` lifts every sequence number: a control plane restarted from its store numbers
+    its commands above any its previous life handed out, so a worker's `after` from before
+    the restart asks for everything new."""
+
+    def __init__(self, base: int = 0) -> None:
+        self.base = base
         self._cond = threading.Condition()
         self._boxes: dict[str, list[dict[str, Any]]] = {}
         self._closed = False
@@ -21,7 +26,7 @@ class Mailboxes:
     def post(self, worker_id: str, command: dict[str, Any]) -> None:
         with self._cond:
             box = self._boxes.setdefault(worker_id, [])
-            box.append({**command, "seq": len(box) + 1})
+            box.append({**command, "seq": self.base + len(box) + 1})
             self._cond.notify_all()
 
     def wait(self, worker_id: str, after: int, timeout: float) -> list[dict[str, Any]]:
@@ -29,8 +34,9 @@ class Mailboxes:
         with self._cond:
             while True:
                 box = self._boxes.get(worker_id, [])
-                if len(box) > after:
-                    return box[after:]
+                seen = max(0, after - self.base)
+                if len(box) > seen:
+                    return box[seen:]
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or self._closed:
                     return []

@@ -187,6 +187,10 @@ class Registered(_Msg):
     ranks_per_node: int = 0  # 0: every rank on one node
     heartbeat_timeout_s: float = 3.0
     heartbeat_addr: Addr | None = None  # where heartbeat datagrams go; None: POST them as reports
+    # How long a worker keeps trying an unreachable control plane before it gives up: short
+    # where the control plane is its own launcher (gone means the job is over), long under
+    # `baton serve`, which may be restarting (reports wait in the worker meanwhile).
+    control_grace_s: float = 10.0
 
 
 # ---------------------------------------------------------------- commands
@@ -337,5 +341,95 @@ class NodeBorrowed(_Msg):
     detail: str = ""
 
 
+class AgentSync(_Msg):
+    """From a job's agent (`baton run --server`) whenever it reaches the control plane after
+    losing it: which of the workers it started still run, and how the others ended."""
+
+    type: Literal["agent_sync"] = "agent_sync"
+    live: list[str] = Field(default_factory=list, max_length=100_000)
+    exited: dict[str, int] = Field(default_factory=dict, max_length=100_000)
+
+
+AgentReport = Annotated[Union[WorkerExited, NodeProbed, NodeBorrowed, AgentSync, Interrupted], Field(discriminator="type")]
+AGENT_REPORT = TypeAdapter(AgentReport)
+
+
+# ---------------------------------------------------------------- control plane -> a job's agent
+class StartWorker(_Msg):
+    type: Literal["start_worker"] = "start_worker"
+    worker_id: str
+    slot: str
+
+
+class KillWorker(_Msg):
+    type: Literal["kill_worker"] = "kill_worker"
+    worker_id: str
+    dump_stacks: bool = False
+
+
+class ProbeNode(_Msg):
+    type: Literal["probe_node"] = "probe_node"
+    node: str
+
+
+class DrainNode(_Msg):
+    type: Literal["drain_node"] = "drain_node"
+    node: str
+    reason: str
+
+
+class ResumeNode(_Msg):
+    type: Literal["resume_node"] = "resume_node"
+    node: str
+
+
+class BorrowNode(_Msg):
+    type: Literal["borrow_node"] = "borrow_node"
+
+
+class ReleaseNode(_Msg):
+    type: Literal["release_node"] = "release_node"
+    node: str
+
+
+class EndJob(_Msg):
+    """The job is over: stop every worker and exit with `exit_code`."""
+
+    type: Literal["end_job"] = "end_job"
+    exit_code: int
+    failure: str | None = None
+
+
+AgentCommand = Annotated[Union[StartWorker, KillWorker, ProbeNode, DrainNode, ResumeNode, BorrowNode, ReleaseNode,
+                               EndJob], Field(discriminator="type")]
+AGENT_COMMAND = TypeAdapter(AgentCommand)
+
+
+JOB_ID = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")]
+
+
+class AttachJob(_Msg):
+    """`baton run --server`: a job asks a `baton serve` to orchestrate it. The agent keeps the
+    rendezvous store and the scheduler; the server decides."""
+
+    job_id: JOB_ID
+    world_size: Annotated[int, Field(ge=1, le=100_000)]
+    spares: Annotated[int, Field(ge=0, le=100_000)]
+    slots: Annotated[list[Annotated[str, Field(min_length=1, max_length=200)]], Field(min_length=1, max_length=100_000)]
+    priority: int = 0  # higher wins a contested spare
+    features: list[Literal["nodes", "borrow"]] = Field(default_factory=list)  # what the agent's scheduler can do
+    op_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 5.0
+    heartbeat_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 3.0
+    formation_timeout_s: Annotated[float, Field(gt=0, le=36000)] = 120.0
+    spare_wait_s: Annotated[float, Field(gt=0, le=360000)] = 600.0
+    verify_every: Annotated[int, Field(ge=0)] = 0
+    ranks_per_node: Annotated[int, Field(ge=0)] = 0
+    return_home: bool = False
+    straggler_factor: Annotated[float, Field(ge=0)] = 0.0
+    straggler_steps: Annotated[int, Field(ge=1)] = 20
+    borrow_spares: bool = False
+    control_grace_s: Annotated[float, Field(gt=0, le=86400)] = 600.0
+
+
 Input = Union[MigrateRequest, TaintRequest, UntaintRequest, WorkerExited, Tick, Interrupted, StoreFailed,
-              NodeProbed, NodeBorrowed, AlertBatch]
+              NodeProbed, NodeBorrowed, AlertBatch, AgentSync]

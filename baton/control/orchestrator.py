@@ -53,6 +53,7 @@ from baton.control.state import (
 from baton.health.alerts import AlertBatch, reason_of, target_of
 from baton.health.gpu import GpuReading, GpuThresholds
 from baton.health.straggler import StragglerDetector
+from baton.control.restore import job_record, restore
 from baton.store.sqlite import SqliteStore
 
 log = logging.getLogger("baton.orchestrator")
@@ -88,6 +89,7 @@ class Config:
     straggler_steps: int = 20  # ... for this many consecutive steps
     borrow_spares: bool = False  # with no dedicated spare left, borrow a node from a lower-priority job
     gpu_limits: GpuThresholds = GpuThresholds()  # NVML readings past these taint the slot
+    control_grace_s: float = 10.0  # workers keep retrying an unreachable control plane this long
 
 
 class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing):
@@ -120,6 +122,7 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing):
         self._last_persist = 0.0
         self.loop: m.LoopInfo | None = None  # the loop every rank agreed on
         self.listeners: list[Callable[[str, dict[str, Any]], None]] = []
+        self.lives = 0  # earlier lives of this job's control plane (restarts from its store)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -139,6 +142,43 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing):
             for i in range(self.config.spares):
                 self._launch(names[self.config.world_size + i])
             self._persist(force=True)
+
+    def restore(self) -> bool:
+        """Pick the job up from the store (a restarted control plane); False if it holds none."""
+        with self._lock:
+            found = restore(self, self.store)
+            if found:
+                self._persist(force=True)
+            return found
+
+    def _on_agent_sync(self, ev: m.AgentSync) -> None:
+        """The job's agent reached us after an outage (ours or its): reconcile the workers it
+        runs with the ones we think exist. Exits we missed are handled now; a start we decided
+        but that never reached it is sent again; a process we do not know (started by a life
+        that ended before it wrote it down) is stopped."""
+        live = set(ev.live)
+        for wid, code in ev.exited.items():
+            w = self.workers.get(wid)
+            if w is not None and w.role != WorkerRole.GONE:
+                self._emit("note", {"message": f"{wid} on {w.slot} exited ({code}) while the control plane "
+                                               "was away"})
+                self._on_worker_exited(m.WorkerExited(worker_id=wid, returncode=code))
+        for w in self.workers.values():
+            if w.id in live or w.id in ev.exited:
+                continue
+            if w.role == WorkerRole.STARTING:
+                self._lock.add(fx.StartWorker(w.id, w.slot))
+            elif w.role != WorkerRole.GONE:
+                self._emit("note", {"message": f"{w.id} on {w.slot} is gone: its agent does not run it"})
+                self._on_worker_exited(m.WorkerExited(worker_id=w.id, returncode=-9))
+        for wid in live - set(self.workers):
+            self._emit("note", {"message": f"stopping {wid}: started by a control plane that did not record it"})
+            self._kill(wid)
+            if wid[1:].isdigit():
+                self._worker_ids = max(self._worker_ids, int(wid[1:]) + 1)
+        for w in self.workers.values():
+            if w.role == WorkerRole.GONE and w.id in live:
+                self._kill(w.id)  # a kill decided by the last life that did not land
 
     def _launch(self, slot: str, intended_rank: int | None = None) -> Worker:
         wid = f"w{self._worker_ids}"
@@ -274,7 +314,8 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing):
                                 formation_timeout_s=self.config.formation_timeout_s,
                                 verify_every=self.config.verify_every,
                                 redundancy=self._redundancy(), ranks_per_node=self._per_node(),
-                                heartbeat_timeout_s=self.config.heartbeat_timeout_s).model_dump()
+                                heartbeat_timeout_s=self.config.heartbeat_timeout_s,
+                                control_grace_s=self.config.control_grace_s).model_dump()
 
     def _maybe_start_generation0(self) -> None:
         if all(
@@ -363,6 +404,7 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing):
         if not rep.joined:
             info.ready = True
             info.held = rep.bundle.model_dump()
+            self._persist_held(w.rank)
         info.loop = rep.loop.model_dump()
         # A joiner skips the script's resume block, so only the loop's shape must agree.
         if self.loop is not None and rep.loop.model_copy(update={"start_step": self.loop.start_step}) != self.loop:
@@ -384,6 +426,7 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing):
         """A boundary function ended on this rank; its state there is now durable here."""
         if w.rank is not None and self.ranks[w.rank].worker == w.id:
             self.ranks[w.rank].held = rep.bundle.model_dump()
+            self._persist_held(w.rank)
             self.ranks[w.rank].reached = max(self.ranks[w.rank].reached, rep.pos[0])
 
     def _on_verified(self, w: Worker, rep: m.Verified) -> None:
@@ -839,9 +882,16 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing):
         # Held bundles are memory-only: rewriting them (base64) every second would be most of the I/O.
         rows += [("rank", str(r), {k: v for k, v in to_json(i).items() if k != "held"})
                  for r, i in self.ranks.items()]
-        rows.append(("job", self.config.job_id, {"generation": self.generation, "exit_code": self.exit_code,
-                                                 "world_size": self.config.world_size}))
+        rows += [("node", n.name, to_json(n)) for n in self.nodes.values()]
+        rows.append(("job", self.config.job_id, job_record(self)))
         self._lock.add(fx.WriteRows(rows))
+
+    def _persist_held(self, rank: int) -> None:
+        """A rank's own durable state changes only at its loop start and boundary functions:
+        written then, so a restarted control plane can still rebuild that rank."""
+        held = self.ranks[rank].held
+        if held is not None:
+            self._lock.add(fx.WriteRows([("held", str(rank), held)]))
 
 
 def _loop_text(loop: m.LoopInfo) -> str:

@@ -23,6 +23,9 @@ from pydantic import BaseModel, ValidationError
 from baton import selfcost
 from baton.control import messages as m
 from baton.control.beats import BeatSender
+from baton.control.reach import OrchestratorGone, Reach
+
+__all__ = ["ControlChannel", "OrchestratorGone"]
 
 log = logging.getLogger("baton.worker")
 
@@ -37,18 +40,15 @@ def cpu_report() -> m.CpuReport:
     return m.CpuReport(process_s=use.process_s, baton_s=use.baton_s)
 
 
-class OrchestratorGone(RuntimeError):
-    """The control plane cannot be reached: the job is being torn down."""
-
-
 class ControlChannel:
     def __init__(self, url: str, token: str, worker_id: str):
         self.worker_id = worker_id
         self._token = token
         self._beats: BeatSender | None = None  # UDP heartbeats, once register() said where
-        headers = {"Authorization": f"Bearer {token}"}
-        self._http = httpx.Client(base_url=url, headers=headers, timeout=30.0)
-        self._poll_http = httpx.Client(base_url=url, headers=headers, timeout=70.0)
+        # Until register() says the orchestrator's control_grace_s: what the launcher set.
+        self.reach = Reach(url, token, grace_s=float(os.environ.get("BATON_CONTROL_GRACE", "10")))
+        self._http = self.reach.client(timeout=30.0)
+        self._poll_http = self.reach.client(timeout=70.0)
         self.commands: queue.Queue[BaseModel] = queue.Queue()
         self._outbox: queue.Queue[dict[str, Any]] = queue.Queue()
         self._seq = 0
@@ -69,30 +69,22 @@ class ControlChannel:
 
     # ------------------------------------------------------------------ requests
     def _post(self, path: str, body: dict[str, Any], client: httpx.Client | None = None) -> dict[str, Any]:
-        client = client or self._http
-        for attempt in range(40):
+        resp = self.reach.request(client or self._http, "POST", path, json=body)
+        if resp.status_code >= 400:
             try:
-                resp = client.post(path, json=body)
-            except httpx.TransportError as exc:
-                if attempt == 39 or self._stopped.is_set():
-                    raise OrchestratorGone(f"cannot reach the orchestrator: {exc}") from exc
-                time.sleep(0.25)
-                continue
-            if resp.status_code >= 400:
-                try:
-                    message = resp.json().get("error", resp.text)
-                except ValueError:
-                    message = resp.text
-                if resp.status_code == 410:
-                    raise OrchestratorGone(message)
-                raise RuntimeError(f"orchestrator refused {path}: {message}")
-            return resp.json()
-        raise OrchestratorGone("unreachable")
+                message = resp.json().get("error", resp.text)
+            except ValueError:
+                message = resp.text
+            if resp.status_code == 410:
+                raise OrchestratorGone(message)
+            raise RuntimeError(f"orchestrator refused {path}: {message}")
+        return resp.json()
 
     def register(self, pid: int, transfer_addr: tuple[str, int]) -> m.Registered:
         body = m.Register(pid=pid, transfer_addr=tuple(transfer_addr)).model_dump(mode="json")
         reg = m.Registered.model_validate(self._post(f"/v1/workers/{self.worker_id}/register", body))
         self.heartbeat_timeout_s = reg.heartbeat_timeout_s
+        self.reach.grace_s = reg.control_grace_s
         per = RANK_BEATS_PER_TIMEOUT if reg.role == "rank" else SPARE_BEATS_PER_TIMEOUT
         self.beat_every = reg.heartbeat_timeout_s / per
         if reg.heartbeat_addr is not None:
@@ -117,6 +109,7 @@ class ControlChannel:
 
     def stop(self) -> None:
         self._stopped.set()
+        self.reach.stopped = True
 
     def flush(self, timeout: float = 5.0) -> None:
         deadline = time.time() + timeout
@@ -124,14 +117,14 @@ class ControlChannel:
             time.sleep(0.01)
 
     def _poll_loop(self) -> None:
-        failures = 0
+        refused = 0
         while not self._stopped.is_set():
             try:
-                resp = self._poll_http.get(f"/v1/workers/{self.worker_id}/commands",
-                                           params={"after": self._seq, "timeout": 10})
+                resp = self.reach.request(self._poll_http, "GET", f"/v1/workers/{self.worker_id}/commands",
+                                     params={"after": self._seq, "timeout": 10})
                 if resp.status_code >= 400:
-                    raise httpx.TransportError(f"HTTP {resp.status_code}: {resp.text[:200]}")
-                failures = 0
+                    raise ValueError(f"HTTP {resp.status_code}: {resp.text[:200]}")
+                refused = 0
                 for raw in resp.json()["commands"]:
                     self._seq = max(self._seq, int(raw.pop("seq")))
                     try:
@@ -140,10 +133,15 @@ class ControlChannel:
                         log.error("ignored a malformed command %s: %s", raw.get("type"), exc)
                         continue
                     self._handle(cmd)
-            except (httpx.TransportError, ValueError) as exc:
-                failures += 1
-                if failures > 40:
-                    log.error("orchestrator unreachable (%s): exiting", exc)
+            except OrchestratorGone as exc:
+                if not self._stopped.is_set():
+                    log.error("%s: exiting", exc)
+                    os._exit(3)
+                return
+            except ValueError as exc:  # refused, or a garbled answer: the server is up but says no
+                refused += 1
+                if refused > 40:
+                    log.error("command polls keep failing (%s): exiting", exc)
                     os._exit(3)
                 time.sleep(0.25)
 
