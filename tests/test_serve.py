@@ -21,6 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from baton.rundir import RunDir
 from tests.gpt_job import check_equal, gpt_job, in_eval
 from tests.jobs import Job, assert_ranks_equal
 
@@ -93,6 +94,28 @@ def _run_args(servers: list[Server], job_id: str, *extra: str) -> list[str]:
             "--job-id", job_id, "--heartbeat-timeout", "2", "--op-timeout", "3", *extra]
 
 
+def _two_jobs_one_server(server: Server, job: Job, other: Job) -> None:
+    """Both jobs are listed (higher priority first); a job's token acts on that job only."""
+    listed = server.jobs().json()["jobs"]
+    assert [(j["job_id"], j["priority"]) for j in listed] == [("other", 5), ("crash", 0)], listed
+    assert job.client.status()["jobs"][0]["id"] == "crash" and other.client.status()["jobs"][0]["id"] == "other"
+    own, theirs = RunDir(job.run_dir).read()[1], RunDir(other.run_dir).read()[1]
+    for path in ("/v1/status", "/v1/events"):
+        r = httpx.get(f"{server.url}/v1/jobs/other{path}", headers={"Authorization": f"Bearer {own}"})
+        assert r.status_code == 401, r.text
+        r = httpx.get(f"{server.url}/v1/jobs/other{path}", headers={"Authorization": f"Bearer {server.token}"})
+        assert r.status_code == 401, r.text  # the admin token is not a job's token
+    r = httpx.post(f"{server.url}/v1/jobs/crash/v1/migrate", json={"rank": 0},
+                   headers={"Authorization": f"Bearer {theirs}"})
+    assert r.status_code == 401, r.text
+    r = httpx.get(f"{server.url}/v1/jobs/nope/v1/status", headers={"Authorization": f"Bearer {server.token}"})
+    assert r.status_code == 404 and "unknown job" in r.json()["error"], r.text
+    r = httpx.post(f"{server.url}/v1/jobs", json={"job_id": "crash", "world_size": 1, "spares": 0, "slots": ["x"]},
+                   headers={"Authorization": f"Bearer {server.token}"})
+    assert r.status_code == 409 and "attached already" in r.json()["error"], r.text
+    assert other.wait(timeout=120) == 0, other.log()
+
+
 def _progress(path: Path) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
@@ -108,9 +131,12 @@ def test_server_killed_mid_job_and_a_rank_killed_while_it_is_down(tmp_path):
     server = Server(tmp_path, f"sqlite:{tmp_path / 'state'}", tmp_path / "token")
     try:
         progress = tmp_path / "progress"
+        other = Job(tmp_path, nproc=1, spares=0, steps=60, name="other",
+                    run_args=_run_args([server], "other", "--priority", "5"), script_args=["--step-sleep", "0.05"])
         job = Job(tmp_path, nproc=2, spares=1, steps=120, name="attached", run_args=_run_args([server], "crash"),
                   script_args=["--step-sleep", "0.05", "--progress-file", str(progress)])
         job.wait_step(10)
+        _two_jobs_one_server(server, job, other)
         victim = job.rank_pid(1)
         server.kill9()
         at_kill = _progress(progress)
@@ -128,3 +154,69 @@ def test_server_killed_mid_job_and_a_rank_killed_while_it_is_down(tmp_path):
         assert "restored life=1" in server.log()
     finally:
         server.stop()
+
+
+class Etcd:
+    """A real etcd (Debian's etcd-server) on free loopback ports, in a temporary directory."""
+
+    def __init__(self, tmp: Path):
+        self.port = _free_port()
+        peer = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(tmp / "etcd.log", "w")
+        self.proc = subprocess.Popen(
+            ["etcd", "--name", "test", "--data-dir", str(tmp / "etcd-data"),
+             "--listen-client-urls", self.url, "--advertise-client-urls", self.url,
+             "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+             "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+             "--initial-cluster", f"test=http://127.0.0.1:{peer}"],
+            stdout=self.log, stderr=self.log, start_new_session=True)
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            try:
+                if httpx.post(self.url + "/v3/kv/range", json={"key": "eA=="}, timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise AssertionError("etcd did not come up")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self.log.close()
+
+
+@pytest.mark.skipif(shutil.which("etcd") is None,
+                    reason="etcd not installed (Debian's etcd-server; `make setup` installs it as root)")
+def test_two_servers_on_one_etcd_one_leads_and_the_standby_takes_over(tmp_path, gpt_reference):
+    """Two `baton serve` against one etcd: only the lease holder acts (the other answers 503).
+    kill -9 of the leader during the nanoGPT-shaped job's evaluation, and a rank killed before
+    the standby's lease lets it lead: the standby reloads the job from etcd, the rank is
+    recovered, every rank and the checkpoint end bit-for-bit equal to the failure-free run."""
+    etcd = Etcd(tmp_path)
+    token = tmp_path / "token"
+    a = Server(tmp_path, f"etcd://127.0.0.1:{etcd.port}", token, name="serve-a")
+    a.wait_leading()
+    b = Server(tmp_path, f"etcd://127.0.0.1:{etcd.port}", token, name="serve-b")
+    try:
+        standby = b.jobs()
+        assert standby.status_code == 503 and "standby" in standby.json()["error"], standby.text
+        job = gpt_job(tmp_path, "attached", run_args=_run_args([a, b], "gpt"))
+        in_eval(job)
+        victim = job.rank_pid(2)
+        a.kill9()
+        os.kill(victim, signal.SIGKILL)
+        b.wait_leading(timeout=30)
+        events = check_equal(job, gpt_reference)
+        assert [(e["kind"], e["rank"], e["status"], e["steps_lost"]) for e in events] == \
+            [("unplanned", 2, "resolved", 0)], events
+        listed = b.jobs().json()
+        assert [(j["job_id"], j["state"], j["exit_code"]) for j in listed["jobs"]] == [("gpt", "ended", 0)]
+        assert listed["leader"] == b.url
+    finally:
+        a.stop()
+        b.stop()
+        etcd.stop()

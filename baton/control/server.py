@@ -204,18 +204,18 @@ class ControlServer:
         parts = scope["path"].split("/", 4)  # "", "v1", "jobs", id, rest
         if len(parts) == 5 and parts[1] == "v1" and parts[2] == "jobs":
             job = self.jobs.get(parts[3])
-            if job is not None:
-                prefix = "/".join(parts[:4])
-                await job.app({**scope, "path": "/" + parts[4], "root_path": scope.get("root_path", "") + prefix},
-                              receive, send)
+            if job is None:
+                await JSONResponse({"error": f"unknown job {parts[3][:64]!r}"}, status_code=404)(scope, receive, send)
                 return
+            prefix = "/".join(parts[:4])
+            # The job's own app checks the job's own token: another job's (or the admin's) is refused.
+            await job.app({**scope, "path": "/" + parts[4], "root_path": scope.get("root_path", "") + prefix},
+                          receive, send)
+            return
         given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
         if not (given[:7].lower() == b"bearer " and hmac.compare_digest(b"bearer " + given[7:], self.admin)):
-            known = len(parts) == 5 and parts[3] in self.jobs
-            await JSONResponse({"error": "unknown job" if len(parts) == 5 and not known else
-                                "missing or wrong token (the server's admin token: send "
-                                "'Authorization: Bearer <token>')"},
-                               status_code=404 if len(parts) == 5 else 401)(scope, receive, send)
+            await JSONResponse({"error": "missing or wrong token (the server's admin token: send "
+                                         "'Authorization: Bearer <token>')"}, status_code=401)(scope, receive, send)
             return
         await self.admin_app(scope, receive, send)
 
