@@ -7,3 +7,26 @@ from tests.gpt_job import reference_run
 def gpt_reference(tmp_path_factory):
     """The nanoGPT-shaped example's failure-free run, shared by every test that compares to it."""
     return reference_run(tmp_path_factory.mktemp("gpt-ref"))
+
+
+@pytest.fixture(scope="session")
+def train_reference(tmp_path_factory):
+    """Failure-free runs of baton/examples/train.py, one per (ranks, steps, script args), shared
+    by every test that compares with the same one: `train_reference(nproc, steps, args)` is
+    every rank's final state."""
+    from tests.jobs import Job
+
+    done: dict[tuple, list] = {}
+
+    def get(nproc: int, steps: int, args: list[str]) -> list:
+        key = (nproc, steps, tuple(args))
+        if key not in done:
+            ref = Job(tmp_path_factory.mktemp("train-ref"), nproc=nproc, spares=0, steps=steps, script_args=args)
+            try:
+                assert ref.wait(timeout=180) == 0, ref.log()
+            finally:
+                ref.kill()
+            done[key] = ref.all_rank_params(nproc)
+        return done[key]
+
+    return get

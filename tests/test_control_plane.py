@@ -198,22 +198,18 @@ def test_a_rank_whose_parameters_are_a_step_ahead_stops_the_job_loudly(tmp_path)
         job.kill()
 
 
-def test_a_straggling_slot_is_tainted_and_its_rank_moved_bitwise(tmp_path):
+def test_a_straggling_slot_is_tainted_and_its_rank_moved_bitwise(tmp_path, train_reference):
     """Rank 1's machine slows down from step 10 (+0.25 s of its own work per step, as a
     throttling GPU; the others take a few ms): the straggler detector (5x the median for 5
     steps) taints its slot and rank 1
     moves pre-emptively to the spare; training ends bit-for-bit equal to a run without it."""
-    ref = Job(tmp_path, nproc=3, spares=0, steps=60, script_args=["--step-sleep", "0.05"], name="ref")
-    try:
-        assert ref.wait(timeout=150) == 0, ref.log()
-    finally:
-        ref.kill()
+    reference = train_reference(3, 60, ["--step-sleep", "0.05"])[0]
     env = {"PYTHONPATH": str(Path(__file__).resolve().parent / "inject"), "BATON_TEST_SLOW_SLOT": "local/1:0.25:10"}
     job = Job(tmp_path, nproc=3, spares=1, steps=60, script_args=["--step-sleep", "0.05"], name="slow", env=env,
               run_args=["--straggler-factor", "5", "--straggler-steps", "5"])
     try:
         assert job.wait(timeout=150) == 0, job.log()
-        assert not state_diff(ref.params(), job.params()), job.log()
+        assert not state_diff(reference, job.params()), job.log()
         events = job.events()
         assert [(e["kind"], e["status"], e["rank"], e["from_slot"]) for e in events] == \
             [("pre-emptive", "resolved", 1, "local/1")], events

@@ -113,28 +113,27 @@ def _two_jobs_one_server(server: Server, job: Job, other: Job) -> None:
     r = httpx.post(f"{server.url}/v1/jobs", json={"job_id": "crash", "world_size": 1, "spares": 0, "slots": ["x"]},
                    headers={"Authorization": f"Bearer {server.token}"})
     assert r.status_code == 409 and "attached already" in r.json()["error"], r.text
-    assert other.wait(timeout=120) == 0, other.log()
 
 
 def _progress(path: Path) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
-def test_server_killed_mid_job_and_a_rank_killed_while_it_is_down(tmp_path):
+def test_server_killed_mid_job_and_a_rank_killed_while_it_is_down(tmp_path, train_reference):
     """kill -9 of `baton serve` mid-job: training goes on meanwhile; a rank killed while the
     server is down is recovered once it is back (from its SQLite state); every rank ends bit
     for bit equal to the failure-free run, 0 steps lost."""
-    ref = Job(tmp_path, nproc=2, spares=0, steps=120, name="ref", script_args=["--step-sleep", "0.05"])
-    assert ref.wait(timeout=180) == 0, ref.log()
-    reference = ref.all_rank_params(2)
+    reference = train_reference(3, 60, ["--step-sleep", "0.05"])  # shared with the straggler test
 
     server = Server(tmp_path, f"sqlite:{tmp_path / 'state'}", tmp_path / "token")
+    jobs: list[Job] = []
     try:
         progress = tmp_path / "progress"
-        other = Job(tmp_path, nproc=1, spares=0, steps=60, name="other",
+        other = Job(tmp_path, nproc=1, spares=0, steps=200, name="other",
                     run_args=_run_args([server], "other", "--priority", "5"), script_args=["--step-sleep", "0.05"])
-        job = Job(tmp_path, nproc=2, spares=1, steps=120, name="attached", run_args=_run_args([server], "crash"),
+        job = Job(tmp_path, nproc=3, spares=1, steps=60, name="attached", run_args=_run_args([server], "crash"),
                   script_args=["--step-sleep", "0.05", "--progress-file", str(progress)])
+        jobs += [other, job]
         job.wait_step(10)
         _two_jobs_one_server(server, job, other)
         victim = job.rank_pid(1)
@@ -152,7 +151,10 @@ def test_server_killed_mid_job_and_a_rank_killed_while_it_is_down(tmp_path):
         assert [(e["kind"], e["rank"], e["status"], e["steps_lost"]) for e in events] == \
             [("unplanned", 1, "resolved", 0)], events
         assert "restored life=1" in server.log()
+        assert other.wait(timeout=120) == 0, other.log()
     finally:
+        for j in jobs:
+            j.kill()  # attached jobs would wait out their --control-grace for a server that is gone
         server.stop()
 
 
@@ -201,6 +203,7 @@ def test_two_servers_on_one_etcd_one_leads_and_the_standby_takes_over(tmp_path, 
     a = Server(tmp_path, f"etcd://127.0.0.1:{etcd.port}", token, name="serve-a")
     a.wait_leading()
     b = Server(tmp_path, f"etcd://127.0.0.1:{etcd.port}", token, name="serve-b")
+    job = None
     try:
         standby = b.jobs()
         assert standby.status_code == 503 and "standby" in standby.json()["error"], standby.text
@@ -217,6 +220,8 @@ def test_two_servers_on_one_etcd_one_leads_and_the_standby_takes_over(tmp_path, 
         assert [(j["job_id"], j["state"], j["exit_code"]) for j in listed["jobs"]] == [("gpt", "ended", 0)]
         assert listed["leader"] == b.url
     finally:
+        if job is not None:
+            job.kill()
         a.stop()
         b.stop()
         etcd.stop()

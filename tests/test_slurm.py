@@ -24,11 +24,9 @@ def slurm(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """The same two ranks on this machine without Slurm and without failures."""
-    ref = Job(tmp_path_factory.mktemp("slurm-ref"), nproc=2, spares=0, steps=STEPS, script_args=ARGS)
-    assert ref.wait() == 0, ref.log()
-    return ref.params()
+def reference(train_reference):
+    """The same two ranks on this machine without Slurm and without failures (rank 0's)."""
+    return train_reference(2, STEPS, ARGS)[0]
 
 
 def _slurm_job(tmp_path, slurm: SlurmCluster, nodes: int = 2, spare_nodes: int = 1) -> Job:

@@ -16,7 +16,7 @@ from tests.slurm_cluster import SlurmCluster, skip_reason
 
 pytestmark = pytest.mark.skipif(skip_reason() is not None, reason=skip_reason() or "")
 
-STEPS = 60
+STEPS = 30  # as test_slurm.py: one shared failure-free run
 ARGS = ["--step-sleep", "0.15"]
 
 
@@ -36,9 +36,9 @@ def _low_priority_job(slurm: SlurmCluster, node: str, log) -> str:
     return out.stdout.strip()
 
 
-def test_a_node_borrowed_from_a_low_priority_job_takes_the_lost_rank_and_is_given_back(tmp_path, slurm):
-    ref = Job(tmp_path, nproc=2, spares=0, steps=STEPS, script_args=ARGS, name="ref")
-    assert ref.wait() == 0, ref.log()
+def test_a_node_borrowed_from_a_low_priority_job_takes_the_lost_rank_and_is_given_back(tmp_path, slurm,
+                                                                                     train_reference):
+    reference = train_reference(2, STEPS, ARGS)[0]
     logs = {n: tmp_path / f"low-{n}.log" for n in ("n3", "n4")}
     jobs = {n: _low_priority_job(slurm, n, logs[n]) for n in logs}
     deadline = time.time() + 30
@@ -59,7 +59,7 @@ def test_a_node_borrowed_from_a_low_priority_job_takes_the_lost_rank_and_is_give
         assert borrowed["ranks"] == [1] and f"job {lender} (lowprio-{borrowed['node']}" in borrowed["borrowed_from"]
         assert "partition low" in borrowed["borrowed_from"]
         assert job.wait(timeout=120) == 0, job.log()
-        assert not state_diff(ref.params(), job.params()), job.log()
+        assert not state_diff(reference, job.params()), job.log()
         events = job.events()
         assert [(e["kind"], e["status"], e["rank"], e["steps_lost"]) for e in events] == \
             [("unplanned", "resolved", 1, 0)], events

@@ -28,11 +28,9 @@ def slurm(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """Four ranks on this machine, no Slurm, no failures."""
-    ref = Job(tmp_path_factory.mktemp("nodes-ref"), nproc=4, spares=0, steps=STEPS, script_args=ARGS)
-    assert ref.wait() == 0, ref.log()
-    return ref.params()
+def reference(train_reference):
+    """Four ranks on this machine, no Slurm, no failures (rank 0's)."""
+    return train_reference(4, STEPS, ARGS)[0]
 
 
 def _job(tmp_path, slurm: SlurmCluster, extra: list[str] | None = None) -> Job:
