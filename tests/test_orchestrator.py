@@ -6,6 +6,8 @@ real local scheduler with real processes.
 
 from __future__ import annotations
 
+import json
+
 import time
 
 import pytest
@@ -459,3 +461,57 @@ def test_gpu_readings_past_a_threshold_taint_the_slot_and_move_its_rank(tmp_path
     # A spare on a hot GPU: its slot is tainted and the spare stopped, so no rank goes there.
     report(orch, "w5", {"type": "heartbeat", "gpu": {"temp_c": 97.0}})
     assert orch.status()["jobs"][0]["taints"][-1]["reason"].startswith("thermal: GPU at 97 C")
+
+
+def _reloaded(tmp_path, sched, config: Config) -> Orchestrator:
+    """A second life of the control plane on the first one's store (what `baton serve` does
+    after a restart)."""
+    orch = Orchestrator(config, SqliteStore(tmp_path / "s.db"), sched)
+    assert orch.restore()
+    return orch
+
+
+def test_a_restarted_control_plane_reloads_the_job_and_numbers_commands_above_its_last_life(tmp_path):
+    orch, sched = _running(tmp_path, world=3)
+    orch.handle(m.TaintRequest(slot="local/4", reason="ecc"))
+    before = orch.status()["jobs"][0]
+    last_seq = max(c["seq"] for c in _commands(orch, "w1"))
+    orch.store.close()
+
+    again = _reloaded(tmp_path, RecordingScheduler(sched.n), orch.config)
+    after = again.status()["jobs"][0]
+    assert after["ranks"] == before["ranks"] and after["spares"] == before["spares"]
+    assert after["taints"] == before["taints"] and again.generation == orch.generation
+    # each rank's own durable state (as JSON: a position comes back as a list)
+    assert all(again.ranks[r].held == json.loads(json.dumps(orch.ranks[r].held)) for r in range(3))
+    again.handle(m.MigrateRequest(rank=1))
+    pauses = [c for c in _commands(again, "w1") if c["type"] == "pause"]
+    assert pauses and pauses[0]["seq"] > last_seq  # a worker polling `after=last_seq` gets them
+
+
+def test_after_a_restart_the_agent_reports_what_died_meanwhile_and_it_is_recovered(tmp_path):
+    orch, sched = _running(tmp_path, world=3)
+    orch.store.close()
+    again = _reloaded(tmp_path, RecordingScheduler(sched.n), orch.config)
+    # w1 (rank 1) died while nobody was deciding; w0, w2 and the spare w3 run; w9 is unknown.
+    again.handle(m.AgentSync(live=["w0", "w2", "w3", "w9"], exited={"w1": -9}))
+    assert again.op is not None and list(again.op.moves) == [1]
+    assert again.workers["w1"].role.value == "gone"
+    assert "w9" in again.scheduler.killed  # started by a life that never wrote it down
+    assert again._worker_ids >= 10  # and its id is never handed out again
+    aborts = [c for c in _commands(again, "w0") if c["type"] == "abort"]
+    assert aborts and aborts[0]["generation"] == again.op.generation
+
+
+def test_a_move_in_flight_when_the_control_plane_died_is_taken_up_as_a_recovery(tmp_path):
+    orch, sched = _running(tmp_path, world=3)
+    orch.handle(m.MigrateRequest(rank=2))
+    assert orch.op is not None and orch.op.kind.value == "planned"
+    orch.store.close()
+    again = _reloaded(tmp_path, RecordingScheduler(sched.n), orch.config)
+    op = again.op
+    assert op is not None and op.kind.value == "unplanned" and op.moves == {}  # every rank re-forms in place
+    assert op.generation > orch.generation
+    assert [r.rank for r in again._retry_moves] == [2]  # the move itself runs again afterwards
+    for wid in ("w0", "w1", "w2"):
+        assert any(c["type"] == "abort" for c in _commands(again, wid))
