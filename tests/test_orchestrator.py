@@ -7,7 +7,6 @@ real local scheduler with real processes.
 from __future__ import annotations
 
 import json
-
 import time
 
 import pytest
