@@ -68,7 +68,7 @@ class Progress:
 def sentence(result: dict) -> str:
     parts = [f"{o['down_s']:.0f} s: {o['rate_ratio']:.0%} of the step rate before, longest pause "
              f"{o['longest_pause_s']:.2f} s" for o in result["outages"]]
-    return (f"`baton serve` killed with SIGKILL mid-job and started again after an outage of "
+    return ("`baton serve` killed with SIGKILL mid-job and started again after an outage of "
             + "; ".join(parts)
             + f" (steps are ~{result['step_s'] * 1000:.0f} ms here). The restarted server answered again "
             f"{min(o['restart_s'] for o in result['outages']):.1f}–{max(o['restart_s'] for o in result['outages']):.1f} s "

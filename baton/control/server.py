@@ -318,7 +318,7 @@ class ControlServer:
             return
         self._load()
         self.leading.set()
-        print(f"[baton serve] leading", file=sys.stderr, flush=True)
+        print("[baton serve] leading", file=sys.stderr, flush=True)
         if ready is not None:
             ready()
         while not self.stopping.wait(TICK_S):
