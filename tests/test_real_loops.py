@@ -54,7 +54,7 @@ def test_planned_move_mid_epoch(tmp_path, reference):
         job.kill()
 
 
-@pytest.mark.parametrize("rank", [0, 2])
+@pytest.mark.parametrize("rank", [0])  # a non-zero rank inside a step: test_chaos, test_migration
 def test_kill_9_inside_a_step(tmp_path, reference, rank):
     job = _job(tmp_path, f"kill{rank}")
     try:
@@ -66,7 +66,7 @@ def test_kill_9_inside_a_step(tmp_path, reference, rank):
         job.kill()
 
 
-@pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.parametrize("rank", [0])  # rank 1 in an evaluation: test_gpt_loop
 def test_kill_9_during_validation(tmp_path, reference, rank):
     """Validation (a boundary function with an all_reduce) runs ~1 s after each epoch's last step."""
     job = _job(tmp_path, f"val{rank}")
