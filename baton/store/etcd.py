@@ -17,6 +17,8 @@ from typing import Any, Callable
 
 import httpx
 
+from baton.store.failures import WriteFailures
+
 log = logging.getLogger("baton.store")
 _TXN_OPS = 100  # etcd refuses transactions of more than 128 operations by default
 
@@ -75,7 +77,7 @@ class EtcdClient:
         self._http.close()
 
 
-class EtcdStore:
+class EtcdStore(WriteFailures):
     """SqliteStore's interface over etcd keys under `prefix`."""
 
     def __init__(self, client: EtcdClient, prefix: str, on_error: Callable[[str], None] | None = None):
@@ -98,15 +100,13 @@ class EtcdStore:
         with self._lock:
             self._pending.update({self._key(k, key): json.dumps(b) for k, key, b in rows})
             new_error = self._flush()
-        if new_error is not None and self.on_error is not None:
-            self.on_error(new_error)
+        self._report(new_error)
 
     def put_event(self, event_id: int, body: dict[str, Any]) -> None:
         with self._lock:
             self._pending[f"{self.prefix}events/{event_id:012d}"] = json.dumps(body)
             new_error = self._flush()
-        if new_error is not None and self.on_error is not None:
-            self.on_error(new_error)
+        self._report(new_error)
 
     def _flush(self) -> str | None:
         if not self._pending:
@@ -114,16 +114,9 @@ class EtcdStore:
         try:
             self.client.put_all(list(self._pending.items()))
         except EtcdError as exc:
-            text = str(exc)
-            if text != self.error:
-                self.error = text
-                log.warning("state store %s: write failed (%s); continuing from memory", self.path, text)
-                return text
-            return None
+            return self._write_failed(str(exc))
         self._pending.clear()
-        if self.error is not None:
-            log.warning("state store %s: writes work again", self.path)
-            self.error = None
+        self._write_worked()
         return None
 
     def delete(self, kind: str, key: str) -> None:

@@ -17,6 +17,8 @@ import threading
 from pathlib import Path
 from typing import Any, Callable
 
+from baton.store.failures import WriteFailures
+
 log = logging.getLogger("baton.store")
 
 _SCHEMA = """
@@ -33,7 +35,7 @@ CREATE TABLE IF NOT EXISTS events (
 """
 
 
-class SqliteStore:
+class SqliteStore(WriteFailures):
     """Thread-safe key/JSON store over one SQLite file (WAL, synchronous=NORMAL)."""
 
     def __init__(self, path: str | Path, on_error: Callable[[str], None] | None = None):
@@ -57,11 +59,6 @@ class SqliteStore:
             new_error = self._flush()
         self._report(new_error)
 
-    def _report(self, new_error: str | None) -> None:
-        """Outside the lock: whoever hears of the error may write again at once."""
-        if new_error is not None and self.on_error is not None:
-            self.on_error(new_error)
-
     def _flush(self) -> str | None:
         """Write whatever has not landed yet, in one transaction; keep it on failure.
         Returns the error text when it is a new kind of failure."""
@@ -79,17 +76,10 @@ class SqliteStore:
                 self._db.execute("ROLLBACK")
             except sqlite3.Error:
                 pass
-            text = f"{type(exc).__name__}: {exc}"
-            if text != self.error:
-                self.error = text
-                log.warning("state store %s: write failed (%s); continuing from memory", self.path, text)
-                return text
-            return None
+            return self._write_failed(f"{type(exc).__name__}: {exc}")
         self._pending_rows.clear()
         self._pending_events.clear()
-        if self.error is not None:
-            log.warning("state store %s: writes work again", self.path)
-            self.error = None
+        self._write_worked()
         return None
 
     def delete(self, kind: str, key: str) -> None:
