@@ -36,6 +36,12 @@ _REPORT_TYPES = {"heartbeat", "ready", "unit_done", "pause_ack", "paused", "reco
                  "finished", "user_error", "left"}
 
 
+def bearer_ok(scope: Scope, expected: bytes) -> bool:
+    """Whether the request carries `Authorization: Bearer <token>` for `expected` (b"bearer <token>")."""
+    given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+    return given[:7].lower() == b"bearer " and hmac.compare_digest(b"bearer " + given[7:], expected)
+
+
 class _BearerAuth:
     """Pure ASGI: the token is checked before routing or reading any body (a refused request
     costs the server nothing but this comparison)."""
@@ -48,19 +54,14 @@ class _BearerAuth:
         self.expected = f"bearer {token}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-            if not (given[:7].lower() == b"bearer " and hmac.compare_digest(b"bearer " + given[7:], self.expected)):
-                await self._REFUSED(scope, receive, send)
-                return
+        if scope["type"] == "http" and not bearer_ok(scope, self.expected):
+            await self._REFUSED(scope, receive, send)
+            return
         await self.app(scope, receive, send)
 
 
-def create_app(orch: Orchestrator, token: str, beat_addr: tuple[str, int] | None = None,
-               link: AgentLink | None = None) -> FastAPI:
-    app = FastAPI(title="baton", version="1", docs_url=None, redoc_url=None)
-
-    app.add_middleware(_BearerAuth, token=token)
+def json_errors(app: FastAPI) -> None:
+    """Every refusal as `{"error": "..."}` with its 4xx status, never FastAPI's own shapes."""
 
     @app.exception_handler(RequestError)
     async def _request_error(_: Request, exc: RequestError) -> JSONResponse:
@@ -77,6 +78,14 @@ def create_app(orch: Orchestrator, token: str, beat_addr: tuple[str, int] | None
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return JSONResponse({"error": str(exc.detail)}, status_code=exc.status_code)
+
+
+def create_app(orch: Orchestrator, token: str, beat_addr: tuple[str, int] | None = None,
+               link: AgentLink | None = None) -> FastAPI:
+    app = FastAPI(title="baton", version="1", docs_url=None, redoc_url=None)
+
+    app.add_middleware(_BearerAuth, token=token)
+    json_errors(app)
 
     @app.get("/v1/status")
     def status() -> dict[str, Any]:

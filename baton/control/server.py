@@ -12,7 +12,6 @@ standby answers 503, which clients take as "try again, or the next URL".
 from __future__ import annotations
 
 import fcntl
-import hmac
 import logging
 import os
 import secrets
@@ -25,14 +24,13 @@ from pathlib import Path
 from typing import Any, Callable, Protocol
 
 import uvicorn
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from starlette.types import Receive, Scope, Send
 
 from baton.control import messages as m
 from baton.control.agent_link import AgentLink
-from baton.control.api import create_app
+from baton.control.api import bearer_ok, create_app, json_errors
 from baton.control.errors import RequestError
 from baton.control.orchestrator import TICK_S, Config, Orchestrator
 from baton.control.state import RankState, WorkerRole
@@ -212,8 +210,7 @@ class ControlServer:
             await job.app({**scope, "path": "/" + parts[4], "root_path": scope.get("root_path", "") + prefix},
                           receive, send)
             return
-        given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-        if not (given[:7].lower() == b"bearer " and hmac.compare_digest(b"bearer " + given[7:], self.admin)):
+        if not bearer_ok(scope, self.admin):
             await JSONResponse({"error": "missing or wrong token (the server's admin token: send "
                                          "'Authorization: Bearer <token>')"}, status_code=401)(scope, receive, send)
             return
@@ -221,16 +218,7 @@ class ControlServer:
 
     def _admin_app(self) -> FastAPI:
         app = FastAPI(title="baton serve", version="1", docs_url=None, redoc_url=None)
-
-        @app.exception_handler(RequestError)
-        async def _request_error(_: Request, exc: RequestError) -> JSONResponse:
-            return JSONResponse({"error": str(exc)}, status_code=exc.status)
-
-        @app.exception_handler(RequestValidationError)
-        async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-            parts = [f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
-                     for e in exc.errors()[:5]]
-            return JSONResponse({"error": "invalid request: " + "; ".join(parts)}, status_code=422)
+        json_errors(app)
 
         @app.get("/v1/jobs")
         def jobs() -> dict[str, Any]:
