@@ -14,6 +14,7 @@ import logging
 import os
 import queue
 import signal
+import socket
 import sys
 import threading
 import time
@@ -56,6 +57,7 @@ def run_attached(opts: RunOptions, server: ServerOptions) -> int:
         features = ["nodes", "borrow"] if placement.allocation is not None else []
         spec = m.AttachJob(job_id=opts.job_id, world_size=placement.world_size, spares=placement.spares,
                            slots=placement.slots, priority=server.priority, features=features,
+                           host=socket.gethostname(),
                            op_timeout_s=opts.op_timeout_s, heartbeat_timeout_s=opts.heartbeat_timeout_s,
                            formation_timeout_s=opts.formation_timeout_s, spare_wait_s=opts.spare_wait_s,
                            verify_every=opts.verify_every,

@@ -67,7 +67,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--server-token-file", type=Path, default=None,
                    help="the server's admin token (default: $BATON_SERVER_TOKEN, else .baton-serve/token)")
     p.add_argument("--priority", type=int, default=0,
-                   help="with --server: a higher-priority job gets a contested spare first (default 0)")
+                   help="with --server: a job with no spare ready borrows an idle one of a lower-priority "
+                        "job on its host; the highest priority is served first (default 0)")
     p.add_argument("--control-grace", type=float, default=600.0, metavar="S",
                    help="with --server: how long the job keeps training and retrying while the server is "
                         "unreachable (restart, failover), default 600")
@@ -279,6 +280,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"  spares: {spares}")
         taints = ", ".join(f"{t['slot']} ({t['reason']})" for t in job["taints"]) or "none"
         print(f"  taints: {taints}")
+        lent = ", ".join(f"{s['slot']} to job {s['lent_to']}" for s in job.get("slots", []) if s.get("lent_to"))
+        if lent:
+            print(f"  lent: {lent}")
         if len(job.get("nodes", [])) > 1 or any(n["state"] != "healthy" for n in job.get("nodes", [])):
             for n in job["nodes"]:
                 print(f"  node {n['node']:<8} {n['state']:<8} ranks {n['ranks'] or '-'}  spares {n['spares']}"

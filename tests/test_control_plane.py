@@ -304,7 +304,7 @@ def test_killing_baton_run_leaves_no_worker_behind(tmp_path, sig):
 
 
 def test_run_directory_is_locked_and_never_wiped(tmp_path):
-    first = gpt_job(tmp_path, "locked", spares=1, extra=["--step-sleep", "0.15"])
+    first = gpt_job(tmp_path, "locked", spares=1, extra=["--step-sleep", "0.15", "--max-iters", "24"])
     try:
         first.wait_step(2)
         second = subprocess.run([sys.executable, "-m", "baton.cli", "run", "--nproc", "1", "--run-dir",

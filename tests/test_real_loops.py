@@ -16,7 +16,7 @@ from tests.jobs import Job, assert_ranks_equal, check_resolved_exact, state_diff
 EPOCHS = Path(__file__).resolve().parent.parent / "baton" / "examples" / "epochs.py"
 NPROC = 3
 STEPS_PER_EPOCH = 16  # 384 samples / 3 ranks / batch 8
-ARGS = ["--epochs", "4", "--step-sleep", "0.04", "--val-sleep", "0.4"]
+ARGS = ["--epochs", "3", "--step-sleep", "0.04", "--val-sleep", "0.4"]
 
 
 INJECT = str(Path(__file__).resolve().parent / "inject")  # see its sitecustomize.py

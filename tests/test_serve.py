@@ -12,9 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -24,74 +22,9 @@ import pytest
 from baton.rundir import RunDir
 from tests.gpt_job import check_equal, gpt_job, in_eval
 from tests.jobs import Job, assert_ranks_equal
+from tests.served import Server, free_port, run_args
 
 pytestmark = pytest.mark.timeout(400)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """One `baton serve` process, killable and restartable on the same port and store."""
-
-    def __init__(self, tmp: Path, store: str, token_file: Path, name: str = "serve", port: int | None = None):
-        self.tmp, self.store, self.token_file, self.name = tmp, store, token_file, name
-        self.port = port or _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = tmp / f"{name}.log"
-        self.proc: subprocess.Popen | None = None
-        self.start()
-
-    def start(self) -> None:
-        log = open(self.log_path, "a")
-        self.proc = subprocess.Popen([sys.executable, "-m", "baton.cli", "serve", "--listen",
-                                      f"127.0.0.1:{self.port}", "--store", self.store,
-                                      "--token-file", str(self.token_file)],
-                                     cwd=self.tmp, stdout=log, stderr=log, start_new_session=True)
-        deadline = time.time() + 60
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"baton serve exited:\n{self.log()}")
-            try:
-                httpx.get(self.url + "/v1/jobs", timeout=1)
-                return
-            except httpx.TransportError:
-                time.sleep(0.1)
-        raise AssertionError(f"baton serve did not come up:\n{self.log()}")
-
-    @property
-    def token(self) -> str:
-        return self.token_file.read_text().strip()
-
-    def jobs(self) -> httpx.Response:
-        return httpx.get(self.url + "/v1/jobs", headers={"Authorization": f"Bearer {self.token}"}, timeout=10)
-
-    def wait_leading(self, timeout: float = 30) -> None:
-        deadline = time.time() + timeout
-        while self.jobs().status_code == 503:
-            if time.time() > deadline:
-                raise AssertionError(f"{self.name} never took the lead:\n{self.log()}")
-            time.sleep(0.2)
-
-    def kill9(self) -> None:
-        assert self.proc is not None
-        os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.kill9()
-
-    def log(self) -> str:
-        return self.log_path.read_text()[-6000:]
-
-
-def _run_args(servers: list[Server], job_id: str, *extra: str) -> list[str]:
-    return ["--server", ",".join(s.url for s in servers), "--server-token-file", str(servers[0].token_file),
-            "--job-id", job_id, "--heartbeat-timeout", "2", "--op-timeout", "3", *extra]
 
 
 def _two_jobs_one_server(server: Server, job: Job, other: Job) -> None:
@@ -130,8 +63,8 @@ def test_server_killed_mid_job_and_a_rank_killed_while_it_is_down(tmp_path, trai
     try:
         progress = tmp_path / "progress"
         other = Job(tmp_path, nproc=1, spares=0, steps=200, name="other",
-                    run_args=_run_args([server], "other", "--priority", "5"), script_args=["--step-sleep", "0.05"])
-        job = Job(tmp_path, nproc=3, spares=1, steps=60, name="attached", run_args=_run_args([server], "crash"),
+                    run_args=run_args([server], "other", "--priority", "5"), script_args=["--step-sleep", "0.05"])
+        job = Job(tmp_path, nproc=3, spares=1, steps=60, name="attached", run_args=run_args([server], "crash"),
                   script_args=["--step-sleep", "0.05", "--progress-file", str(progress)])
         jobs += [other, job]
         job.wait_step(10)
@@ -162,8 +95,8 @@ class Etcd:
     """A real etcd (Debian's etcd-server) on free loopback ports, in a temporary directory."""
 
     def __init__(self, tmp: Path):
-        self.port = _free_port()
-        peer = _free_port()
+        self.port = free_port()
+        peer = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(tmp / "etcd.log", "w")
         self.proc = subprocess.Popen(
@@ -207,7 +140,7 @@ def test_two_servers_on_one_etcd_one_leads_and_the_standby_takes_over(tmp_path, 
     try:
         standby = b.jobs()
         assert standby.status_code == 503 and "standby" in standby.json()["error"], standby.text
-        job = gpt_job(tmp_path, "attached", run_args=_run_args([a, b], "gpt"))
+        job = gpt_job(tmp_path, "attached", run_args=run_args([a, b], "gpt"))
         in_eval(job)
         victim = job.rank_pid(2)
         a.kill9()
@@ -225,3 +158,62 @@ def test_two_servers_on_one_etcd_one_leads_and_the_standby_takes_over(tmp_path, 
         a.stop()
         b.stop()
         etcd.stop()
+
+
+def _rank_slot(job: Job, rank: int) -> str:
+    return next(r["slot"] for r in job.status()["ranks"] if r["rank"] == rank)
+
+
+def test_a_contested_spare_goes_to_the_higher_priority_job(tmp_path, train_reference):
+    """Three jobs on one server. `low` (priority 1) keeps the only spare; `mid` (5) and `high`
+    (9) keep none. Both lose rank 1 (`mid` first) while `low`'s spare is restarting: once it
+    is ready it is lent to `high`, not to `mid` that asked first. `high` takes its rank home
+    (--return-home), the slot goes back to `low`, whose new spare is then lent to `mid`, which
+    goes home too. Both end bit-for-bit equal to the failure-free run, 0 steps lost; `low`
+    never moved a rank."""
+    steps, args = 250, ["--step-sleep", "0.05"]
+    reference = train_reference(2, steps, args)
+    server = Server(tmp_path, f"sqlite:{tmp_path / 'state'}", tmp_path / "token")
+    jobs: list[Job] = []
+    try:
+        low = Job(tmp_path, nproc=2, spares=1, steps=3000, name="low", script_args=args,
+                  run_args=run_args([server], "low", "--priority", "1"))
+        jobs.append(low)
+        low.wait_step(5)
+        mid, high = (Job(tmp_path, nproc=2, spares=0, steps=steps, name=n, script_args=args,
+                         run_args=run_args([server], n, "--priority", p, "--return-home"))
+                     for n, p in (("mid", "5"), ("high", "9")))
+        jobs += [mid, high]
+        for j in (mid, high):
+            j.wait_step(10)
+        spare = low.status()["spares"][0]
+        assert spare["state"] == "spare", spare
+        os.kill(spare["pid"], signal.SIGKILL)  # `low` starts another: ready in a few seconds
+        mid.signal_rank(1, signal.SIGKILL)
+        time.sleep(0.3)
+        high.signal_rank(1, signal.SIGKILL)
+        lent = f"low:{spare['slot']}"
+        high.wait_until(lambda st: st["state"] == "running" and _rank_slot(high, 1) == lent, timeout=60,
+                        what="high's rank 1 on low's spare")
+        st = mid.status()
+        assert st["state"] == "waiting-for-spare", st  # asked first, lower priority: still waiting
+        assert any(s.get("lent_to") == "high" for s in low.status()["slots"]), low.status()
+        mid.wait_until(lambda st: st["state"] == "running" and _rank_slot(mid, 1) == lent, timeout=90,
+                       what="mid's rank 1 on low's spare, once high gave it back")
+        for j in (high, mid):
+            assert j.wait(timeout=120) == 0, j.log() + server.log()
+            assert_ranks_equal(j, reference)
+            events = j.events()
+            assert [(e["kind"], e["rank"], e["status"], e["steps_lost"]) for e in events] == \
+                [("unplanned", 1, "resolved", 0), ("planned", 1, "resolved", 0)], events
+            assert "return home" in events[1]["cause"], events
+        assert high.events()[0]["resumed_at"] < mid.events()[0]["resumed_at"]
+        low.wait_until(lambda st: not any(s.get("lent_to") for s in st["slots"])
+                       and any(s["state"] == "spare" for s in st["spares"]), timeout=60,
+                       what="low's slot back and a spare on it")
+        listed = {j["job_id"]: j for j in server.jobs().json()["jobs"]}
+        assert listed["low"]["events"] == 0 and listed["low"]["state"] == "running", listed  # no rank of low moved
+    finally:
+        for j in jobs:
+            j.kill()
+        server.stop()

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import pytest
 
 from tests.jobs import Job, state_diff
+from tests.served import Server
 from tests.slurm_cluster import SlurmCluster, skip_reason
 
 pytestmark = pytest.mark.skipif(skip_reason() is not None, reason=skip_reason() or "")
@@ -120,3 +122,55 @@ def test_taint_of_a_node_moves_its_ranks_in_one_move_and_they_return_after_untai
         job.kill()
         if node is not None:
             slurm.run("scontrol", "update", f"nodename={node}", "state=resume", check=False)
+
+
+def _steps_in_slurm(slurm: SlurmCluster, but_on: str) -> set[str]:
+    """The workers Slurm runs as job steps (`squeue -s`) by baton's step names, leaving out
+    those on `but_on` (a dead node's steps stay listed until Slurm declares it down)."""
+    out = slurm.run("squeue", "-h", "-s", "-o", "%j %N").stdout.splitlines()
+    return {name.removeprefix("baton-") for name, node in (line.split() for line in out if line.strip())
+            if name.startswith("baton-w") and node != but_on}
+
+
+def _live_workers(st: dict) -> set[str]:
+    return {r["worker"] for r in st["ranks"]} | {s["worker"] for s in st["spares"]}
+
+
+def test_server_killed_and_a_node_lost_while_it_is_down(tmp_path, slurm, reference):
+    """`baton serve` (on the bridge's address) kill -9ed mid-job, a node with two ranks lost
+    while it is down. Restarted, it reloads the job, reconciles with the agent and Slurm,
+    finds both ranks silent, probes the node through Slurm, drains it and recovers both onto
+    the spare node in one move: bitwise, 0 steps lost. Slurm then runs exactly the job steps
+    baton counts live."""
+    server = Server(tmp_path, f"sqlite:{tmp_path / 'state'}", tmp_path / "token", host=slurm.network.host_addr)
+    job = _job(tmp_path, slurm, extra=["--server", server.url, "--server-token-file", str(server.token_file),
+                                       "--job-id", "slurm-crash"])
+    lost = None
+    try:
+        st = job.wait_step(5)
+        lost, spare_node = _node_of_rank(st, 2), st["spares"][0]["slot"].split("/")[0]
+        server.kill9()
+        slurm.lose_node(lost)
+        time.sleep(2.0)
+        server.start()
+        st = job.wait_until(lambda s: not s["operation"] and s["generation"] >= 1 and
+                            {_node_of_rank(s, 2), _node_of_rank(s, 3)} == {spare_node}, timeout=120,
+                            what="ranks 2 and 3 recovered onto the spare node")
+        deadline = time.time() + 30
+        while (steps := _steps_in_slurm(slurm, lost)) != (live := _live_workers(job.status())):
+            assert time.time() < deadline, f"Slurm runs {sorted(steps)}, baton counts {sorted(live)} live"
+            time.sleep(0.5)
+        assert job.wait(timeout=180) == 0, job.log() + server.log()
+        assert not state_diff(job.params(), reference), job.log()
+        events = job.events()
+        assert sorted((e["kind"], e["status"], e["rank"], e["steps_lost"]) for e in events) == \
+            [("unplanned", "resolved", 2, 0), ("unplanned", "resolved", 3, 0)], events
+        assert len({e["step"] for e in events}) == 1, events
+        state, reason = slurm.node_reasons()[lost]
+        assert "drain" in state and reason.startswith("baton: node lost"), (state, reason)
+        assert "restored life=1" in server.log()
+    finally:
+        job.kill()
+        server.stop()
+        if lost is not None:
+            slurm.revive_node(lost)

@@ -81,7 +81,21 @@ class Homing:
             starting = any(w.role == WorkerRole.STARTING and w.slot in slots for w in self.workers.values())
             if len(ready) < len(waiting) and starting:
                 continue  # the rest of its spares are on their way: move the node's ranks together
+            if len(ready) < len(waiting) and self._start_home_spares(waiting, len(ready), slots):
+                continue
             ranks += waiting[: len(ready)]
             joiners += ready
         if ranks:
             self._start_planned(ranks, EventKind.PLANNED, "return home: its node is healthy again", joiners=joiners)
+
+    def _start_home_spares(self, waiting: list[int], ready: int, slots: list[str]) -> bool:
+        """Ranks on a borrowed node go home even where the job keeps no spare there (their
+        lender wants the node back): start spares on their free home slots, their own first."""
+        on_loan = [r for r in waiting if self._node(self.workers[self.ranks[r].worker or ""].slot).lender]
+        need = len(on_loan) - ready
+        free = sorted(self._free_slots(slots), key=lambda s: s.name not in {self.home[r] for r in on_loan})
+        for slot in free[:max(0, need)]:
+            w = self._launch(slot.name)
+            self._emit("spare-starting", {"worker": w.id, "slot": slot.name,
+                                          "message": "to take a rank home from a borrowed node"})
+        return need > 0 and bool(free)

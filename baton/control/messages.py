@@ -339,6 +339,24 @@ class NodeBorrowed(_Msg):
     node: str | None
     lender: str = ""
     detail: str = ""
+    slots: list[str] = Field(default_factory=list)  # its slots, where the lender names them (else NODE/0..)
+
+
+class LendSpare(_Msg):
+    """From `baton serve`'s spare broker: stop an idle spare and lend its slot to a job of
+    higher priority. Answers {"slot", "worker"}, or {} when no spare is idle any more."""
+
+    type: Literal["lend_spare"] = "lend_spare"
+    borrower: str
+    borrower_priority: int
+
+
+class TakeBack(_Msg):
+    """From `baton serve`'s spare broker: a lent slot is free again (its borrower moved off)."""
+
+    type: Literal["take_back"] = "take_back"
+    slot: str
+    borrower: str
 
 
 class AgentSync(_Msg):
@@ -416,7 +434,8 @@ class AttachJob(_Msg):
     world_size: Annotated[int, Field(ge=1, le=100_000)]
     spares: Annotated[int, Field(ge=0, le=100_000)]
     slots: Annotated[list[Annotated[str, Field(min_length=1, max_length=200)]], Field(min_length=1, max_length=100_000)]
-    priority: int = 0  # higher wins a contested spare
+    priority: int = 0  # higher wins a contested spare, and may borrow a lower one's idle spare
+    host: str = ""  # where the agent runs: jobs on one host with the local scheduler lend each other spares
     features: list[Literal["nodes", "borrow"]] = Field(default_factory=list)  # what the agent's scheduler can do
     op_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 5.0
     heartbeat_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 3.0
@@ -432,4 +451,4 @@ class AttachJob(_Msg):
 
 
 Input = Union[MigrateRequest, TaintRequest, UntaintRequest, WorkerExited, Tick, Interrupted, StoreFailed,
-              NodeProbed, NodeBorrowed, AlertBatch, AgentSync]
+              NodeProbed, NodeBorrowed, AlertBatch, AgentSync, LendSpare, TakeBack]

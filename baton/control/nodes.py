@@ -148,7 +148,8 @@ class NodeHealth:
         if not self.can_borrow or self._borrowing or self.exit_code is not None:
             return
         self._borrowing = True
-        self._emit("borrowing", {"message": "no dedicated spare left: asking Slurm for a node from a "
+        source = getattr(self.scheduler, "borrows_from", "Slurm for a node")
+        self._emit("borrowing", {"message": f"no dedicated spare left: asking {source} from a "
                                             "lower-priority job"})
         self._lock.add(fx.BorrowNode())
 
@@ -159,8 +160,7 @@ class NodeHealth:
             return
         node = self.nodes.setdefault(ev.node, Node(ev.node))
         node.state, node.reason, node.lender, node.held_rank = "healthy", None, ev.lender, False
-        per_node = max(1, self.config.ranks_per_node)
-        slots = [f"{ev.node}/{i}" for i in range(per_node)]
+        slots = ev.slots or [f"{ev.node}/{i}" for i in range(max(1, self.config.ranks_per_node))]
         for name in slots:
             self.slots.setdefault(name, Slot(name=name))
             self.slots[name].taint = self.slots[name].tainted_at = None
@@ -169,6 +169,9 @@ class NodeHealth:
             self._release(node)
             return
         waiting = sum(1 for mv in self.op.moves.values() if mv.to_worker is None) if self.op is not None else 0
+        if ev.slots and not waiting:  # a slot lent by another job, no longer needed: straight back
+            self._release(node)
+            return
         for name in slots[: max(1, waiting)]:
             w = self._launch(name)
             self._emit("spare-starting", {"worker": w.id, "slot": name, "borrowed_from": ev.lender})

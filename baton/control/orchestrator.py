@@ -222,8 +222,8 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing):
                 node, lambda ok, detail: self.handle(m.NodeProbed(node=node, ok=ok, detail=detail[:500])))
         elif isinstance(effect, fx.BorrowNode):
             self.scheduler.borrow(  # type: ignore[union-attr]
-                lambda node, text: self.handle(m.NodeBorrowed(node=node, lender=text if node else "",
-                                                              detail="" if node else text[:500])))
+                lambda node, text, slots=(): self.handle(m.NodeBorrowed(
+                    node=node, lender=text if node else "", detail="" if node else text[:500], slots=list(slots))))
         elif isinstance(effect, fx.ReleaseNode):
             self.scheduler.release(effect.node)  # type: ignore[union-attr]
         elif isinstance(effect, (fx.DrainNode, fx.ResumeNode)):
@@ -829,7 +829,8 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing):
             ranks = []
             for r, info in sorted(self.ranks.items()):
                 w = self.workers.get(info.worker or "")
-                ranks.append({"rank": r, "pid": w.pid if w else None, "slot": w.slot if w else None,
+                ranks.append({"rank": r, "worker": w.id if w else None, "pid": w.pid if w else None,
+                              "slot": w.slot if w else None,
                               "step": info.step, "state": info.state.value,
                               "metrics": info.metrics, **({"gpu": w.gpu} if w and w.gpu else {})})
             spares = [{"worker": w.id, "slot": w.slot, "pid": w.pid, "state": w.role.value,
@@ -846,7 +847,8 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing):
                 "ranks": ranks,
                 "spares": spares,
                 "taints": taints,
-                "slots": [{"slot": s.name, "taint": s.taint} for s in self.slots.values()],
+                "slots": [{"slot": s.name, "taint": s.taint, **({"lent_to": s.lent_to} if s.lent_to else {})}
+                          for s in self.slots.values()],
                 "nodes": self._node_view(),
                 "yoco_ratio": self.yoco_ratio(),
                 "cpu": self.cpu_summary(),

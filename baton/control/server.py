@@ -32,6 +32,7 @@ from baton.control import messages as m
 from baton.control.agent_link import AgentLink
 from baton.control.api import bearer_ok, create_app, json_errors
 from baton.control.errors import RequestError
+from baton.control.lending import Party, SpareBroker
 from baton.control.orchestrator import TICK_S, Config, Orchestrator
 from baton.control.state import RankState, WorkerRole
 from baton.store.etcd import EtcdClient, EtcdError, EtcdLeader, EtcdStore
@@ -138,6 +139,8 @@ class HostedJob:
                     "step": min((i.step for i in o.ranks.values()), default=0),
                     "ranks_running": sum(i.state == RankState.RUNNING for i in o.ranks.values()),
                     "spares_ready": len(spares), "events": len(o.events), "lives": o.lives,
+                    "slots_lent": {s.name: s.lent_to for s in o.slots.values() if s.lent_to},
+                    "borrowed": {n.name: n.lender for n in o.nodes.values() if n.lender and n.state == "healthy"},
                     "agent_seen_s_ago": round(time.time() - self.link.last_seen, 1)}
 
 
@@ -147,7 +150,9 @@ def _config(spec: m.AttachJob) -> Config:
                   formation_timeout_s=spec.formation_timeout_s, spare_wait_s=spec.spare_wait_s,
                   verify_every=spec.verify_every, ranks_per_node=spec.ranks_per_node,
                   return_home=spec.return_home, straggler_factor=spec.straggler_factor,
-                  straggler_steps=spec.straggler_steps, borrow_spares=spec.borrow_spares,
+                  straggler_steps=spec.straggler_steps,
+                  # a local job borrows idle spares of lower-priority jobs on its host (lending.py)
+                  borrow_spares=spec.borrow_spares or "nodes" not in spec.features,
                   control_grace_s=spec.control_grace_s)
 
 
@@ -180,6 +185,7 @@ class ControlServer:
         self.leader = backend.leader(self.url)
         self.leader.on_lost = self._lost_leadership
         self.registry: SqliteStore | EtcdStore | None = None
+        self.broker = SpareBroker(self._parties)
         self.admin_app = self._admin_app()
         config = uvicorn.Config(self, log_level="warning", access_log=False, http="httptools",
                                 timeout_keep_alive=75, timeout_graceful_shutdown=2, lifespan="off")
@@ -237,7 +243,7 @@ class ControlServer:
         store = self.backend.job_store(spec.job_id)
         orch = Orchestrator(_config(spec), store)  # type: ignore[arg-type]
         store.on_error = lambda text: orch.handle(m.StoreFailed(message=text))
-        link = AgentLink(spec.slots, spec.features)
+        link = AgentLink(spec.slots, spec.features, spec.job_id, self.broker)
         orch.scheduler = link
         orch.listeners.append(_printer(spec.job_id))
         if restoring:
@@ -305,6 +311,7 @@ class ControlServer:
         if self.stopping.is_set():
             return
         self._load()
+        self.broker.reconcile()
         self.leading.set()
         print("[baton serve] leading", file=sys.stderr, flush=True)
         if ready is not None:
@@ -318,6 +325,14 @@ class ControlServer:
                 elif not job.end_sent:
                     job.link.end(orch.exit_code, orch.failure)
                     job.end_sent = True
+            try:
+                self.broker.step()
+            except Exception:  # noqa: BLE001 - lending is a bonus; the jobs' ticks must go on
+                log.exception("spare broker")
+
+    def _parties(self) -> dict[str, Party]:
+        return {j.spec.job_id: Party(j.spec.job_id, j.spec.priority, j.spec.host, "nodes" not in j.spec.features,
+                                     j.orch) for j in list(self.jobs.values())}
 
     def stop(self) -> None:
         self.stopping.set()

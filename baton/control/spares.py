@@ -8,7 +8,7 @@ import time
 
 from baton.control import messages as m
 from baton.control.operation import Operation
-from baton.control.state import Worker, WorkerRole
+from baton.control.state import Slot, Worker, WorkerRole
 
 log = logging.getLogger("baton.orchestrator")
 
@@ -44,12 +44,67 @@ class SparePool:
         missing = self.config.spares - len(spares)
         if missing <= 0:
             return
-        used = {w.slot for w in live}
-        free = [s for s in self.slots.values() if s.healthy and s.name not in used and self._node(s.name).usable
-                and self._node(s.name).lender is None]  # a borrowed node holds only what it was borrowed for
-        for slot in free[:missing]:
+        for slot in self._free_slots()[:missing]:
             w = self._launch(slot.name)
             self._emit("spare-starting", {"worker": w.id, "slot": slot.name})
+
+    def _free_slots(self, among: list[str] | None = None) -> list[Slot]:
+        """Healthy slots of our own with no live worker (a borrowed node holds only what it
+        was borrowed for; a lent slot is another job's until it comes back)."""
+        used = {w.slot for w in self.workers.values() if w.role != WorkerRole.GONE}
+        return [s for s in self.slots.values() if (among is None or s.name in among) and s.healthy
+                and s.lent_to is None and s.name not in used and self._node(s.name).usable
+                and self._node(s.name).lender is None]
+
+    # ---------------------------------------------------------------- lending (baton serve)
+    @property
+    def wants_spare(self) -> bool:
+        """A recovery is paused for want of a spare."""
+        op = self.op
+        return self.exit_code is None and op is not None and op.phase == "spares" and \
+            any(mv.to_worker is None for mv in op.moves.values())
+
+    def _lendable(self) -> list[Worker]:
+        if self.exit_code is not None or self._training_done or self.op is not None or self._targeted:
+            return []
+        return [w for w in self._ready_spares() if w.intended_rank is None and self._node(w.slot).usable
+                and self._node(w.slot).lender is None]
+
+    def lendable_spares(self) -> int:
+        with self._lock:
+            return len(self._lendable())
+
+    def lent_slots(self) -> list[Slot]:
+        with self._lock:
+            return [s for s in self.slots.values() if s.lent_to is not None]
+
+    def slot_idle(self, slot: str) -> bool:
+        """No process of ours runs on `slot` any more (every worker there has exited)."""
+        with self._lock:
+            return all(w.role == WorkerRole.GONE and w.exit_code is not None
+                       for w in self.workers.values() if w.slot == slot)
+
+    def _on_lend_spare(self, ev: m.LendSpare) -> dict[str, str]:
+        spares = self._lendable()
+        if not spares:
+            return {}
+        w = spares[-1]  # the least fresh: the others stay as they were
+        self.slots[w.slot].lent_to = ev.borrower
+        w.role = WorkerRole.GONE
+        reason = f"lent to job {ev.borrower} (priority {ev.borrower_priority})"
+        self._post(w.id, m.Stop(reason=reason))
+        self._kill(w.id)
+        self._emit("lent", {"slot": w.slot, "worker": w.id, "to": ev.borrower,
+                            "message": f"spare {w.id} on {w.slot} stopped: its slot is {reason}"})
+        return {"slot": w.slot, "worker": w.id}
+
+    def _on_take_back(self, ev: m.TakeBack) -> None:
+        slot = self.slots.get(ev.slot)
+        if slot is None or slot.lent_to is None:
+            return
+        slot.lent_to = None
+        self._emit("returned", {"slot": ev.slot, "from": ev.borrower})
+        self._replenish()
 
     def _ready_spares(self) -> list[Worker]:
         """Spares on healthy slots that were heard from lately (a stopped one is not ready)."""

@@ -44,6 +44,7 @@ class Slot:
     name: str
     taint: str | None = None  # reason, or None when healthy
     tainted_at: float | None = None
+    lent_to: str | None = None  # the job of `baton serve` that borrowed it (its spare was stopped)
 
     @property
     def healthy(self) -> bool:
