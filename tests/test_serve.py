@@ -165,8 +165,8 @@ def _rank_slot(job: Job, rank: int) -> str:
 
 
 def test_a_contested_spare_goes_to_the_higher_priority_job(tmp_path, train_reference):
-    """Three jobs on one server. `low` (priority 1) keeps the only spare; `mid` (5) and `high`
-    (9) keep none. Both lose rank 1 (`mid` first) while `low`'s spare is restarting: once it
+    """Three jobs on one server. `low` (priority 1) keeps the only spare, with no free slot for
+    another; `mid` (5) and `high` (9) keep none. Both lose rank 1 (`mid` first) while `low`'s spare is restarting: once it
     is ready it is lent to `high`, not to `mid` that asked first. `high` takes its rank home
     (--return-home), the slot goes back to `low`, whose new spare is then lent to `mid`, which
     goes home too. Both end bit-for-bit equal to the failure-free run, 0 steps lost; `low`
@@ -177,7 +177,7 @@ def test_a_contested_spare_goes_to_the_higher_priority_job(tmp_path, train_refer
     jobs: list[Job] = []
     try:
         low = Job(tmp_path, nproc=2, spares=1, steps=3000, name="low", script_args=args,
-                  run_args=run_args([server], "low", "--priority", "1"))
+                  run_args=run_args([server], "low", "--priority", "1", "--slots", "3"))  # no slot to spare
         jobs.append(low)
         low.wait_step(5)
         mid, high = (Job(tmp_path, nproc=2, spares=0, steps=steps, name=n, script_args=args,
