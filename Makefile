@@ -25,8 +25,11 @@ setup: $(BIN)/baton system-packages
 demo: setup
 	$(BIN)/baton demo
 
+# Two tests at a time: most of a multi-process test is sleeping ranks and waits, so two
+# share 2 cores well (Slurm tests stay on one worker: one test cluster at a time).
+TEST_WORKERS ?= 2
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 bench: setup
 	$(BIN)/python bench/run.py $(ARGS)

@@ -14,7 +14,9 @@ import pytest
 from tests.jobs import Job, state_diff
 from tests.slurm_cluster import SlurmCluster, skip_reason
 
-pytestmark = pytest.mark.skipif(skip_reason() is not None, reason=skip_reason() or "")
+# One Slurm cluster at a time on this host: every Slurm test runs on the same xdist worker.
+pytestmark = [pytest.mark.skipif(skip_reason() is not None, reason=skip_reason() or ""),
+              pytest.mark.xdist_group("slurm")]
 
 STEPS = 30  # as test_slurm.py: one shared failure-free run
 ARGS = ["--step-sleep", "0.15"]
