@@ -30,9 +30,10 @@ def slurm(tmp_path_factory):
 
 def _low_priority_job(slurm: SlurmCluster, node: str, log) -> str:
     """A requeueable job in the low tier holding `node` whole: its first run would take 10
-    minutes, a rerun after a requeue a second."""
+    minutes, a rerun after a requeue a second. Preemption may signal the sleep before the
+    shell, so a run whose sleep was killed exits without writing "done"."""
     script = (f"trap 'exit 1' TERM; n=${{SLURM_RESTART_COUNT:-0}}; echo start $n >> {log}; "
-              f"if [ $n = 0 ]; then sleep 600 & wait; else sleep 1; fi; echo done $n >> {log}")
+              f"if [ $n = 0 ]; then sleep 600 & wait $! || exit 1; else sleep 1; fi; echo done $n >> {log}")
     out = slurm.run("sbatch", "--parsable", "-p", "low", "--exclusive", "-N1", "-w", node, "--requeue",
                     "-J", f"lowprio-{node}", "-o", "/dev/null", "--wrap", script)
     return out.stdout.strip()
