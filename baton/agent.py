@@ -1,7 +1,7 @@
 """`baton run --server URL`: a job attached to a `baton serve` control plane.
 
 The job's own process (this one, in the Slurm allocation or on the machine) keeps what must
-live next to the workers: the rendezvous store and the scheduler that starts and kills
+live next to the workers: the rendezvous store (a child it restarts if it dies) and the scheduler that starts and kills
 them. The server decides. So the server can die and come back (or fail over to a standby)
 without the job noticing more than late answers: this agent and every worker keep
 retrying for `--control-grace` seconds, and when the server is back the agent tells it
@@ -27,7 +27,7 @@ from baton.control import messages as m
 from baton.control.reach import OrchestratorGone, Reach
 from baton.launcher import RunOptions, _placement, make_scheduler, validate, worker_env
 from baton.rundir import RunDir, RunDirError
-from baton.store.rendezvous import rendezvous_store
+from baton.store.rendezvous_process import RendezvousProcess, StoreStartError
 from baton.store.sqlite import SqliteStore
 
 log = logging.getLogger("baton.agent")
@@ -50,9 +50,12 @@ def run_attached(opts: RunOptions, server: ServerOptions) -> int:
         run_dir.create()
     except RunDirError as exc:
         raise SystemExit(f"baton run: {exc}") from None
+    store: RendezvousProcess | None = None
     try:
-        store = rendezvous_store(placement.advertise_addr, 0, master=True,
-                                 formation_timeout_s=opts.formation_timeout_s)
+        try:
+            store = RendezvousProcess(placement.advertise_addr).start()
+        except StoreStartError as exc:
+            raise SystemExit(f"baton run: {exc}") from None
         reach = Reach(server.urls, server.admin_token, grace_s=min(server.grace_s, 60.0))
         features = ["nodes", "borrow"] if placement.allocation is not None else []
         spec = m.AttachJob(job_id=opts.job_id, world_size=placement.world_size, spares=placement.spares,
@@ -87,6 +90,8 @@ def run_attached(opts: RunOptions, server: ServerOptions) -> int:
         agent.keep_ledger(run_dir)
         return code
     finally:
+        if store is not None:
+            store.stop()
         run_dir.endpoint_file.unlink(missing_ok=True)
         run_dir.release()
 

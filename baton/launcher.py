@@ -1,7 +1,7 @@
 """`baton run`: the embedded control plane of one job.
 
-One process hosts the rendezvous store (never a rank, so rank 0 can migrate),
-the orchestrator with its SQLite state and HTTP API, and a scheduler that starts
+One process hosts the rendezvous store (in a child it restarts if it dies; never
+a rank, so rank 0 can migrate), the orchestrator with its SQLite state and HTTP API, and a scheduler that starts
 N ranks and K warm spares running the user's script: on this machine (local), or
 as job steps of the Slurm allocation it runs in (slurm, chosen by itself inside
 one). Its exit code is the script's.
@@ -31,7 +31,7 @@ from baton.rundir import RunDir, RunDirError
 from baton.schedulers.local import LocalScheduler
 from baton.health.gpu import GpuThresholds
 from baton.schedulers.slurm import Allocation, SlurmError, SlurmScheduler, in_allocation, plan_slots
-from baton.store.rendezvous import rendezvous_store
+from baton.store.rendezvous_process import RendezvousProcess, StoreStartError
 from baton.store.sqlite import SqliteStore
 
 
@@ -191,7 +191,10 @@ def run(opts: RunOptions, listeners: list[Callable[[str, dict[str, Any]], None]]
     except sqlite3.Error as exc:
         raise SystemExit(f"baton run: cannot open the state store {run_dir.db}: {exc}") from None
     host = placement.advertise_addr
-    store = rendezvous_store(host, 0, master=True, formation_timeout_s=opts.formation_timeout_s)
+    try:
+        store = RendezvousProcess(host).start()
+    except StoreStartError as exc:
+        raise SystemExit(f"baton run: {exc}") from None
     config = Config(world_size=placement.world_size, spares=placement.spares, job_id=opts.job_id,
                     op_timeout_s=opts.op_timeout_s, heartbeat_timeout_s=opts.heartbeat_timeout_s,
                     formation_timeout_s=opts.formation_timeout_s, verify_every=opts.verify_every,
@@ -201,6 +204,7 @@ def run(opts: RunOptions, listeners: list[Callable[[str, dict[str, Any]], None]]
                     straggler_steps=opts.straggler_steps, borrow_spares=opts.borrow_spares,
                     gpu_limits=opts.gpu_limits)
     orch = Orchestrator(config, db)
+    orch.helper_cpu = store.cpu_s
     db.on_error = lambda text: orch.handle(m.StoreFailed(message=text))
     orch.listeners.append(EventPrinter(run_dir, opts.quiet))
     orch.listeners.extend(listeners or [])
@@ -239,6 +243,7 @@ def run(opts: RunOptions, listeners: list[Callable[[str, dict[str, Any]], None]]
         print(f"[baton] job failed (exit code {code}):\n{orch.failure}",
               file=sys.stderr, flush=True)
     sched.shutdown(grace_s=5.0 if code == 0 else 2.0)
+    store.stop()
     api.stop()
     db.close()
     run_dir.endpoint_file.unlink(missing_ok=True)

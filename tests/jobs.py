@@ -83,6 +83,21 @@ class Job:
     def rank_pid(self, rank: int) -> int:
         return next(r["pid"] for r in self.status()["ranks"] if r["rank"] == rank)
 
+    def store_pid(self, timeout: float = 30.0) -> int:
+        """The pid of the job's rendezvous store process (a child of `baton run`)."""
+        deadline = time.time() + timeout
+        while True:
+            for stat in Path("/proc").glob("[0-9]*/stat"):
+                try:
+                    ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+                    cmdline = (stat.parent / "cmdline").read_bytes()
+                except (OSError, ValueError, IndexError):
+                    continue
+                if ppid == self.proc.pid and b"baton.store.rendezvous_process" in cmdline:
+                    return int(stat.parent.name)
+            assert time.time() < deadline, f"no rendezvous store process under {self.proc.pid}:\n{self.log()}"
+            time.sleep(0.1)
+
     def signal_rank(self, rank: int, sig: int) -> int:
         pid = self.rank_pid(rank)
         os.kill(pid, sig)

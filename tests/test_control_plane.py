@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tests.gpt_job import GPT, check_equal, gpt_job
-from tests.jobs import Job, state_diff
+from tests.jobs import Job, assert_ranks_equal, state_diff
 
 
 def _alive(pid: int) -> bool:
@@ -248,6 +248,35 @@ def test_launcher_paused_for_longer_than_the_heartbeat_timeout(tmp_path, gpt_ref
         job.kill()
 
 
+def test_the_rendezvous_store_killed_twice_and_a_rank_lost_before_it_is_back(tmp_path, train_reference):
+    """kill -9 of the job's rendezvous store: training goes on (a formed generation does not
+    use it) and `baton run` restarts it on the same port. Killed again, and a rank with it:
+    the recovery's new generation waits for the store to come back and forms there. Every
+    rank ends bit-for-bit equal to the failure-free run, 0 steps lost."""
+    steps, args = 250, ["--step-sleep", "0.05"]
+    reference = train_reference(2, steps, args)
+    job = Job(tmp_path, nproc=2, spares=1, steps=steps, script_args=args, name="store-killed")
+    try:
+        job.wait_step(5)
+        first = job.store_pid()
+        os.kill(first, signal.SIGKILL)
+        at_kill = min(r["step"] for r in job.status()["ranks"])
+        st = job.wait_until(lambda st: "the rendezvous store is back" in job.log(tail=None), what="the store restarted")
+        assert min(r["step"] for r in st["ranks"]) > at_kill  # it trained while the store was down
+        second = job.store_pid()
+        assert second != first
+        os.kill(second, signal.SIGKILL)
+        job.signal_rank(1, signal.SIGKILL)
+        assert job.wait(timeout=120) == 0, job.log()
+        assert_ranks_equal(job, reference)
+        events = job.events()
+        assert [(e["kind"], e["status"], e["rank"], e["steps_lost"]) for e in events] == \
+            [("unplanned", "resolved", 1, 0)], events
+        assert job.log(tail=None).count("the rendezvous store is back") == 2, job.log()
+    finally:
+        job.kill()
+
+
 def test_sigstopped_rank_is_replaced_and_never_comes_back(tmp_path, gpt_reference):
     job = gpt_job(tmp_path, "stop-cont", spares=1, run_args=["--heartbeat-timeout", "2", "--op-timeout", "2"])
     try:
@@ -291,14 +320,14 @@ def test_killing_baton_run_leaves_no_worker_behind(tmp_path, sig):
     job = gpt_job(tmp_path, f"stop-{sig.name}", spares=1)
     try:
         job.wait_step(4)
-        pids = [job.rank_pid(r) for r in range(3)] + _spare_pids(job, 1)
+        pids = [job.rank_pid(r) for r in range(3)] + _spare_pids(job, 1) + [job.store_pid()]
         os.kill(pids[1], signal.SIGSTOP)  # a stopped worker must go too
         os.kill(job.proc.pid, sig)
         job.wait(timeout=30)
         deadline = time.time() + 15
         while time.time() < deadline and any(_alive(p) for p in pids):
             time.sleep(0.1)
-        assert not [p for p in pids if _alive(p)], "workers outlived baton run"
+        assert not [p for p in pids if _alive(p)], "workers or the store outlived baton run"
     finally:
         job.kill()
 

@@ -24,6 +24,7 @@ import torch._C._distributed_c10d as _c10d
 
 from baton import selfcost
 from baton.address import node_address
+from baton.store.rendezvous import RendezvousClient, StoreUnreachable
 
 
 @functools.cache
@@ -147,25 +148,37 @@ class LiveGroup(dist.ProcessGroup):
         return _Internal(self._internal)
 
     # ---------------------------------------------------------------- generation swap
-    def form(self, store: dist.Store, generation: int, op_timeout_s: float,
+    def form(self, store: RendezvousClient, generation: int, op_timeout_s: float,
              formation_timeout_s: float = 120.0, superseded: Callable[[], bool] = lambda: False) -> None:
         """Join generation `generation`; returns once every rank has joined.
 
         Members first meet at a store barrier that is polled, so a formation can be
         abandoned when the orchestrator supersedes it (another failure), and only then
-        build the gloo group, which by then connects in milliseconds.
+        build the gloo group, which by then connects in milliseconds. A member whose store
+        connection broke (the store restarted, empty) announces itself again on the new one.
         """
         prefix = f"baton/gen{generation}/"
-        store.set(f"{prefix}ready/{self._rank}", b"1")
+        mine = f"{prefix}ready/{self._rank}"
         keys = [f"{prefix}ready/{r}" for r in range(self._world)]
         deadline = time.monotonic() + formation_timeout_s
-        while not store.check(keys):
-            if superseded():
-                raise CollectiveFailure(f"formation of generation {generation} superseded")
-            if time.monotonic() > deadline:
-                raise CollectiveFailure(f"generation {generation} did not form in {formation_timeout_s:.0f}s")
-            time.sleep(0.002)
-        prefixed = dist.PrefixStore(prefix, store)
+        announced_on: list[dist.Store] = []
+
+        def all_ready(s: dist.Store) -> bool:
+            if not announced_on or announced_on[0] is not s:
+                s.set(mine, b"1")
+                announced_on[:] = [s]
+            return s.check(keys)
+
+        try:
+            while not store.call(all_ready, deadline, give_up=superseded):
+                if superseded():
+                    raise CollectiveFailure(f"formation of generation {generation} superseded")
+                if time.monotonic() > deadline:
+                    raise CollectiveFailure(f"generation {generation} did not form in {formation_timeout_s:.0f}s")
+                time.sleep(0.002)
+        except StoreUnreachable as exc:
+            raise CollectiveFailure(f"generation {generation} did not form: {exc}") from None
+        prefixed = dist.PrefixStore(prefix, store.store)
         before = _socket_fds()
         backend = gloo_backend(prefixed, self._rank, self._world, op_timeout_s)
         self.drop()

@@ -39,7 +39,7 @@ import torch
 from baton import selfcost
 from baton.address import node_address
 from baton.control import messages as m
-from baton.store.rendezvous import rendezvous_store
+from baton.store.rendezvous import RendezvousClient
 from baton.transfer import TransferServer
 from baton.worker import ddp as ddp_mod
 from baton.worker import discover, orphan
@@ -289,7 +289,7 @@ def init() -> Job:
     if cmd.joiner:
         selfcost.count_spare_time()
     host, port = os.environ[ENV_STORE].rsplit(":", 1)
-    store = rendezvous_store(host, int(port), master=False, formation_timeout_s=config.formation_timeout_s)
+    store = RendezvousClient(host, int(port), config.formation_timeout_s)
     os.environ.update(RANK=str(cmd.rank), WORLD_SIZE=str(cmd.world_size), LOCAL_RANK=str(cmd.rank),
                       LOCAL_WORLD_SIZE=str(cmd.world_size))
     rt = Runtime(ctl, server, store, cmd.rank, cmd.world_size, cmd.joiner, config, token)

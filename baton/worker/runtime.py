@@ -34,6 +34,7 @@ import torch.distributed as dist
 from baton import selfcost
 from baton.control import messages as m
 from baton.control.buddies import wards_of
+from baton.store.rendezvous import RendezvousClient
 from baton.transfer import FetchStats, TransferError, codec, fetch_state
 from baton.transfer.bundles import Bundle, Frame, Pos, encode_frame, newest
 from baton.transfer.protocol import FlatState
@@ -97,7 +98,7 @@ def _output_tensors(out: Any) -> list[torch.Tensor]:
 
 
 class Runtime:
-    def __init__(self, ctl: ControlChannel, server: TransferServer, store: dist.Store, rank: int,
+    def __init__(self, ctl: ControlChannel, server: TransferServer, store: RendezvousClient, rank: int,
                  world_size: int, joiner: bool, config: m.Registered, token: str):
         self.rank, self.world_size, self.joiner = rank, world_size, joiner
         self.ctl, self.server, self.store, self.token = ctl, server, store, token
@@ -140,7 +141,7 @@ class Runtime:
         self.group.known_local_ports.add(server.address[1])
         self.group.known_remote_ports.update(_ports_of(os.environ.get("BATON_URL", ""),
                                                        os.environ.get("BATON_STORE", "")))
-        install_as_world(self.group, store)
+        install_as_world(self.group, store.store)
         ctl.on_abort = lambda: self.group.note_failure("a peer was lost (orchestrator abort)")
         if not joiner:
             cmd = self.wait_for(m.Form)
@@ -800,10 +801,11 @@ class Runtime:
         detail = ""
         if len(set(values)) > 1:
             key = f"baton/gen{generation}/verify/{self.pos[0]}/{self.pos[1]}"
-            self.store.set(f"{key}/{self.rank}", json.dumps(digests))
+            deadline = time.monotonic() + self.formation_timeout
+            self.store.call(lambda s: s.set(f"{key}/{self.rank}", json.dumps(digests)), deadline)
             majority = max(set(values), key=values.count)
             ref = values.index(majority)
-            theirs = json.loads(self.store.get(f"{key}/{ref}"))
+            theirs = json.loads(self.store.call(lambda s: s.get(f"{key}/{ref}"), deadline))
             differing = verify.differing(digests, {k: int(v) for k, v in theirs.items()})
             bad = [r for r, v in enumerate(values) if v != majority]
             detail = f"replicated state differs on ranks {bad} (compared with rank {ref})"
