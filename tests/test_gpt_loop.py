@@ -25,16 +25,6 @@ def _check(job, reference, kinds: list[str]) -> list[dict]:
     return events
 
 
-def test_planned_move_inside_a_step(tmp_path, gpt_reference):
-    job = gpt_job(tmp_path, "planned")
-    try:
-        job.wait_step(4)
-        job.client.migrate(2)
-        _check(job, gpt_reference, ["planned"])
-    finally:
-        job.kill()
-
-
 def test_taint_during_evaluation(tmp_path, gpt_reference):
     job = gpt_job(tmp_path, "taint")
     try:
@@ -103,20 +93,19 @@ def _resumed_job(tmp, name: str, ckpt, spares: int = 1, run_args: list[str] | No
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("fault", ["kill", "planned", "sigstop"])
+@pytest.mark.parametrize("fault", ["kill", "planned"])  # a hung rank: every other gpt test with sigstop
 def test_a_resumed_run_survives_every_kind_of_move(tmp_path, resumed, fault):
     """A run resumed from rank 0's checkpoint (`job.steps(total, start=...)`): a joiner skips
     the resume block (job.joined) and still starts where its rank was, with the same LR,
-    whether it replaces a killed rank, a hung one, or takes a rank in a planned move."""
+    whether it replaces a killed rank or takes a rank in a planned move (a planned move
+    inside a step of this script: the resumed planned case; the stop-detection is the same
+    for resumed and fresh runs)."""
     ckpt, reference = resumed
-    run_args = ["--op-timeout", "2", "--heartbeat-timeout", "2"] if fault == "sigstop" else None
-    job = _resumed_job(tmp_path, fault, ckpt, run_args=run_args)
+    job = _resumed_job(tmp_path, fault, ckpt)
     try:
         job.wait_step(36)
         if fault == "kill":
             job.signal_rank(1, signal.SIGKILL)
-        elif fault == "sigstop":
-            job.signal_rank(2, signal.SIGSTOP)
         else:
             job.client.migrate(0)
         assert job.wait(timeout=180) == 0, job.log()

@@ -75,7 +75,7 @@ def test_taint_moves_rank_off_slot(tmp_path, reference):
         job.kill()
 
 
-@pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.parametrize("rank", [1])  # rank 0 inside a step: test_gpt_loop, test_real_loops
 def test_kill_9_recovers_from_replicas(tmp_path, reference, rank):
     job = Job(tmp_path, nproc=NPROC, spares=1, steps=STEPS, script_args=ARGS)
     try:

@@ -79,17 +79,6 @@ def test_kill_9_during_validation(tmp_path, reference, rank):
         job.kill()
 
 
-def test_sigstop_is_detected_and_replaced(tmp_path, reference):
-    job = _job(tmp_path, "stop", run_args=["--op-timeout", "2", "--heartbeat-timeout", "2"])
-    try:
-        job.wait_step(6)
-        job.signal_rank(1, signal.SIGSTOP)
-        events = _check(job, reference)
-        assert events[0]["kind"] == "unplanned" and "hung" in events[0]["cause"]
-    finally:
-        job.kill()
-
-
 def test_taint_during_validation(tmp_path, reference):
     job = _job(tmp_path, "taint-val")
     try:
