@@ -6,12 +6,15 @@ run, including its random stream."""
 
 from __future__ import annotations
 
+import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
 
 from tests.jobs import Job, assert_ranks_equal, check_resolved_exact, state_diff
+from tests.served import Server, run_args
 
 EPOCHS = Path(__file__).resolve().parent.parent / "baton" / "examples" / "epochs.py"
 NPROC = 3
@@ -77,6 +80,27 @@ def test_kill_9_during_validation(tmp_path, reference, rank):
         assert events[0]["kind"] == "unplanned" and events[0]["rank"] == rank
     finally:
         job.kill()
+
+
+def test_a_served_job_loses_a_rank_in_validation_while_its_server_is_down(tmp_path, reference):
+    """The same loop attached to `baton serve`: rank 1 is killed during validation and the
+    server with it (-9); the validation's all_reduce waits, and when the server is back
+    (from its SQLite state) the rank is recovered from replicas, bitwise, 0 steps lost."""
+    server = Server(tmp_path, f"sqlite:{tmp_path / 'state'}", tmp_path / "token")
+    job = _job(tmp_path, "served", run_args=run_args([server], "epochs"))
+    try:
+        job.wait_until(lambda st: min(r["step"] for r in st["ranks"]) >= STEPS_PER_EPOCH, what="epoch end")
+        victim = job.rank_pid(1)
+        server.kill9()
+        os.kill(victim, signal.SIGKILL)
+        time.sleep(2.0)
+        server.start()
+        events = _check(job, reference)
+        assert [(e["kind"], e["rank"]) for e in events] == [("unplanned", 1)], events
+        assert "restored life=1" in server.log()
+    finally:
+        job.kill()  # an attached job would wait out its --control-grace for a server that is gone
+        server.stop()
 
 
 def test_taint_during_validation(tmp_path, reference):
