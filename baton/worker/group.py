@@ -242,6 +242,16 @@ class LiveGroup(dist.ProcessGroup):
     def getBackendName(self) -> str:  # noqa: N802 (torch's name)
         return "baton"
 
+    def getGroupName(self) -> str:  # noqa: N802 (torch's name)
+        """The name torch.distributed registered this group under: a DeviceMesh built on it
+        resolves its dimension's group by this name, so FSDP2 and DTensor collectives reach
+        this live group and follow its generations."""
+        return dist.distributed_c10d._world.pg_names.get(self, "")
+
+    @property
+    def group_name(self) -> str:
+        return self.getGroupName()
+
     def rank(self) -> int:
         return self._rank
 
@@ -305,6 +315,16 @@ class LiveGroup(dist.ProcessGroup):
     def _allgather_base(self, output, input, opts=None):  # type: ignore[override]
         opts = opts if opts is not None else _c10d.AllgatherOptions()
         return self._watch(self._backend("allgather_base")._allgather_base(output, input, opts))
+
+    # FSDP2 (torch 2.13) gathers and reduce-scatters flat shards through these two. gloo's
+    # works for them carry no future, so they are not watched: a failure raises at wait().
+    def all_gather_single(self, output, input, opts=None):  # type: ignore[override]  # noqa: A002
+        opts = opts if opts is not None else _c10d.AllgatherOptions()
+        return self._backend("all_gather_single")._allgather_base(output, input, opts)
+
+    def reduce_scatter_single(self, output, input, opts=None):  # type: ignore[override]  # noqa: A002
+        opts = opts if opts is not None else dist.ReduceScatterOptions()
+        return self._backend("reduce_scatter_single")._reduce_scatter_base(output, input, opts)
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):  # type: ignore[override]
         opts = opts if opts is not None else dist.ReduceScatterOptions()
