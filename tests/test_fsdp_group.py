@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from tests.jobs import state_diff
+from tests.jobs import Job, state_diff
 from tests.served import free_port
 
 HELPER = Path(__file__).resolve().parent / "fsdp_on_live_group.py"
@@ -47,3 +47,30 @@ def test_fsdp2_on_the_live_group_matches_torchs_own_group_bitwise_across_a_gener
     assert state_diff(plain[0], plain[1]), "the two ranks hold the same shard: nothing was sharded"
     for rank in range(2):
         assert not state_diff(plain[rank], live[rank]), f"rank {rank}: {state_diff(plain[rank], live[rank])}"
+
+
+LLAMA = REPO / "baton" / "examples" / "llama.py"
+LLAMA_ARGS = ["--steps", "12", "--eval-every", "5"]
+
+
+def test_the_llama_example_under_baton_run_matches_torchrun_bitwise(tmp_path):
+    """baton/examples/llama.py (per-block fully_shard, AdamW, LambdaLR, clipping, an
+    evaluation with an all_reduce) with no failure: every rank's shards, optimizer state, LR
+    and random stream equal the same script's under torchrun."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    plain = subprocess.run([str(torchrun), "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+                            "--master_port", str(free_port()), str(LLAMA), "--plain", *LLAMA_ARGS,
+                            "--out", str(tmp_path / "plain.pt")],
+                           cwd=tmp_path, capture_output=True, text=True, timeout=180)
+    assert plain.returncode == 0, plain.stdout[-3000:] + plain.stderr[-3000:]
+    job = Job(tmp_path, nproc=2, spares=0, steps=0, script=LLAMA, name="baton",
+              script_args=[*LLAMA_ARGS])
+    try:
+        assert job.wait(timeout=180) == 0, job.log()
+    finally:
+        job.kill()
+    got = job.all_rank_params(2)
+    assert state_diff(got[0], got[1]) and any(k.startswith("opt.") for k in got[0]), "nothing was sharded"
+    for rank in range(2):
+        want = torch.load(tmp_path / f"plain.pt.rank{rank}")
+        assert not state_diff(got[rank], want), f"rank {rank}: {state_diff(got[rank], want)}"

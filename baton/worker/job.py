@@ -32,7 +32,7 @@ import signal
 import sys
 import time
 import traceback
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
@@ -47,6 +47,9 @@ from baton.worker.control import ControlChannel, OrchestratorGone
 from baton.worker.data import DataFeed
 from baton.worker.runtime import Runtime, Unit, exit_quietly
 from baton.worker.tracked import _BATON_OWNED, LocalValues, UsageError
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 log = logging.getLogger("baton.worker")
 
@@ -125,8 +128,20 @@ class Job:
         self.group = rt.group
         self.slot = os.environ.get(ENV_SLOT, "")
         self.joined = rt.joiner  # this process took over a rank from another (skip resume-from-file code)
+        self._mesh: DeviceMesh | None = None
 
     # ------------------------------------------------------------------ setup
+    def mesh(self, device_type: str = "cpu") -> "DeviceMesh":
+        """A 1-D DeviceMesh over the live group, for `fully_shard(module, mesh=job.mesh())`.
+
+        Its collectives run on the live group, so they follow it across generations.
+        HSDP's 2-D meshes (replicate x shard) need live sub-groups: not built yet."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        if self._mesh is None:
+            self._mesh = DeviceMesh.from_group(self.group, device_type)
+        return self._mesh
+
     def wrap(self, model: torch.nn.Module, **ddp_kwargs: Any) -> ddp_mod.LiveDDP:
         """DistributedDataParallel over the live group; numerically identical to torchrun + DDP."""
         ddp = ddp_mod.build(self._rt, model, **ddp_kwargs)
