@@ -5,10 +5,12 @@ sockets shut (so FSDP's all-gathers and reduce-scatters follow the live group)."
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.jobs import Job, state_diff
@@ -74,3 +76,28 @@ def test_the_llama_example_under_baton_run_matches_torchrun_bitwise(tmp_path):
     for rank in range(2):
         want = torch.load(tmp_path / f"plain.pt.rank{rank}")
         assert not state_diff(got[rank], want), f"rank {rank}: {state_diff(got[rank], want)}"
+
+
+def test_a_lost_fsdp_rank_stops_the_job_loudly_and_moves_are_refused(tmp_path):
+    """Until sharded ranks can move: a planned move of an FSDP2 rank is refused with the
+    reason, a taint marks the slot but moves nothing, and a killed rank ends the job at once
+    with a non-zero exit, the reason, and a failed event in the ledger; never a job that
+    goes on (or ends with 0) without that rank's shard."""
+    job = Job(tmp_path, nproc=2, spares=1, steps=0, script=LLAMA, name="lost",
+              script_args=["--steps", "2000", "--eval-every", "50"])
+    try:
+        job.wait_step(5)
+        with pytest.raises(Exception, match="hold FSDP2/DTensor shards") as refused:
+            job.client.migrate(1)
+        assert "409" in str(refused.value) or "cannot migrate rank 1" in str(refused.value)
+        taint = job.client.taint("local/1", "ecc")
+        assert taint["moving_ranks"] == [] and "its rank stays" in taint["note"], taint
+        job.signal_rank(1, signal.SIGKILL)
+        code = job.wait(timeout=60)
+        assert code != 0, job.log()
+        assert "cannot move or rebuild a sharded rank yet" in job.log(), job.log()
+        events = job.events()
+        assert [(e["kind"], e["status"], e["rank"]) for e in events] == [("unplanned", "failed", 1)], events
+        assert events[0]["resolved_without_rollback"] is False
+    finally:
+        job.kill()

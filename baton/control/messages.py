@@ -50,6 +50,7 @@ class LoopInfo(_Msg):
     epochs: NonNegativeInt | None = None
     steps_per_epoch: NonNegativeInt | None = None
     start_step: NonNegativeInt = 0  # where the script's resume block started it (a joiner: its own start)
+    sharded: list[str] = Field(default_factory=list)  # tracked objects holding FSDP2/DTensor shards
 
 
 # ---------------------------------------------------------------- reports

@@ -646,6 +646,8 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing):
         self._check_running()
         if self.op is not None:
             raise RequestError(f"a {self.op.kind.value} migration is already in progress (op {self.op.id})", 409)
+        if (block := self._sharded_block()) is not None:
+            raise RequestError(f"cannot migrate rank {req.rank}: {block}", 409)
         if req.to is not None:
             return self._migrate_to(req.rank, req.to)
         if not self._ready_spares():

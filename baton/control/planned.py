@@ -178,6 +178,10 @@ class PlannedMoves:
         """A taint's ranks move now in one pre-emptive move when a spare is ready for each and
         nothing else is moving; else later (_pending_taint_moves). `result` is the answer."""
         result["moving_ranks"] = ranks
+        if ranks and (block := self._sharded_block()) is not None:
+            result["moving_ranks"] = []
+            result["note"] = f"the slot is marked tainted, but its rank stays: {block}"
+            return result
         if ranks and self.exit_code is None:
             if self.op is None and len(self._ready_spares()) >= len(ranks):
                 result["op"] = self._start_planned(ranks, EventKind.PREEMPTIVE, cause).id
@@ -191,6 +195,8 @@ class PlannedMoves:
     def _pending_taint_moves(self) -> None:
         """Ranks on tainted slots move, those sharing a reason (a node's slots) in one move."""
         if self.op is not None or self.exit_code is not None or not self._ready_spares():
+            return
+        if self._sharded_block() is not None:
             return
         held = {w.rank: w.slot for w in self.workers.values()
                 if w.role == WorkerRole.RANK and w.rank is not None and self.ranks[w.rank].worker == w.id

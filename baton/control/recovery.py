@@ -76,6 +76,10 @@ class Recovery:
 
     def _open_recovery(self, cause: str, dead_rank: int | None = None, dead_worker: Worker | None = None,
                        failed_at: float | None = None) -> None:
+        block = self._sharded_block()
+        if block is not None:
+            self._stop_sharded(cause, dead_rank, dead_worker, block)
+            return
         op = self.op
         carried: dict[int, str] = {}  # rank -> joiner that can take it over in the recovery
         if op is not None and op.kind != EventKind.UNPLANNED:
@@ -270,6 +274,29 @@ class Recovery:
                     buddies.append(tuple(w.transfer_addr))
         held = self.ranks[rank].held
         return m.LostRank(buddies=buddies, held=m.BundleText(**held) if held else None)
+
+    def _sharded_block(self) -> str | None:
+        """Why no rank of this job can move or be rebuilt (its state is sharded), or None."""
+        if self.loop is None or not self.loop.sharded:
+            return None
+        return (f"this job's {' and '.join(self.loop.sharded)} hold FSDP2/DTensor shards, which exist "
+                "on their own rank only, and baton cannot move or rebuild a sharded rank yet")
+
+    def _stop_sharded(self, cause: str, rank: int | None, worker: Worker | None, block: str) -> None:
+        """A sharded rank was lost: end the job loudly, with the loss in the ledger."""
+        reached = min((i.reached for i in self.ranks.values()), default=0)
+        if rank is not None:
+            ev = self._new_event(EventKind.UNPLANNED, cause, rank, worker.slot if worker else "")
+            ev.resolved_without_rollback = False
+            ev.steps_lost = reached
+            self._close(ev, "failed", block)
+        if self.op is not None:
+            for move in self.op.moves.values():
+                self._close(self.events[move.event_id - 1], "failed", block)
+            self.op = None
+        what = f"rank {rank} was lost ({cause})" if rank is not None else cause
+        self._fail(f"{what}: {block}. The job stops here rather than go on without that shard "
+                   f"(it had reached step {reached}; restart it from your last checkpoint)")
 
     def _lost_everything(self, op: Operation, message: str) -> None:
         """No recovery is possible: the events say what was lost, and the job ends now."""

@@ -197,12 +197,15 @@ class Runtime:
                              "step (create it after baton.init(), or pass it to job.track)")
         for opt in self.tracked.optimizers():
             opt.register_step_post_hook(self._on_optimizer_step)
-        codec.encode(self.tracked.replicated())  # refuse untransferable state now, not mid-failure
+        sharded = self.tracked.sharded_names()
+        if not sharded:
+            codec.encode(self.tracked.replicated())  # refuse untransferable state now, not mid-failure
         self.spe = self.feed.steps_per_epoch()
         if not 0 <= start <= total:
             raise ValueError(f"the loop's start ({start}) must lie between 0 and its total ({total})")
         self.loop = m.LoopInfo(style=style, total_steps=total, epochs=epochs,
-                               steps_per_epoch=self.spe if style == "epochs" else None, start_step=start)
+                               steps_per_epoch=self.spe if style == "epochs" else None, start_step=start,
+                               sharded=sharded)
         if start and not self.joiner:  # resumed from the script's own checkpoint
             self.pos = (start, 0)
             self.params_step = start

@@ -154,6 +154,23 @@ class Tracked:
                              "change in boundary functions (job.every / job.at_epoch_end), where "
                              "baton makes the change durable before any rank moves on")
 
+    def sharded_names(self) -> list[str]:
+        """Tracked objects whose state holds DTensor shards (an FSDP2 model and its optimizer):
+        rank-local, so neither fetched from another replica nor compared across ranks."""
+        from torch.distributed.tensor import DTensor
+
+        out = []
+        for name, obj in self.objects.items():
+            if isinstance(obj, torch.nn.Module):
+                tensors: Iterator[Any] = iter(obj.parameters())
+            elif isinstance(obj, torch.optim.Optimizer):
+                tensors = (p for group in obj.param_groups for p in group["params"])
+            else:
+                continue
+            if any(isinstance(t, DTensor) for t in tensors):
+                out.append(name)
+        return sorted(out)
+
     # ---------------------------------------------------------------- replicated state
     def replicated(self) -> dict[str, Any]:
         return {name: obj.state_dict() for name, obj in self.objects.items()}
