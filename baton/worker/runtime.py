@@ -198,8 +198,8 @@ class Runtime:
         for opt in self.tracked.optimizers():
             opt.register_step_post_hook(self._on_optimizer_step)
         sharded = self.tracked.sharded_names()
-        if not sharded:
-            codec.encode(self.tracked.replicated())  # refuse untransferable state now, not mid-failure
+        self.tracked.sharded = set(sharded)
+        codec.encode(self.tracked.replicated())  # refuse untransferable state now, not mid-failure
         self.spe = self.feed.steps_per_epoch()
         if not 0 <= start <= total:
             raise ValueError(f"the loop's start ({start}) must lie between 0 and its total ({total})")

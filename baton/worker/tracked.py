@@ -99,6 +99,7 @@ class Tracked:
         self.local: LocalValues | None = None
         self.scope: str | None = None  # "step" | "boundary" | None, set by the loop
         self.discovered: list[str] = []
+        self.sharded: set[str] = set()  # objects holding DTensor shards (see sharded_names)
         self._buffer_places: dict[int, list[tuple[str, torch.nn.Module, str]]] = {}
 
     # ---------------------------------------------------------------- registration
@@ -173,7 +174,9 @@ class Tracked:
 
     # ---------------------------------------------------------------- replicated state
     def replicated(self) -> dict[str, Any]:
-        return {name: obj.state_dict() for name, obj in self.objects.items()}
+        """State every replica holds equally: the sharded objects (`sharded`, set when the loop
+        starts) are each rank's own and are left out."""
+        return {name: obj.state_dict() for name, obj in self.objects.items() if name not in self.sharded}
 
     def load_replicated(self, state: dict[str, Any]) -> None:
         extra = sorted(set(state) - set(self.objects))
