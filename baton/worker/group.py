@@ -78,6 +78,39 @@ class _Done(dist.Work):
         return self._fut
 
 
+class _FailureNotingWork(dist.Work):
+    """A collective's work whose failure marks the live group failed when it is waited on.
+
+    gloo's works for FSDP2's flat-shard collectives carry no future to watch, so without
+    this a dead peer would surface in the script as a bare RuntimeError (a script bug)
+    instead of a lost generation the runtime recovers from.
+    """
+
+    def __init__(self, inner: dist.Work, on_failure: Callable[[BaseException], None]):
+        super().__init__()
+        self._inner = inner
+        self._on_failure = on_failure
+
+    def wait(self, timeout=None) -> bool:  # type: ignore[override]  # noqa: ANN001
+        try:
+            return self._inner.wait() if timeout is None else self._inner.wait(timeout)
+        except Exception as exc:
+            self._on_failure(exc)
+            raise
+
+    def is_completed(self) -> bool:
+        return self._inner.is_completed()
+
+    def is_success(self) -> bool:
+        return self._inner.is_success()
+
+    def exception(self):  # noqa: ANN201
+        return self._inner.exception()
+
+    def get_future(self) -> torch.futures.Future:
+        return self._inner.get_future()
+
+
 class IdleGroup(dist.ProcessGroup):
     """A world of one with no transport behind it: every collective is complete when issued.
 
@@ -317,14 +350,16 @@ class LiveGroup(dist.ProcessGroup):
         return self._watch(self._backend("allgather_base")._allgather_base(output, input, opts))
 
     # FSDP2 (torch 2.13) gathers and reduce-scatters flat shards through these two. gloo's
-    # works for them carry no future, so they are not watched: a failure raises at wait().
+    # works for them carry no future: a failure is noted when the work is waited on.
     def all_gather_single(self, output, input, opts=None):  # type: ignore[override]  # noqa: A002
         opts = opts if opts is not None else _c10d.AllgatherOptions()
-        return self._backend("all_gather_single")._allgather_base(output, input, opts)
+        work = self._backend("all_gather_single")._allgather_base(output, input, opts)
+        return _FailureNotingWork(work, self.note_failure)
 
     def reduce_scatter_single(self, output, input, opts=None):  # type: ignore[override]  # noqa: A002
         opts = opts if opts is not None else dist.ReduceScatterOptions()
-        return self._backend("reduce_scatter_single")._reduce_scatter_base(output, input, opts)
+        work = self._backend("reduce_scatter_single")._reduce_scatter_base(output, input, opts)
+        return _FailureNotingWork(work, self.note_failure)
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):  # type: ignore[override]
         opts = opts if opts is not None else dist.ReduceScatterOptions()
