@@ -63,7 +63,7 @@ def run_attached(opts: RunOptions, server: ServerOptions) -> int:
                            host=socket.gethostname(),
                            op_timeout_s=opts.op_timeout_s, heartbeat_timeout_s=opts.heartbeat_timeout_s,
                            formation_timeout_s=opts.formation_timeout_s, spare_wait_s=opts.spare_wait_s,
-                           verify_every=opts.verify_every,
+                           verify_every=opts.verify_every, redundancy=opts.redundancy,
                            ranks_per_node=opts.nproc if placement.allocation is not None else 0,
                            return_home=opts.return_home, straggler_factor=opts.straggler_factor,
                            straggler_steps=opts.straggler_steps, borrow_spares=opts.borrow_spares,

@@ -59,6 +59,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--verify-every", type=int, default=0, metavar="N",
                    help="also check every N steps that replicas hold identical state (catches silent "
                         "data corruption; 0: only after moves)")
+    p.add_argument("--redundancy", type=int, default=2, metavar="N",
+                   help="buddies holding each rank's own state, so N ranks lost at once are rebuilt "
+                        "(default 2). In an FSDP2 job each buddy also holds a copy of the rank's shards "
+                        "in host memory, refreshed every step; 0: no copies, a lost sharded rank ends the job")
     p.add_argument("--job-id", default="job")
     p.add_argument("--quiet", action="store_true", help="do not print events")
     p.add_argument("--server", default=None, metavar="URL[,URL]",
@@ -171,7 +175,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                       slots=args.slots, run_dir=args.run_dir or default_dir(),
                       op_timeout_s=args.op_timeout, heartbeat_timeout_s=args.heartbeat_timeout,
                       formation_timeout_s=args.formation_timeout, verify_every=args.verify_every,
-                      spare_wait_s=args.spare_wait, job_id=args.job_id, quiet=args.quiet,
+                      redundancy=args.redundancy, spare_wait_s=args.spare_wait, job_id=args.job_id, quiet=args.quiet,
                       scheduler=args.scheduler, nodes=args.nodes, spare_nodes=args.spare_nodes,
                       advertise_addr=args.advertise_addr, return_home=args.return_home,
                       straggler_factor=args.straggler_factor, straggler_steps=args.straggler_steps,

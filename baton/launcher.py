@@ -48,6 +48,7 @@ class RunOptions:
     formation_timeout_s: float = 120.0
     spare_wait_s: float = 600.0
     verify_every: int = 0
+    redundancy: int = 2  # buddies holding each rank's own state (and an FSDP2 rank's shards)
     job_id: str = "job"
     quiet: bool = False
     env: dict[str, str] = field(default_factory=dict)
@@ -143,6 +144,8 @@ def validate(opts: RunOptions) -> None:
                         ("--formation-timeout", opts.formation_timeout_s), ("--spare-wait", opts.spare_wait_s)):
         if not math.isfinite(value) or value <= 0:
             raise SystemExit(f"baton run: {flag} must be a positive number of seconds, got {value}")
+    if opts.redundancy < 0:
+        raise SystemExit("baton run: --redundancy must be >= 0")
     if opts.verify_every < 0:
         raise SystemExit("baton run: --verify-every must be >= 0")
     g = opts.gpu_limits
@@ -198,7 +201,7 @@ def run(opts: RunOptions, listeners: list[Callable[[str, dict[str, Any]], None]]
     config = Config(world_size=placement.world_size, spares=placement.spares, job_id=opts.job_id,
                     op_timeout_s=opts.op_timeout_s, heartbeat_timeout_s=opts.heartbeat_timeout_s,
                     formation_timeout_s=opts.formation_timeout_s, verify_every=opts.verify_every,
-                    spare_wait_s=opts.spare_wait_s,
+                    redundancy=opts.redundancy, spare_wait_s=opts.spare_wait_s,
                     ranks_per_node=opts.nproc if placement.allocation is not None else 0,
                     return_home=opts.return_home, straggler_factor=opts.straggler_factor,
                     straggler_steps=opts.straggler_steps, borrow_spares=opts.borrow_spares,

@@ -127,6 +127,10 @@ class Recover(_Msg):
     in_step: bool = False
     unit_reported: bool = False
     error: Text = ""
+    # Sharded jobs with redundancy: the boundaries this rank holds its own shard snapshot of,
+    # and those it holds for its wards (rank -> boundaries).
+    snapshots: list[Pos] = []
+    held: dict[int, list[Pos]] = {}
 
 
 class Formed(_Msg):
@@ -238,6 +242,12 @@ class Form(_Msg):
     full_state: bool = False
     lost: LostRank | None = None
     buddies: list[Addr] = []  # where this rank pushes its bundles in the new generation
+    # Sharded jobs: where this rank's wards (whose shard snapshots it holds) are, by rank;
+    # `rewind`: go back to the own snapshot at `pos`; `snapshot`: a joiner fetches the lost
+    # rank's snapshot at `pos` from `fetch_from` (its buddy) instead of a published state.
+    wards: dict[int, Addr] = {}
+    rewind: bool = False
+    snapshot: bool = False
     verify: bool = True
     formation_timeout_s: PositiveFloat | None = None  # longer than configured on a retry
 
@@ -443,6 +453,7 @@ class AttachJob(_Msg):
     formation_timeout_s: Annotated[float, Field(gt=0, le=36000)] = 120.0
     spare_wait_s: Annotated[float, Field(gt=0, le=360000)] = 600.0
     verify_every: Annotated[int, Field(ge=0)] = 0
+    redundancy: Annotated[int, Field(ge=0, le=64)] = 2
     ranks_per_node: Annotated[int, Field(ge=0)] = 0
     return_home: bool = False
     straggler_factor: Annotated[float, Field(ge=0)] = 0.0

@@ -50,6 +50,10 @@ class Operation:
     acks: dict[int, dict[str, Any]] = field(default_factory=dict)
     paused: dict[int, float] = field(default_factory=dict)
     boundaries: dict[int, tuple[int, int]] = field(default_factory=dict)  # survivors: where their state is
+    # Sharded jobs: the boundaries each survivor holds its own shard snapshot of, and those
+    # it holds for its wards (ward -> boundaries).
+    snapshots: dict[int, set[tuple[int, int]]] = field(default_factory=dict)
+    held: dict[int, dict[int, set[tuple[int, int]]]] = field(default_factory=dict)
     formed: dict[int, float] = field(default_factory=dict)
     deadline: float = float("inf")  # when the current phase has run out of time
     transfer_bytes: int = 0

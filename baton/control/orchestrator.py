@@ -328,7 +328,7 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing):
                 self._post(info.worker, m.Assign(rank=r, generation=0, world_size=self.config.world_size,
                                                  joiner=False))
                 self._post(info.worker, m.Form(generation=0, pos=(0, 0), buddies=self._buddy_addr(r),
-                                               verify=False))
+                                               wards=self._ward_addr(r), verify=False))
             self._emit("started", {"world_size": self.config.world_size})
 
     def commands(self, worker_id: str, after: int, timeout: float) -> list[dict[str, Any]]:
@@ -646,8 +646,6 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing):
         self._check_running()
         if self.op is not None:
             raise RequestError(f"a {self.op.kind.value} migration is already in progress (op {self.op.id})", 409)
-        if (block := self._sharded_block()) is not None:
-            raise RequestError(f"cannot migrate rank {req.rank}: {block}", 409)
         if req.to is not None:
             return self._migrate_to(req.rank, req.to)
         if not self._ready_spares():

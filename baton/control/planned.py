@@ -149,6 +149,7 @@ class PlannedMoves:
             move = op.moves.get(r)
             if move is None:
                 self._post(info.worker, m.Form(generation=op.generation, pos=pos, buddies=self._buddy_addr(r, op),
+                                               wards=self._ward_addr(r, op),
                                                formation_timeout_s=ft))
                 continue
             leaver = self.workers[move.from_worker or ""]
@@ -156,6 +157,7 @@ class PlannedMoves:
             assert move.to_worker and leaver.transfer_addr
             self._post(move.to_worker, m.Form(generation=op.generation, pos=pos, fetch_from=[leaver.transfer_addr],
                                               full_state=True, buddies=self._buddy_addr(r, op),
+                                              wards=self._ward_addr(r, op),
                                               formation_timeout_s=ft))
 
     def _retry_lost_moves(self) -> None:
@@ -178,10 +180,6 @@ class PlannedMoves:
         """A taint's ranks move now in one pre-emptive move when a spare is ready for each and
         nothing else is moving; else later (_pending_taint_moves). `result` is the answer."""
         result["moving_ranks"] = ranks
-        if ranks and (block := self._sharded_block()) is not None:
-            result["moving_ranks"] = []
-            result["note"] = f"the slot is marked tainted, but its rank stays: {block}"
-            return result
         if ranks and self.exit_code is None:
             if self.op is None and len(self._ready_spares()) >= len(ranks):
                 result["op"] = self._start_planned(ranks, EventKind.PREEMPTIVE, cause).id
@@ -195,8 +193,6 @@ class PlannedMoves:
     def _pending_taint_moves(self) -> None:
         """Ranks on tainted slots move, those sharing a reason (a node's slots) in one move."""
         if self.op is not None or self.exit_code is not None or not self._ready_spares():
-            return
-        if self._sharded_block() is not None:
             return
         held = {w.rank: w.slot for w in self.workers.values()
                 if w.role == WorkerRole.RANK and w.rank is not None and self.ranks[w.rank].worker == w.id

@@ -48,6 +48,8 @@ class Recovery:
             if rep.unit_reported and self._unit_durable_everywhere((pos[0], pos[1] + 1)):
                 pos = (pos[0], pos[1] + 1)  # every rank finished that boundary function
             op.boundaries[w.rank] = pos  # type: ignore[assignment]
+            op.snapshots[w.rank] = {tuple(p) for p in rep.snapshots}  # type: ignore[misc]
+            op.held[w.rank] = {int(r): {tuple(p) for p in ps} for r, ps in rep.held.items()}  # type: ignore[misc]
             op.rerun = op.rerun or rep.in_step
         self._advance_collect()
 
@@ -74,10 +76,24 @@ class Recovery:
                 out.append(tuple(w.transfer_addr))
         return out  # type: ignore[return-value]
 
+    def _ward_addr(self, rank: int, op: Operation | None = None) -> dict[int, tuple[str, int]]:
+        """Where `rank`'s wards are in the new generation (in a sharded job it pulls their
+        shard snapshots; the job's state may not be known to be sharded yet)."""
+        out = {}
+        for ward in range(self.config.world_size):
+            if rank not in self._buddies(ward):
+                continue
+            move = op.moves.get(ward) if op is not None else None
+            wid = move.to_worker if move is not None and move.to_worker else self.ranks[ward].worker
+            w = self.workers.get(wid or "")
+            if w is not None and w.transfer_addr:
+                out[ward] = tuple(w.transfer_addr)
+        return out  # type: ignore[return-value]
+
     def _open_recovery(self, cause: str, dead_rank: int | None = None, dead_worker: Worker | None = None,
                        failed_at: float | None = None) -> None:
         block = self._sharded_block()
-        if block is not None:
+        if block is not None and self._redundancy() == 0:
             self._stop_sharded(cause, dead_rank, dead_worker, block)
             return
         op = self.op
@@ -224,7 +240,15 @@ class Recovery:
         if not survivors:
             self._lost_everything(op, "every rank failed at once: no copy of the training state survived")
             return
-        target: tuple[int, int] = max(op.boundaries[r] for r in survivors)  # type: ignore[assignment]
+        sharded = self.loop is not None and bool(self.loop.sharded)
+        if sharded:
+            found = self._snapshot_target(op, survivors)
+            if isinstance(found, str):
+                self._lost_everything(op, found)
+                return
+            target = found
+        else:
+            target = max(op.boundaries[r] for r in survivors)  # type: ignore[assignment]
         op.target, op.target_step = target, target[0]
         # Spares for the dead ranks.
         for rank, move in sorted(op.moves.items()):
@@ -247,6 +271,9 @@ class Recovery:
         self._enter_forming(op)
         op.waiting_message = None
         ft = self._formation_timeout(op)
+        if sharded:
+            self._form_from_snapshots(op, survivors, target, ft)
+            return
         sources = [r for r in survivors if op.boundaries[r] == target]
         addrs = [self.workers[self.ranks[r].worker or ""].transfer_addr for r in sources]
         for r in survivors:
@@ -254,15 +281,58 @@ class Recovery:
             assert wid
             if op.boundaries[r] == target:
                 self._post(wid, m.Form(generation=op.generation, pos=target, publish=True,
-                                       buddies=self._buddy_addr(r, op), formation_timeout_s=ft))
+                                       buddies=self._buddy_addr(r, op), wards=self._ward_addr(r, op),
+                                       formation_timeout_s=ft))
             else:
                 self._post(wid, m.Form(generation=op.generation, pos=target, fetch_from=addrs,
-                                       buddies=self._buddy_addr(r, op), formation_timeout_s=ft))
+                                       buddies=self._buddy_addr(r, op), wards=self._ward_addr(r, op),
+                                       formation_timeout_s=ft))
         for rank, move in op.moves.items():
             assert move.to_worker
             self._post(move.to_worker, m.Form(generation=op.generation, pos=target, fetch_from=addrs,
                                               lost=self._lost_rank(rank, op), buddies=self._buddy_addr(rank, op),
+                                              wards=self._ward_addr(rank, op),
                                               formation_timeout_s=ft))
+
+    def _snapshot_target(self, op: Operation, survivors: list[int]) -> tuple[int, int] | str:
+        """The newest boundary every survivor can reach (its state is there, or its own
+        snapshot of it) and every lost rank's buddy holds a snapshot of; or why none is."""
+        candidates = {op.boundaries[r] for r in survivors}.union(*(op.snapshots.get(r, set()) for r in survivors))
+        for pos in sorted(candidates, reverse=True):
+            if all(op.boundaries[r] == pos or pos in op.snapshots.get(r, set()) for r in survivors) and \
+                    all(self._snapshot_holder(op, survivors, lost, pos) is not None for lost in op.moves):
+                return pos
+        lost = sorted(op.moves)
+        holders = {r: [b for b in self._buddies(r)] for r in lost}
+        copies = "; ".join(f"rank {r}'s copy was on rank(s) {', '.join(map(str, holders[r])) or 'none'}"
+                           for r in lost)
+        return (f"rank(s) {', '.join(map(str, lost))} lost together with every copy of their FSDP2 shards "
+                f"({copies}; --redundancy {self.config.redundancy}): no boundary can be rebuilt. Raise "
+                "--redundancy to survive this many adjacent losses")
+
+    @staticmethod
+    def _snapshot_holder(op: Operation, survivors: list[int], lost: int, pos: tuple[int, int]) -> int | None:
+        return next((r for r in survivors if pos in op.held.get(r, {}).get(lost, set())), None)
+
+    def _form_from_snapshots(self, op: Operation, survivors: list[int], target: tuple[int, int], ft: float) -> None:
+        """Survivors go back to `target` where they are past it; each joiner fetches its rank's
+        snapshot from the buddy holding it."""
+        for r in survivors:
+            wid = self.ranks[r].worker
+            assert wid
+            behind = op.boundaries[r] != target
+            op.rerun = op.rerun or behind
+            self._post(wid, m.Form(generation=op.generation, pos=target, rewind=behind,
+                                   buddies=self._buddy_addr(r, op), wards=self._ward_addr(r, op),
+                                   formation_timeout_s=ft))
+        for rank, move in op.moves.items():
+            assert move.to_worker
+            holder = self._snapshot_holder(op, survivors, rank, target)
+            assert holder is not None
+            addr = self.workers[self.ranks[holder].worker or ""].transfer_addr
+            self._post(move.to_worker, m.Form(generation=op.generation, pos=target, fetch_from=[addr],
+                                              snapshot=True, buddies=self._buddy_addr(rank, op),
+                                              wards=self._ward_addr(rank, op), formation_timeout_s=ft))
 
     def _lost_rank(self, rank: int, op: Operation) -> m.LostRank:
         """Where the rank-local state of a lost rank lives: its old buddy, and what is held here."""
@@ -276,11 +346,13 @@ class Recovery:
         return m.LostRank(buddies=buddies, held=m.BundleText(**held) if held else None)
 
     def _sharded_block(self) -> str | None:
-        """Why no rank of this job can move or be rebuilt (its state is sharded), or None."""
+        """What a lost rank of this job's state is (sharded), or None: with --redundancy 0 it
+        cannot be rebuilt.
+        Planned and pre-emptive moves are not blocked: the leaver serves its own shards."""
         if self.loop is None or not self.loop.sharded:
             return None
         return (f"this job's {' and '.join(self.loop.sharded)} hold FSDP2/DTensor shards, which exist "
-                "on their own rank only, and baton cannot move or rebuild a sharded rank yet")
+                "on their own rank only, and it runs with --redundancy 0 (no buddy holds a copy)")
 
     def _stop_sharded(self, cause: str, rank: int | None, worker: Worker | None, block: str) -> None:
         """A sharded rank was lost: end the job loudly, with the loss in the ledger."""

@@ -148,7 +148,8 @@ def _config(spec: m.AttachJob) -> Config:
     return Config(world_size=spec.world_size, spares=spec.spares, job_id=spec.job_id,
                   op_timeout_s=spec.op_timeout_s, heartbeat_timeout_s=spec.heartbeat_timeout_s,
                   formation_timeout_s=spec.formation_timeout_s, spare_wait_s=spec.spare_wait_s,
-                  verify_every=spec.verify_every, ranks_per_node=spec.ranks_per_node,
+                  verify_every=spec.verify_every, redundancy=spec.redundancy,
+                  ranks_per_node=spec.ranks_per_node,
                   return_home=spec.return_home, straggler_factor=spec.straggler_factor,
                   straggler_steps=spec.straggler_steps,
                   # a local job borrows idle spares of lower-priority jobs on its host (lending.py)

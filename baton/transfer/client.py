@@ -57,9 +57,9 @@ class FetchStats:
 
 
 class _Source:
-    def __init__(self, addr: tuple[str, int], generation: int, token: str, timeout: float):
+    def __init__(self, addr: tuple[str, int], generation: int, token: str, timeout: float, kind: bytes = FETCH):
         self.addr = addr
-        self.sock = connect(addr, token, FETCH, generation, timeout)
+        self.sock = connect(addr, token, kind, generation, timeout)
         self.manifest = recv_json(self.sock)
         if "error" in self.manifest:
             raise TransferError(f"source {addr[0]}:{addr[1]} refused: {self.manifest['error']}")
@@ -76,13 +76,15 @@ class _Source:
 
 
 def fetch_state(sources: list[tuple[str, int]], generation: int, token: str,
-                timeout: float = 60.0) -> tuple[FlatState, FetchStats]:
+                timeout: float = 60.0, kind: bytes = FETCH) -> tuple[FlatState, FetchStats]:
+    """The state the sources publish for `generation` (with kind SNAPSHOT: the shard
+    snapshot whose `snapshot_key` it is)."""
     t0 = time.perf_counter()
     conns: list[_Source] = []
     errors: list[str] = []
     for addr in sources:
         try:
-            conns.append(_Source(tuple(addr), generation, token, timeout))
+            conns.append(_Source(tuple(addr), generation, token, timeout, kind))
         except (OSError, TransferError) as exc:
             errors.append(f"{addr}: {exc}")
     if not conns:

@@ -39,8 +39,13 @@ log = logging.getLogger("baton.transfer")
 
 
 # Request kinds, sent right after the nonce: fetch a published state, push bundles to
-# this process as a buddy, read one ward bundle back.
-FETCH, PUSH, WARD = b"F", b"P", b"W"
+# this process as a buddy, read one ward bundle back, fetch a shard snapshot (whose key,
+# `snapshot_key(rank, step)`, goes where the others send a generation).
+FETCH, PUSH, WARD, SNAPSHOT = b"F", b"P", b"W", b"S"
+
+
+def snapshot_key(rank: int, step: int) -> int:
+    return (rank << 40) | step
 
 
 def auth_digest(token: str, nonce: bytes, generation: int, kind: bytes = FETCH) -> bytes:
@@ -85,7 +90,42 @@ class TransferServer:
         from baton.transfer.bundles import WardStore
 
         self.wards = WardStore()
+        # Shard snapshots by (rank, step): this rank's own, and its wards' it pulled as their
+        # buddy (see baton.worker.snapshots). Served the way a published state is.
+        self._snapshots: dict[tuple[int, int], tuple[FlatState, list[list[Piece]], list[memoryview]]] = {}
         selfcost.spawn(self._accept_loop, "baton-transfer")
+
+    def put_snapshot(self, rank: int, step: int, state: FlatState) -> None:
+        views = [byte_view(t) for t in state.tensors]
+        chunks = plan_chunks([len(v) for v in views], self.chunk_bytes)
+        with self._cond:
+            self._snapshots[(rank, step)] = (state, chunks, views)
+            self._cond.notify_all()
+
+    def drop_snapshots(self, rank: int, keep: set[int]) -> None:
+        """Forget `rank`'s snapshots other than the steps in `keep`."""
+        with self._cond:
+            for key in [k for k in self._snapshots if k[0] == rank and k[1] not in keep]:
+                del self._snapshots[key]
+
+    def snapshot_steps(self, rank: int) -> list[int]:
+        with self._cond:
+            return sorted(k[1] for k in self._snapshots if k[0] == rank)
+
+    def get_snapshot(self, rank: int, step: int) -> FlatState | None:
+        with self._cond:
+            found = self._snapshots.get((rank, step))
+        return found[0] if found is not None else None
+
+    def snapshot_bytes(self) -> int:
+        with self._cond:
+            return sum(st.nbytes for st, _, _ in self._snapshots.values())
+
+    def _wait_snapshot(self, key: int) -> tuple[FlatState, list[list[Piece]], list[memoryview]] | None:
+        rank, step = key >> 40, key & ((1 << 40) - 1)
+        with self._cond:
+            self._cond.wait_for(lambda: (rank, step) in self._snapshots or self._closed, timeout=self.publish_wait_s)
+            return self._snapshots.get((rank, step))
 
     def publish(self, generation: int, state: FlatState) -> None:
         views = [byte_view(t) for t in state.tensors]
@@ -99,7 +139,9 @@ class TransferServer:
             self._published = None
 
     def close(self) -> None:
-        self._closed = True
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
         try:
             self._sock.close()
         except OSError:
@@ -134,7 +176,7 @@ class TransferServer:
                 kind = recv_exact(conn, 1)
                 (generation,) = struct.unpack("!Q", recv_exact(conn, 8))
                 digest = recv_exact(conn, 32)
-                if kind not in (FETCH, PUSH, WARD) or \
+                if kind not in (FETCH, PUSH, WARD, SNAPSHOT) or \
                         not hmac.compare_digest(digest, auth_digest(self.token, nonce, generation, kind)):
                     send_json(conn, {"error": "authentication failed: wrong job token"})
                     return
@@ -145,10 +187,17 @@ class TransferServer:
                 if kind == WARD:
                     self._serve_ward(conn)
                     return
-                found = self._wait_published(generation)
-                if found is None:
-                    send_json(conn, {"error": f"no state published for generation {generation}"})
-                    return
+                if kind == SNAPSHOT:
+                    found = self._wait_snapshot(generation)
+                    if found is None:
+                        send_json(conn, {"error": f"no snapshot of rank {generation >> 40} at step "
+                                                  f"{generation & ((1 << 40) - 1)} here"})
+                        return
+                else:
+                    found = self._wait_published(generation)
+                    if found is None:
+                        send_json(conn, {"error": f"no state published for generation {generation}"})
+                        return
                 state, chunks, views = found
                 manifest = manifest_of(state, self.chunk_bytes)
                 manifest["chunks"] = len(chunks)

@@ -38,12 +38,13 @@ from baton.store.rendezvous import RendezvousClient
 from baton.transfer import FetchStats, TransferError, codec, fetch_state
 from baton.transfer.bundles import Bundle, Frame, Pos, encode_frame, newest
 from baton.transfer.protocol import FlatState
-from baton.transfer.server import PUSH, TransferServer, connect
-from baton.worker import rng, verify
+from baton.transfer.server import PUSH, SNAPSHOT, TransferServer, connect, snapshot_key
+from baton.worker import rng, shards, verify
 from baton.worker.bundle import BundlePushers, StepCapture, fetch_ward_bundle
 from baton.worker.control import ControlChannel, cpu_report
 from baton.worker.data import DataFeed
 from baton.worker.group import CollectiveFailure, LiveGroup, install_as_world, solo_group
+from baton.worker.snapshots import Snapshots, position_of
 from baton.worker.tracked import Tracked, UsageError, reset_scaler_stage
 
 log = logging.getLogger("baton.worker")
@@ -130,6 +131,7 @@ class Runtime:
         self.loop_started = False
         self.loop_done = False
         self.finished = False
+        self.loading = False  # loading arrived state (the DCP helpers may step an optimizer)
         self.metrics: dict[str, float] = {}
         self._busy_s: float | None = None  # this step's own work, until its last gradient bucket
         self.warned_no_capture = False
@@ -138,6 +140,8 @@ class Runtime:
         self.pusher = BundlePushers(lambda addr: connect(addr, token, PUSH, timeout=self.op_timeout))
         # The ranks whose bundles this rank holds (and waits for before completing a step).
         self.wards = wards_of(rank, world_size, config.ranks_per_node or world_size, int(config.redundancy))
+        self.snapshots = Snapshots(server, token, rank, self.op_timeout)
+        self.ward_addrs: dict[int, tuple[str, int]] = {}  # where the wards are (from the latest Form)
         self.group.known_local_ports.add(server.address[1])
         self.group.known_remote_ports.update(_ports_of(os.environ.get("BATON_URL", ""),
                                                        os.environ.get("BATON_STORE", "")))
@@ -145,7 +149,7 @@ class Runtime:
         ctl.on_abort = lambda: self.group.note_failure("a peer was lost (orchestrator abort)")
         if not joiner:
             cmd = self.wait_for(m.Form)
-            self.form(cmd.generation, cmd.buddies, cmd.formation_timeout_s)
+            self.form(cmd)
             self.ctl.report(m.Formed(generation=cmd.generation, pos=(0, 0)))
 
     # ================================================================ the loop
@@ -199,6 +203,11 @@ class Runtime:
             opt.register_step_post_hook(self._on_optimizer_step)
         sharded = self.tracked.sharded_names()
         self.tracked.sharded = set(sharded)
+        if self._snapshotting():
+            for opt in self.tracked.optimizers():
+                opt.register_step_pre_hook(self._before_optimizer_step)
+            if not self.joiner:  # a joiner starts pulling when it forms its first generation
+                self.snapshots.set_wards(self.ward_addrs)
         codec.encode(self.tracked.replicated())  # refuse untransferable state now, not mid-failure
         self.spe = self.feed.steps_per_epoch()
         if not 0 <= start <= total:
@@ -260,6 +269,8 @@ class Runtime:
         if self.params_step != self.pos[0]:
             self._lineage_broken()
         self.small = self.tracked.snapshot_small()
+        if self._snapshotting():
+            self._snapshot()
         k = self.pos[0]
         epoch = k // self.spe if self.spe else self.feed.epoch
         batch = self.feed.batch()
@@ -477,7 +488,7 @@ class Runtime:
 
     @selfcost.counted
     def _on_optimizer_step(self, *_: Any) -> None:
-        if not self.loop_started:
+        if not self.loop_started or self.loading:
             return
         if self.scope == "step":
             self.committed = True
@@ -513,7 +524,7 @@ class Runtime:
                 continue
             if isinstance(cmd, m.Form):
                 try:
-                    self.form(cmd.generation, cmd.buddies, cmd.formation_timeout_s)
+                    self.form(cmd)
                     if cmd.verify:
                         self.verify_state(cmd.generation, None)
                 except (CollectiveFailure, dist.DistError, TransferError) as exc:
@@ -548,7 +559,55 @@ class Runtime:
         exit_quietly(0)
         return True  # pragma: no cover
 
+    # ================================================================ shard snapshots
+    def _snapshotting(self) -> bool:
+        """Whether this rank keeps shard snapshots for redundancy (a sharded job with buddies)."""
+        return bool(self.tracked.sharded) and bool(self.wards)
+
+    @selfcost.counted
+    def _snapshot(self) -> None:
+        """This rank's whole state at the boundary, copied to host memory for its buddies."""
+        meta, tensors = codec.encode(self._state(full=True, digest=False))
+        self.snapshots.keep(self.pos, FlatState(meta=meta, tensors=[t.clone() for t in tensors]))
+
+    @selfcost.counted
+    def _before_optimizer_step(self, *_: Any) -> None:
+        """No rank commits a step before its buddy holds its snapshot of the step's start."""
+        if self.loading or self.scope != "step":
+            return
+
+        def cancelled() -> bool:
+            return self.group.failed.is_set() or self.ctl.abort_generation is not None
+
+        why = self.snapshots.wait_wards(self.pos[0], self.op_timeout, cancelled)
+        if why is not None:
+            err = CollectiveFailure(f"{why} (peer lost)")
+            self.group.note_failure(err)
+            raise err
+
+    def _rewind(self, target: Pos) -> None:
+        """Go back to this rank's own snapshot at `target` (a lost rank's buddy holds only that one)."""
+        flat = self.snapshots.own(target[0])
+        if flat is None or position_of(flat) != tuple(target):
+            raise RuntimeError(f"rank {self.rank} holds no snapshot of its state at {target}")
+        # Copies: loading aliases the optimizer's state to these tensors, and the snapshot
+        # must stay as it is for as long as another failure could need it.
+        state = codec.decode(flat.meta, [t.clone() for t in flat.tensors])
+        self._load_replicated(state)
+        self._load_sharded(state)
+        bundle_state = state["bundle"]
+        self._apply_bundle(bundle_state)
+        self.pos = target
+        self.at_pos = Bundle.of(self.rank, target, self.group.generation, 0, bundle_state)
+        self.at_pos_rng = bundle_state["rng"]
+
     def publish(self, generation: int, full: bool) -> None:
+        meta, tensors = codec.encode(self._state(full))
+        self.server.publish(generation, FlatState(meta=meta, tensors=tensors))
+        log.info("published generation %s (full=%s): %d tensors", generation, full, len(tensors))
+
+    def _state(self, full: bool, digest: bool = True) -> dict[str, Any]:
+        """What this rank serves: its replicated state, and with `full` its own and its shards."""
         from baton.worker.ddp import export_state
 
         assert self.loop is not None
@@ -559,15 +618,17 @@ class Runtime:
             assert self.at_pos is not None
             bundle_state = self.at_pos.state()
             state["bundle"] = bundle_state
-            if self.world_size == 1:
+            if self.tracked.sharded:  # this rank's FSDP2 shards exist nowhere else
+                state["sharded"] = shards.capture(self.tracked)
+                if digest:
+                    state["sharded_digest"] = verify.combined(shards.digests(state["sharded"]))
+            if self.world_size == 1 and digest:
                 # No replica to compare the joiner with: it checks against this digest instead
                 # (a pass over the whole state, so only here: with replicas, the joiner's
                 # replicated state is compared with theirs and its own with the bundle).
                 state["digest"] = verify.combined({**self._replicated_digests(state["replicated"]),
                                                    **self._local_digests(bundle_state)})
-        meta, tensors = codec.encode(state)
-        self.server.publish(generation, FlatState(meta=meta, tensors=tensors))
-        log.info("published generation %s (full=%s): %d tensors", generation, full, len(tensors))
+        return state
 
     # ================================================================ unplanned
     def recover(self, in_step: bool, error: str,
@@ -587,8 +648,9 @@ class Runtime:
             with ctl.lock:
                 ctl.pause_at = ctl.pause_op = None
                 known = max(self.group.generation, ctl.newest_abort)
+            snaps, held = self.snapshots.report() if self._snapshotting() else ([], {})
             ctl.report(m.Recover(generation=known, pos=pos, in_step=in_step,
-                                 unit_reported=unit_reported, error=error[:2000]))
+                                 unit_reported=unit_reported, error=error[:2000], snapshots=snaps, held=held))
             cmd = self.wait_for(m.Form, m.Abort)
             if isinstance(cmd, m.Abort) or cmd.generation < known:
                 continue  # a plan made before the latest restart: the next one follows the report
@@ -599,7 +661,9 @@ class Runtime:
             try:
                 if unit is not None and not unit_done:
                     self._restore_unit(unit)
-                if unit_done:
+                if cmd.rewind:
+                    self._rewind(target)
+                elif unit_done:
                     self.pos = target
                     self.at_pos, self.at_pos_rng = self._capture_at(target)
                 elif target == pos:
@@ -617,7 +681,7 @@ class Runtime:
                 if cmd.publish:
                     self.publish(cmd.generation, full=False)
                 self._clear_abort(cmd.generation)
-                self.form(cmd.generation, cmd.buddies, cmd.formation_timeout_s)
+                self.form(cmd)
                 if completed is not None:
                     assert self.capture is not None
                     self._load_replicated(completed)
@@ -665,10 +729,10 @@ class Runtime:
             self.feed.seek(state["data"])
 
     def _fetch_state(self, sources: list[Any], generation: int, target: Pos,
-                     timeout: float | None = None) -> tuple[dict[str, Any], FetchStats]:
+                     timeout: float | None = None, kind: bytes = b"F") -> tuple[dict[str, Any], FetchStats]:
         """The state `sources` serve for `generation`, checked to be at `target`."""
         flat, stats = fetch_state([tuple(s) for s in sources], generation, self.token,
-                                  timeout=timeout or self.formation_timeout)
+                                  timeout=timeout or self.formation_timeout, kind=kind)
         state = codec.decode(flat.meta, flat.tensors)
         if tuple(state["pos"]) != tuple(target):
             raise TransferError(f"sources serve position {state['pos']}, expected {list(target)}")
@@ -705,13 +769,18 @@ class Runtime:
             gen, target = cmd.generation, tuple(cmd.pos)
             try:
                 t0 = time.perf_counter()
-                state, stats = self._fetch_state(cmd.fetch_from, gen, target, cmd.formation_timeout_s)
+                if cmd.snapshot:  # a lost sharded rank: its buddy's copy of its whole state
+                    state, stats = self._fetch_state(cmd.fetch_from, snapshot_key(self.rank, target[0]), target,
+                                                     cmd.formation_timeout_s, kind=SNAPSHOT)
+                else:
+                    state, stats = self._fetch_state(cmd.fetch_from, gen, target, cmd.formation_timeout_s)
                 t_fetched = time.perf_counter()
                 self._load_replicated(state)
+                self._load_sharded(state)
                 assert self.loop is not None  # the joiner skipped the resume block: adopt its start
                 self.loop = self.loop.model_copy(update={"start_step": int(state["loop_start"])})
                 expected = None
-                if cmd.full_state:
+                if cmd.full_state or cmd.snapshot:
                     bundle_state, expected = state["bundle"], state.get("digest")
                 else:
                     bundle_state = self._lost_bundle(cmd.lost, target)
@@ -721,9 +790,10 @@ class Runtime:
                 self.at_pos_rng = bundle_state["rng"]
                 self._clear_abort(gen)
                 t_loaded = time.perf_counter()
-                self.form(gen, cmd.buddies, cmd.formation_timeout_s)
+                self.form(cmd)
                 t_formed = time.perf_counter()
-                self.verify_state(gen, expected, bundle_state=bundle_state)
+                self.verify_state(gen, expected, bundle_state=bundle_state,
+                                  sharded_expected=state.get("sharded_digest"))
                 t_verified = time.perf_counter()
             except (CollectiveFailure, dist.DistError, TransferError, OSError) as exc:
                 log.warning("joining generation %s failed (%s); waiting for the next plan", gen, exc)
@@ -735,6 +805,18 @@ class Runtime:
             self.ctl.report(m.Formed(generation=gen, pos=self.pos, bytes=stats.bytes, seconds=round(stats.seconds, 4)))
             self.joiner = False
             return
+
+    def _load_sharded(self, state: dict[str, Any]) -> None:
+        if not self.tracked.sharded:
+            return
+        if "sharded" not in state:
+            raise Divergence(f"rank {self.rank}'s FSDP2 shards did not come with its state: only its "
+                             "predecessor (or a copy of it) holds them (a baton bug; please report it)")
+        self.loading = True  # the DCP helper may step a fresh optimizer once (lr 0) to create its state
+        try:
+            shards.load(self.tracked, state["sharded"])
+        finally:
+            self.loading = False
 
     def _lost_bundle(self, lost: m.LostRank | None, target: Pos) -> dict[str, Any]:
         candidates: list[Bundle | None] = []
@@ -770,13 +852,19 @@ class Runtime:
         raise Divergence(detail)
 
     # ================================================================ forming and checking
-    def form(self, generation: int, buddies: list[Any], timeout: float | None = None) -> None:
+    def form(self, cmd: m.Form) -> None:
+        generation = cmd.generation
+
         def superseded() -> bool:
             with self.ctl.lock:
                 return self.ctl.abort_generation is not None and self.ctl.abort_generation > generation
 
-        self.group.form(self.store, generation, self.op_timeout, timeout or self.formation_timeout, superseded)
-        self.pusher.set_buddies([tuple(b) for b in buddies])
+        self.group.form(self.store, generation, self.op_timeout, cmd.formation_timeout_s or self.formation_timeout,
+                        superseded)
+        self.pusher.set_buddies([tuple(b) for b in cmd.buddies])
+        self.ward_addrs = {int(w): (str(a[0]), int(a[1])) for w, a in cmd.wards.items()}
+        if self._snapshotting():
+            self.snapshots.set_wards(self.ward_addrs)
 
     def _replicated_digests(self, replicated: dict[str, Any]) -> dict[str, int]:
         """Digests of what every replica holds (BatchNorm-style buffers are each rank's own)."""
@@ -791,7 +879,7 @@ class Runtime:
         return verify.entries({k: v for k, v in bundle_state.items() if k != "data"}, "rank-local")
 
     def verify_state(self, generation: int, expected: int | None, periodic: bool = False,
-                     bundle_state: dict[str, Any] | None = None) -> None:
+                     bundle_state: dict[str, Any] | None = None, sharded_expected: int | None = None) -> None:
         """Replicas agree on replicated state; a joiner holds exactly what it was sent."""
         digests = self._replicated_digests(self.tracked.replicated())
         mine = verify.combined(digests)
@@ -823,6 +911,10 @@ class Runtime:
                 if diff:
                     differing += diff
                     detail += ("; " if detail else "") + "the joiner's own state differs from its record"
+        if sharded_expected is not None and \
+                verify.combined(shards.digests(shards.capture(self.tracked))) != sharded_expected:
+            differing.append("sharded")
+            detail += ("; " if detail else "") + "the joiner's FSDP2 shards differ from what its predecessor sent"
         ok = not differing
         if ok and periodic:
             return

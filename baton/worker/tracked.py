@@ -179,11 +179,10 @@ class Tracked:
         return {name: obj.state_dict() for name, obj in self.objects.items() if name not in self.sharded}
 
     def load_replicated(self, state: dict[str, Any]) -> None:
-        extra = sorted(set(state) - set(self.objects))
-        missing = sorted(set(self.objects) - set(state))
-        if extra or missing:
+        mine = set(self.objects) - self.sharded
+        if set(state) != mine:
             raise UsageError(f"tracked state differs between ranks: arrived {sorted(state)}, this rank "
-                             f"tracks {sorted(self.objects)}; every rank must track the same objects")
+                             f"tracks {sorted(mine)} (besides its shards); every rank must track the same objects")
         for name, sd in state.items():
             self.objects[name].load_state_dict(sd)
 

@@ -1,0 +1,107 @@
+"""A rank's FSDP2 shards (parameters and optimizer state) as plain tensors, and back.
+
+A sharded model's or optimizer's state exists on its own rank only, so it travels from
+that rank (a planned move's leaver, or a buddy's copy) to the rank taking its place. It
+is captured and loaded with torch.distributed.checkpoint's state-dict helpers (the
+sharded form: every DTensor holds this rank's shard); on the wire each DTensor is its
+local tensor under a `$dtensor` key, and the receiver rebuilds it on its own copy of the
+same mesh and placements, so nothing about the mesh crosses the socket.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from baton.worker import verify
+from baton.worker.tracked import Tracked, UsageError
+
+LOCAL = "$dtensor"
+
+
+def owner_model(tracked: Tracked, optimizer: torch.optim.Optimizer) -> torch.nn.Module:
+    """The tracked sharded model whose parameters this optimizer updates (the DCP helpers
+    key optimizer state by the model's parameter names)."""
+    wanted = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for name in sorted(tracked.sharded):
+        obj = tracked.objects[name]
+        if isinstance(obj, torch.nn.Module) and wanted <= {id(p) for p in obj.parameters()}:
+            return obj
+    raise UsageError("a sharded optimizer's parameters do not all belong to one tracked FSDP2 model: "
+                     "track the root module fully_shard was applied to (job.track(model=model))")
+
+
+def capture(tracked: Tracked) -> dict[str, Any]:
+    """This rank's shards of every sharded object, DTensors replaced by their local tensors."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    out: dict[str, Any] = {}
+    for name in sorted(tracked.sharded):
+        obj = tracked.objects[name]
+        if isinstance(obj, torch.nn.Module):
+            sd = get_model_state_dict(obj)
+        elif not obj.state:
+            sd = obj.state_dict()  # never stepped: nothing to shard (and the helper would step it)
+        else:
+            sd = get_optimizer_state_dict(owner_model(tracked, obj), obj)
+        out[name] = _to_local(sd)
+    return out
+
+
+def load(tracked: Tracked, state: dict[str, Any]) -> None:
+    """Load `capture`'s output from another rank into this rank's sharded objects."""
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
+
+    if set(state) != set(tracked.sharded):
+        raise UsageError(f"sharded state differs between ranks: arrived {sorted(state)}, this rank shards "
+                         f"{sorted(tracked.sharded)}; every rank must shard the same objects")
+    models = [n for n in sorted(state) if isinstance(tracked.objects[n], torch.nn.Module)]
+    for name in models + [n for n in sorted(state) if n not in models]:  # optimizers after models
+        obj, incoming = tracked.objects[name], state[name]
+        if isinstance(obj, torch.nn.Module):
+            set_model_state_dict(obj, _rebuild(incoming, get_model_state_dict(obj), name))
+        elif not incoming.get("state"):
+            obj.load_state_dict(incoming)
+        else:
+            model = owner_model(tracked, obj)
+            here = get_optimizer_state_dict(model, obj)
+            set_optimizer_state_dict(model, obj, _rebuild(incoming, here, name))
+
+
+def digests(state: dict[str, Any]) -> dict[str, int]:
+    """Per-entry digests of captured shards, to check a load reproduced them exactly."""
+    return verify.entries(state, "sharded")
+
+
+def _to_local(obj: Any) -> Any:
+    if isinstance(obj, DTensor):
+        return {LOCAL: obj.to_local()}
+    if isinstance(obj, dict):
+        return {k: _to_local(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_local(v) for v in obj)
+    return obj
+
+
+def _rebuild(incoming: Any, here: Any, path: str) -> Any:
+    """`incoming` with each `$dtensor` local tensor made a DTensor laid out as `here`'s."""
+    if isinstance(incoming, dict) and set(incoming) == {LOCAL}:
+        local = incoming[LOCAL]
+        if not isinstance(here, DTensor):
+            raise UsageError(f"{path}: a shard arrived where this rank holds no DTensor")
+        mine = here.to_local()
+        if local.shape != mine.shape or local.dtype != mine.dtype:
+            raise UsageError(f"{path}: the shard that arrived is {tuple(local.shape)} {local.dtype}, this rank's "
+                             f"is {tuple(mine.shape)} {mine.dtype}: the ranks build different models or meshes")
+        return DTensor.from_local(local.to(mine.device), here.device_mesh, here.placements,
+                                  run_check=False, shape=here.shape, stride=here.stride())
+    if isinstance(incoming, dict):
+        if not isinstance(here, dict):
+            raise UsageError(f"{path}: structure differs from this rank's state")
+        return {k: _rebuild(v, here.get(k), f"{path}.{k}") for k, v in incoming.items()}
+    if isinstance(incoming, (list, tuple)) and isinstance(here, (list, tuple)) and len(here) == len(incoming):
+        return type(incoming)(_rebuild(v, h, f"{path}[{i}]") for i, (v, h) in enumerate(zip(incoming, here)))
+    return incoming

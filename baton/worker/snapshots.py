@@ -1,0 +1,151 @@
+"""Peer redundancy for sharded state: every rank's FSDP2 shards at each step boundary,
+held in host memory by its buddy, so a lost rank can be rebuilt with no rollback to disk.
+
+At each boundary a rank snapshots its whole state (shards, the small replicated state,
+its bundle) into host memory and serves it from its transfer server; each buddy pulls
+its wards' snapshots in a background thread while the step computes. Before a buddy's
+`optimizer.step()` it waits until it holds its wards' snapshots of the step's start, so
+no rank gets two boundaries ahead of a copy of its ward's state.
+
+A rank can be lost before its newest snapshot reached its buddy. The buddy then still
+holds the one before (a snapshot is dropped only once the next has arrived), and every
+rank keeps its own two newest snapshots, so the job can go back one boundary: the
+orchestrator picks the newest boundary that every survivor can reach and every lost
+rank's buddy holds. Memory per rank: its own two snapshots plus one or two per ward.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from typing import Callable
+
+from baton import selfcost
+from baton.transfer import TransferError, fetch_state
+from baton.transfer.bundles import Pos
+from baton.transfer.protocol import FlatState
+from baton.transfer.server import SNAPSHOT, TransferServer, snapshot_key
+
+log = logging.getLogger("baton.worker")
+
+
+def position_of(state: FlatState) -> Pos:
+    """The boundary a snapshot describes (read from its skeleton, without decoding it)."""
+    k, sub = json.loads(state.meta)["pos"]
+    return int(k), int(sub)
+
+
+class Snapshots:
+    KEEP_OWN = 2
+
+    def __init__(self, server: TransferServer, token: str, rank: int, timeout_s: float):
+        self.server, self.token, self.rank, self.timeout_s = server, token, rank, timeout_s
+        self._cond = threading.Condition()
+        self._own: dict[int, Pos] = {}  # step -> boundary of this rank's own snapshots
+        self._held: dict[int, dict[int, Pos]] = {}  # ward -> step -> boundary
+        self._failed: dict[int, tuple[int, str]] = {}  # ward -> (step, why it could not be pulled)
+        self._wanted: dict[int, int] = {}  # ward -> the step its puller should fetch next
+        self._addrs: dict[int, tuple[str, int]] = {}
+        self._epoch = 0  # bumped on every set_wards: older pullers stop
+        self.pulled_bytes = 0
+        self.pull_seconds = 0.0
+
+    # ---------------------------------------------------------------- own snapshots
+    def keep(self, pos: Pos, state: FlatState) -> None:
+        """This rank's snapshot at `pos`: served to its buddies, the two newest kept."""
+        step = pos[0]
+        self.server.put_snapshot(self.rank, step, state)
+        with self._cond:
+            self._own[step] = pos
+            for old in sorted(self._own)[:-self.KEEP_OWN]:
+                del self._own[old]
+            keep = set(self._own)
+            for ward in self._wanted:
+                self._wanted[ward] = step  # the wards snapshot this boundary too
+            self._cond.notify_all()
+        self.server.drop_snapshots(self.rank, keep)
+
+    def own(self, step: int) -> FlatState | None:
+        return self.server.get_snapshot(self.rank, step)
+
+    # ---------------------------------------------------------------- wards' snapshots
+    def set_wards(self, addrs: dict[int, tuple[str, int]]) -> None:
+        """Pull these wards' snapshots (from a new generation on: their holders may have changed)."""
+        with self._cond:
+            self._epoch += 1
+            epoch = self._epoch
+            for gone in set(self._held) - set(addrs):
+                self._held.pop(gone)
+                self.server.drop_snapshots(gone, set())
+            self._addrs = dict(addrs)
+            self._wanted = {w: -1 for w in addrs}  # from the next boundary on
+            self._failed.clear()
+            self._cond.notify_all()
+        for ward in addrs:
+            selfcost.spawn(self._pull, f"baton-snapshot-pull-{ward}", (ward, epoch))
+
+    def _pull(self, ward: int, epoch: int) -> None:
+        done = -1
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._epoch != epoch or self._wanted.get(ward, -1) > done)
+                if self._epoch != epoch:
+                    return
+                step, addr = self._wanted[ward], self._addrs[ward]
+            t0 = time.perf_counter()
+            try:
+                state, stats = fetch_state([addr], snapshot_key(ward, step), self.token,
+                                           timeout=self.timeout_s, kind=SNAPSHOT)
+            except (OSError, TransferError) as exc:
+                with self._cond:
+                    if self._epoch != epoch:
+                        return
+                    self._failed[ward] = (step, f"rank {ward}'s shard snapshot of step {step} could not be "
+                                                f"pulled: {exc}")
+                    self._cond.notify_all()
+                    done = step  # wait for the next boundary (or a new generation)
+                continue
+            pos = position_of(state)
+            with self._cond:
+                if self._epoch != epoch:
+                    return
+                self.server.put_snapshot(ward, step, state)
+                held = self._held.setdefault(ward, {})
+                held[step] = pos
+                for old in [s for s in held if s < step]:  # the older one only once this one is whole
+                    del held[old]
+                self.server.drop_snapshots(ward, set(held))
+                self._failed.pop(ward, None)
+                self.pulled_bytes += stats.bytes
+                self.pull_seconds += time.perf_counter() - t0
+                self._cond.notify_all()
+            done = step
+
+    def wait_wards(self, step: int, timeout_s: float, cancelled: Callable[[], bool]) -> str | None:
+        """Wait until every ward's snapshot of `step` is held here; None, or why not."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while True:
+                missing = [w for w in self._addrs if step not in self._held.get(w, {})]
+                if not missing:
+                    return None
+                failed = [self._failed[w][1] for w in missing if self._failed.get(w, (-1, ""))[0] >= step]
+                if failed:
+                    return failed[0]
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return f"rank {missing[0]}'s shard snapshot of step {step} did not arrive within {timeout_s:.0f}s"
+                if cancelled():
+                    return "the generation failed"
+                self._cond.wait(min(left, 0.05))
+
+    # ---------------------------------------------------------------- what a recovery needs
+    def report(self) -> tuple[list[Pos], dict[int, list[Pos]]]:
+        with self._cond:
+            return (sorted(self._own.values()),
+                    {w: sorted(held.values()) for w, held in self._held.items() if held})
+
+    def held_bytes(self) -> int:
+        return self.server.snapshot_bytes()
