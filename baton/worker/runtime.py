@@ -750,10 +750,13 @@ class Runtime:
             adopt_state(ddp, ddp_state)
 
     def _reset_ddp(self) -> None:
+        """Discard what an interrupted step left in DDP's reducer and FSDP2's blocks."""
         from baton.worker.ddp import reset_after_failure
 
         for ddp in self.tracked.ddps:
             reset_after_failure(ddp)
+        if self.tracked.sharded:
+            shards.reset_after_failure(self.tracked)
 
     def _clear_abort(self, generation: int) -> None:
         with self.ctl.lock:
@@ -776,6 +779,9 @@ class Runtime:
                     state, stats = self._fetch_state(cmd.fetch_from, gen, target, cmd.formation_timeout_s)
                 t_fetched = time.perf_counter()
                 self._load_replicated(state)
+                sharded_expected = state.get("sharded_digest")
+                if cmd.snapshot:  # check the load against what arrived (its chunks were checked on the way)
+                    sharded_expected = verify.combined(shards.digests(state["sharded"]))
                 self._load_sharded(state)
                 assert self.loop is not None  # the joiner skipped the resume block: adopt its start
                 self.loop = self.loop.model_copy(update={"start_step": int(state["loop_start"])})
@@ -792,8 +798,7 @@ class Runtime:
                 t_loaded = time.perf_counter()
                 self.form(cmd)
                 t_formed = time.perf_counter()
-                self.verify_state(gen, expected, bundle_state=bundle_state,
-                                  sharded_expected=state.get("sharded_digest"))
+                self.verify_state(gen, expected, bundle_state=bundle_state, sharded_expected=sharded_expected)
                 t_verified = time.perf_counter()
             except (CollectiveFailure, dist.DistError, TransferError, OSError) as exc:
                 log.warning("joining generation %s failed (%s); waiting for the next plan", gen, exc)

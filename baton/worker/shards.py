@@ -71,6 +71,64 @@ def load(tracked: Tracked, state: dict[str, Any]) -> None:
             set_optimizer_state_dict(model, obj, _rebuild(incoming, here, name))
 
 
+def reset_after_failure(tracked: Tracked) -> None:
+    """Discard a step a failure interrupted, on every sharded model: FSDP2 would otherwise
+    keep blocks it had gathered (and skip gathering them again: a collective the other
+    ranks run and this one does not), prefetches and partial gradients."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for name in sorted(tracked.sharded):
+        model = tracked.objects[name]
+        if not isinstance(model, torch.nn.Module):
+            continue
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                _drop_pending_gathers(module)
+        if isinstance(model, FSDPModule) and getattr(model._get_fsdp_state(), "_is_root", None):
+            model.reset_iter_state()
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                _drop_unsharded_grads(module)
+        for param in model.parameters():
+            param.grad = None
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                for group in module._get_fsdp_state()._fsdp_param_groups:
+                    if not group.is_sharded or group._all_gather_result is not None:
+                        raise RuntimeError(f"FSDP2 block {group._module_fqn or name!r} is still gathered after "
+                                           "a failed step was discarded: re-running the step would skip its "
+                                           "all-gather on this rank only (a baton bug; please report it)")
+
+
+def _drop_unsharded_grads(module: Any) -> None:
+    """Gradients a block's backward left on its gathered parameters before its
+    reduce-scatter ran: the re-run's backward would add to them (reset_iter_state
+    leaves them, as it leaves the sharded gradients)."""
+    for group in module._get_fsdp_state()._fsdp_param_groups:
+        for fsdp_param in group.fsdp_params:
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+            if unsharded is not None:
+                unsharded.grad = None
+            fsdp_param.unsharded_accumulated_grad = None
+
+
+def _drop_pending_gathers(module: Any) -> None:
+    """Wait out (and forget) all-gathers of the broken generation, which fail when waited
+    on: reset_iter_state() would wait on them and raise half way through its reset."""
+    state = module._get_fsdp_state()
+    for group in state._fsdp_param_groups:
+        result = group._all_gather_result
+        if result is not None and result.all_gather_work is not None:
+            try:
+                result.all_gather_work.wait()
+            except Exception:  # noqa: BLE001 - the generation is already known to be broken
+                pass
+            group._all_gather_result = None
+    ag_state = state._comm_ctx.all_gather_state
+    if ag_state is not None:
+        state._comm_ctx.all_gather_state = None
+
+
 def digests(state: dict[str, Any]) -> dict[str, int]:
     """Per-entry digests of captured shards, to check a load reproduced them exactly."""
     return verify.entries(state, "sharded")
