@@ -71,6 +71,7 @@ class Heartbeat(_Msg):
     step: NonNegativeInt | None = None
     step_time: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
     busy_time: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None  # own work until the last bucket
+    snapshot_mb: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None  # shard snapshots held (host memory)
     metrics: Annotated[dict[Annotated[str, Field(max_length=64)], float], Field(max_length=64)] = {}
     cpu: CpuReport | None = None
     gpu: GpuReading | None = None  # NVML readings of the slot's GPU, where there is one

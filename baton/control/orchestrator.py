@@ -364,6 +364,8 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing):
                 info.metrics = dict(rep.metrics)
             if rep.step_time is not None:
                 info.metrics["step_time"] = rep.step_time
+            if rep.snapshot_mb is not None:
+                info.metrics["snapshot_mb"] = rep.snapshot_mb
             if rep.busy_time is not None:
                 info.metrics["busy_time"] = rep.busy_time
                 if rep.step is not None and self.op is None:

@@ -5,14 +5,14 @@ the job's mesh, then the root; AdamW with warm-up and cosine decay (LambdaLR), g
 clipping, an evaluation every few steps. Tokens come from a stream it makes itself (a
 noisy repeating grammar), so it runs anywhere on CPU.
 
-    baton run --nproc 4 --spares 1 baton/examples/llama.py --steps 40 --out final.pt
+    baton run --nproc 4 --spares 1 --redundancy 1 baton/examples/llama.py --steps 40 --out final.pt
     torchrun --nproc_per_node 4 baton/examples/llama.py --plain --steps 40 --out plain.pt
 
 `--plain` is the same script on torchrun (init_process_group + init_device_mesh + a
 for-loop); the two write each rank's shards, LR and random stream for a bitwise compare.
 
-Status (issue 10): it trains on baton's live group with no failure; moving or recovering
-a sharded rank is not built yet.
+With `--redundancy 1` (or more) a lost rank is rebuilt from its buddy's in-memory copy of
+its shards; planned moves send the leaver's shards to the joiner.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -172,6 +173,9 @@ def main() -> None:
     p.add_argument("--max-norm", type=float, default=1.0)
     p.add_argument("--eval-every", type=int, default=10)
     p.add_argument("--out", default=None, help="save each rank's sharded state to OUT.rankN")
+    p.add_argument("--dim", type=int, default=64, help="model width (the benchmark makes it bigger)")
+    p.add_argument("--layers", type=int, default=3)
+    p.add_argument("--progress", default=None, help="rank 0 appends `step wall-time` per step to this file")
     args = p.parse_args()
 
     # ---- the only differences between the torchrun and the baton version: setup ...
@@ -185,7 +189,8 @@ def main() -> None:
         job = baton.init()
         rank, world_size, mesh = job.rank, job.world_size, job.mesh()
 
-    cfg = ModelArgs()
+    cfg = ModelArgs(dim=args.dim, n_layers=args.layers)
+    progress = open(args.progress, "a", buffering=1) if args.progress and rank == 0 else None
     tokens = make_tokens(20000, cfg.vocab_size, seed=11)
     train_tokens, val_tokens = tokens[:18000], tokens[18000:]
     torch.manual_seed(0)  # the same initial weights on every rank before sharding
@@ -236,6 +241,8 @@ def main() -> None:
             train_step()
             if (step + 1) % args.eval_every == 0:
                 evaluate(step + 1)
+            if progress:
+                progress.write(f"{step + 1} {time.time():.6f}\n")
         if args.out:
             save_state(args.out, rank, model, optimizer, scheduler)
         dist.destroy_process_group()
@@ -248,6 +255,8 @@ def main() -> None:
             loss = train_step()
         if not step.failed:
             job.log(loss=loss.item(), lr=scheduler.get_last_lr()[0])
+            if progress:
+                progress.write(f"{step.index + 1} {time.time():.6f}\n")
     if args.out:
         save_state(args.out, rank, model, optimizer, scheduler)
     job.finish()

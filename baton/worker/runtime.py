@@ -290,6 +290,8 @@ class Runtime:
         if not step.completed:
             raise UsageError(f"step {step.index} was not run inside `with step:`: write the step's "
                              "code as `for step in job.steps(n): with step: ...`")
+        if self.capture is None and self.tracked.sharded:
+            self._capture_point(push=False)  # the step is complete: its end is the next boundary
         if self.capture is None:
             # No collective at all in this step: nothing gated it, so capture now.
             if not self.warned_no_capture:
@@ -385,7 +387,7 @@ class Runtime:
         state = self._own_state(pos)
         return Bundle.of(self.rank, pos, self.group.generation, seq, state), state["rng"]
 
-    def _capture_point(self) -> None:
+    def _capture_point(self, push: bool = True) -> None:
         """Inside a step: capture what the next boundary will hold and send it to the buddies.
         Written straight to its wire frame (the buffers' bytes copied once, into it), which
         stands in for the bundle: it is decoded only if a failure needs it."""
@@ -394,7 +396,7 @@ class Runtime:
         frame = encode_frame(self.rank, pos, self.group.generation, self.seq, state)
         self.capture = StepCapture(state["rng"], frame)
         self.seq += 1
-        if self.wards:
+        if self.wards and push:
             self.pusher.push(frame)
 
     def _gate(self) -> None:
@@ -475,8 +477,11 @@ class Runtime:
             if self.committed:
                 raise UsageError(f"dist.{op} after optimizer.step() in the same step: a step's "
                                  "collectives must all come before it commits")
-            self._capture_point()
-            self._gate()
+            if not self.tracked.sharded:
+                self._capture_point()
+                self._gate()
+            # A sharded job's rank-local state travels in its shard snapshots (taken at each
+            # boundary, complete): FSDP2's many collectives per step capture nothing.
         return None
 
     @selfcost.counted
@@ -569,6 +574,7 @@ class Runtime:
         """This rank's whole state at the boundary, copied to host memory for its buddies."""
         meta, tensors = codec.encode(self._state(full=True, digest=False))
         self.snapshots.keep(self.pos, FlatState(meta=meta, tensors=[t.clone() for t in tensors]))
+        self.ctl.heartbeat["snapshot_mb"] = round(self.snapshots.held_bytes() / 2**20, 2)
 
     @selfcost.counted
     def _before_optimizer_step(self, *_: Any) -> None:

@@ -1,0 +1,241 @@
+"""What FSDP2 jobs pay for baton: steady state, the redundancy's memory, and move downtime.
+
+    python bench/fsdp.py --rounds 3      # writes bench/results/fsdp-<ts>.json and the README's
+                                         # sentence between its markers
+
+The llama example (baton/examples/llama.py, per-block fully_shard, AdamW) at a bench size
+(--dim 256 --layers 4 by default: 3.3M parameters), 2 ranks, under three contenders run
+interleaved: torchrun (`--plain`), baton with `--redundancy 0` (no shard copies) and baton
+with `--redundancy 1` (each rank's buddy pulls its shard snapshot every step). Per run,
+over the window from step --warmup to step --steps (rank 0 writes a line per step):
+  step_s          median gap between rank 0's steps
+  cpu_s_per_step  CPU-seconds of the whole process tree (ranks, spare, launcher, store) / steps
+  rank_rss_mb     resident memory of the ranks at the window's end, summed
+A contender's ratio to torchrun is taken within each round; medians (min-max) over rounds.
+
+Downtime: one more baton --redundancy 1 run with a planned move of rank 1 (its shards go
+straight to the joiner) and then kill -9 of rank 1 (rebuilt from its buddy's copy); each
+event's downtime against the raw loopback copy time of the same bytes (bench/rawcopy.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+from common import free_port, interleave, median_range, write_readme_sentence  # noqa: E402
+from contenders import tree_cpu  # noqa: E402
+
+LLAMA = REPO / "baton" / "examples" / "llama.py"
+MARK = "bench:fsdp"
+CONTENDERS = {"torchrun": None, "baton-r0": ["--redundancy", "0"], "baton-r1": ["--redundancy", "1"]}
+
+
+def _progress(path: Path) -> list[tuple[int, float]]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        parts = line.split()
+        if len(parts) == 2:
+            out.append((int(parts[0]), float(parts[1])))
+    return out
+
+
+def _rss_mb(pid: int) -> float:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def _ranks(kind: str, root: int, run: Path) -> tuple[list[int], float | None]:
+    """The ranks' pids (from baton's API, or torchrun's workers) and, under baton, the shard
+    snapshots they hold in MB (what each rank reports in its heartbeat)."""
+    if kind == "torchrun":
+        return [pid for pid in tree_cpu([root]) if pid != root and _is_llama(pid)], None
+    from baton.control.client import ApiClient
+    from baton.rundir import RunDir
+
+    url, token = RunDir(run / "run").read()
+    ranks = ApiClient(url, token).status()["jobs"][0]["ranks"]
+    return [r["pid"] for r in ranks], sum(r["metrics"].get("snapshot_mb", 0.0) for r in ranks)
+
+
+def _is_llama(pid: int) -> bool:
+    try:
+        return b"llama.py" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+def _launch(kind: str, run: Path, model: list[str], steps: int, nproc: int) -> subprocess.Popen:
+    run.mkdir(parents=True, exist_ok=True)
+    args = [str(LLAMA), "--steps", str(steps), "--eval-every", "1000", *model, "--progress", str(run / "progress")]
+    if kind == "torchrun":
+        cmd = [str(Path(sys.executable).with_name("torchrun")), "--nproc_per_node", str(nproc), "--master_addr",
+               "127.0.0.1", "--master_port", str(free_port()), args[0], "--plain", *args[1:]]
+    else:
+        cmd = [sys.executable, "-m", "baton.cli", "run", "--nproc", str(nproc), "--spares", "1", "--quiet",
+               "--run-dir", str(run / "run"), *CONTENDERS[kind], *args]
+    return subprocess.Popen(cmd, cwd=run, stdout=open(run / "out.log", "w"), stderr=subprocess.STDOUT,
+                            start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def run_one(kind: str, run: Path, a: argparse.Namespace) -> dict:
+    proc = _launch(kind, run, a.model, a.steps, a.nproc)
+    cpu0 = t0 = snap_mb = None
+    rss = 0.0
+    try:
+        deadline = time.time() + a.timeout
+        while time.time() < deadline:
+            done = _progress(run / "progress")
+            n = done[-1][0] if done else 0
+            if cpu0 is None and n >= a.warmup:
+                cpu0, t0 = sum(c for c, _ in tree_cpu([proc.pid]).values()), time.time()
+            if n >= a.steps - 2 and not rss:  # before the ranks start to exit
+                pids, snap_mb = _ranks(kind, proc.pid, run)
+                rss = sum(_rss_mb(p) for p in pids)
+            if n >= a.steps:
+                cpu1, t1 = sum(c for c, _ in tree_cpu([proc.pid]).values()), time.time()
+                break
+            if proc.poll() is not None:
+                raise RuntimeError(f"{kind} exited early ({proc.returncode}): {(run / 'out.log').read_text()[-2000:]}")
+            time.sleep(0.02)
+        else:
+            raise RuntimeError(f"{kind} did not finish in {a.timeout}s")
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    window = [(k, t) for k, t in _progress(run / "progress") if a.warmup <= k <= a.steps]
+    gaps = sorted(t2 - t1_ for (_, t1_), (_, t2) in zip(window, window[1:]))
+    n_steps = a.steps - a.warmup
+    out = {"step_s": gaps[len(gaps) // 2], "mean_step_s": (window[-1][1] - window[0][1]) / n_steps,
+           "cpu_s_per_step": (cpu1 - cpu0) / n_steps, "rank_rss_mb": rss, "snapshot_mb": snap_mb,
+           "exit": proc.returncode}
+    print(f"  {kind:>9}: step {out['step_s'] * 1e3:.1f} ms (median), CPU {out['cpu_s_per_step'] * 1e3:.0f} ms/step, "
+          f"ranks' RSS {rss:.0f} MB" + (f", shard snapshots held {snap_mb:.0f} MB" if snap_mb else ""), flush=True)
+    return out
+
+
+def downtime(run: Path, a: argparse.Namespace) -> dict:
+    """A planned move, then kill -9, of rank 1 in one baton --redundancy 1 run."""
+    from rawcopy import close as rawcopy_close
+    from rawcopy import tcp_copy_s
+
+    from tests.jobs import Job
+
+    job = Job(run, nproc=a.nproc, spares=1, steps=0, script=LLAMA, name="downtime",
+              script_args=["--steps", "100000", "--eval-every", "1000", *a.model], run_args=["--redundancy", "1"])
+    events = []
+    try:
+        job.wait_step(a.warmup, timeout=a.timeout)
+        job.client.migrate(1)
+        job.wait_until(lambda s: any(e["status"] == "resolved" for e in job.events()), timeout=120, what="the move")
+        job.wait_until(lambda s: any(sp["state"] == "spare" for sp in s["spares"]),
+                       timeout=120, what="a spare")
+        time.sleep(2.0)
+        job.wait_step(job.status()["ranks"][0]["step"] + 5, timeout=120)
+        job.signal_rank(1, signal.SIGKILL)
+        job.wait_until(lambda s: sum(e["status"] == "resolved" for e in job.events()) >= 2, timeout=120,
+                       what="the recovery")
+        events = job.events()
+    finally:
+        job.kill()
+    out = []
+    for ev in events:
+        raw = sorted(tcp_copy_s(ev["state_bytes"]) for _ in range(5))[2] if ev.get("state_bytes") else None
+        out.append({"kind": ev["kind"], "downtime_s": ev["downtime_s"], "state_bytes": ev["state_bytes"],
+                    "transfer_s": ev["transfer_s"], "steps_lost": ev["steps_lost"], "steps_rerun": ev["steps_rerun"],
+                    "raw_tcp_copy_s": raw})
+        print(f"  {ev['kind']}: downtime {ev['downtime_s']:.3f} s, {ev['state_bytes'] / 1e6:.1f} MB "
+              f"(raw copy {raw * 1e3:.1f} ms), steps lost {ev['steps_lost']}", flush=True)
+    rawcopy_close()
+    return {"events": out}
+
+
+def sentence(r: dict) -> str:
+    s = r["steady"]
+    def ratio(k: str, m: str) -> str:
+        x = s[k][m]
+        return f"{x['median']:.2f}× ({x['min']:.2f}–{x['max']:.2f})"
+    ev = {e["kind"]: e for e in r["downtime"]["events"]}
+    parts = [f"{k} {e['downtime_s']:.2f} s for {e['state_bytes'] / 1e6:.0f} MB (raw loopback copy "
+             f"{e['raw_tcp_copy_s'] * 1e3:.0f} ms)" for k, e in ev.items()]
+    return (f"FSDP2 llama example ({r['params_m']:.1f}M parameters, {r['nproc']} ranks, steps "
+            f"~{s['torchrun']['step_s']['median'] * 1e3:.0f} ms under torchrun): step time vs torchrun "
+            f"{ratio('baton-r0', 'step_ratio')} with `--redundancy 0` and {ratio('baton-r1', 'step_ratio')} "
+            f"with `--redundancy 1`; CPU-seconds per step of the whole process tree {ratio('baton-r0', 'cpu_ratio')} "
+            f"and {ratio('baton-r1', 'cpu_ratio')}. The redundancy itself (`--redundancy 1` against 0, round "
+            f"by round): step time {ratio('redundancy', 'step_ratio')}, CPU {ratio('redundancy', 'cpu_ratio')}; "
+            f"host memory it holds, all ranks together: {s['baton-r1']['snapshot_mb']['median']:.0f} MB (each "
+            f"rank's state is {r['downtime']['events'][0]['state_bytes'] / 2**20:.0f} MB). Downtime: "
+            + "; ".join(parts)
+            + f" (`bench/fsdp.py`, {r['machine']}, {r['when']}, {r['rounds']} rounds, medians (min–max)).")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--warmup", type=int, default=15)
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--dim", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--no-readme", action="store_true")
+    a = p.parse_args()
+    a.model = ["--dim", str(a.dim), "--layers", str(a.layers)]
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f"baton-bench-fsdp-{stamp}"
+    rounds = interleave(list(CONTENDERS), a.rounds, lambda k, i: run_one(k, tmp / f"{k}-{i}", a))
+    steady = {}
+    for k in CONTENDERS:
+        steady[k] = {m: median_range(r[k][m] for r in rounds) for m in ("step_s", "mean_step_s", "cpu_s_per_step",
+                                                                         "rank_rss_mb")}
+        steady[k]["step_ratio"] = median_range(r[k]["step_s"] / r["torchrun"]["step_s"] for r in rounds)
+        steady[k]["cpu_ratio"] = median_range(r[k]["cpu_s_per_step"] / r["torchrun"]["cpu_s_per_step"] for r in rounds)
+    steady["baton-r1"]["snapshot_mb"] = median_range(r["baton-r1"]["snapshot_mb"] for r in rounds)
+    # What the redundancy itself costs: baton with copies against baton without, round by round.
+    steady["redundancy"] = {
+        "step_ratio": median_range(r["baton-r1"]["step_s"] / r["baton-r0"]["step_s"] for r in rounds),
+        "cpu_ratio": median_range(r["baton-r1"]["cpu_s_per_step"] / r["baton-r0"]["cpu_s_per_step"] for r in rounds)}
+    print("downtime run:", flush=True)
+    d = tmp / "downtime"
+    d.mkdir(parents=True, exist_ok=True)
+    dt = downtime(d, a)
+    dim, layers = a.dim, a.layers
+    hidden = 32 * -(-int(8 * dim / 3) // 32)
+    params = layers * (4 * dim * dim + 3 * dim * hidden + 2 * dim) + 2 * 96 * dim + dim
+    result = {"when": datetime.now().strftime("%Y-%m-%d %H:%M:%S"),
+              "machine": f"{os.cpu_count()} cores, {platform.machine()}", "rounds": a.rounds, "nproc": a.nproc,
+              "params_m": params / 1e6, "dim": dim, "layers": layers, "steps": a.steps, "warmup": a.warmup,
+              "steady": steady, "raw_rounds": rounds, "downtime": dt}
+    result["sentence"] = sentence(result)
+    out = REPO / "bench" / "results" / f"fsdp-{stamp}.json"
+    out.write_text(json.dumps(result, indent=2))
+    print(result["sentence"])
+    print(f"wrote {out}")
+    if not a.no_readme:
+        write_readme_sentence(REPO / "README.md", MARK, "bench/fsdp.py", result["sentence"])
+
+
+if __name__ == "__main__":
+    main()
