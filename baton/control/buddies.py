@@ -12,7 +12,7 @@ from __future__ import annotations
 
 
 def buddies_of(rank: int, world: int, per_node: int, redundancy: int) -> list[int]:
-    if world <= 1:
+    if world <= 1 or redundancy <= 0:
         return []
     per_node = max(1, min(per_node, world))
     node = rank // per_node
