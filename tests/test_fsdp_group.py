@@ -102,7 +102,6 @@ def _resolved(job: Job, rank: int) -> bool:
     return any(e["rank"] == rank and e["status"] == "resolved" for e in job.events())
 
 
-@pytest.mark.xdist_group("llama4")  # one worker computes the reference for both
 def test_fsdp_ranks_move_planned_and_preemptive_bitwise(tmp_path, four_rank_reference):
     """4-rank FSDP2 llama: a planned move of rank 0, then a taint of rank 2's slot (a pre-emptive
     move). Each leaver's shards (parameters and AdamW moments) go straight to its joiner; the
@@ -124,7 +123,6 @@ def test_fsdp_ranks_move_planned_and_preemptive_bitwise(tmp_path, four_rank_refe
     assert all(e["steps_rerun"] == 0 for e in events), events
 
 
-@pytest.mark.xdist_group("llama4")  # one worker computes the reference for both
 def test_lost_fsdp_ranks_are_rebuilt_from_their_buddies_copies_bitwise(tmp_path, four_rank_reference):
     """4-rank FSDP2 llama with --redundancy 1: kill -9 of rank 0, then rank 2 hung (SIGSTOP).
     Each lost rank's shards come from the copy its buddy pulled at the last step boundary
