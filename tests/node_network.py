@@ -1,18 +1,25 @@
-"""Test "nodes" with addresses of their own: one network namespace per node on a private
-bridge, so nothing that crosses nodes can hide on 127.0.0.1.
+"""Test "nodes" with addresses of their own: one network namespace per node, so nothing
+that crosses nodes can hide on 127.0.0.1.
 
-The bridge (in this host's namespace) holds 10.X.Y.1, which is where the launcher and
-slurmctld are reached; node K lives in namespace `<tag>-nK` at 10.X.Y.(10+K). A node is lost the way a machine is: every process in its
-namespace killed and its link cut, so peers get no answer at all (not a reset).
+The host (this namespace, where the launcher and slurmctld run) holds 10.X.Y.1 and node K,
+in namespace `<tag>-nK`, holds 10.X.Y.(10+K). Every pair of them is joined by a veth pair
+of its own with a /32 route over it: a full mesh, with no bridge and no forwarding, because
+neither the bridge module nor a writable ip_forward can be counted on in a sandbox (CI's
+kernel refused `ip link add ... type bridge`). A node is lost the way a machine is: every
+process in its namespace killed and its links' carrier cut, so peers get no answer at all
+(not a reset, not "network unreachable").
 """
 
 from __future__ import annotations
 
 import ipaddress
+import itertools
 import os
 import random
 import signal
 import subprocess
+
+HOST = "host"
 
 
 def _ip(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -33,7 +40,6 @@ class NodeNetwork:
             if not any(net.overlaps(u) for u in used):
                 break
         self.net = net
-        self.bridge = f"{self.tag}br"
         self.host_addr = str(net.network_address + 1)
         self.nodes = list(nodes)
         self.addrs = {n: str(net.network_address + 10 + i) for i, n in enumerate(self.nodes, start=1)}
@@ -41,24 +47,33 @@ class NodeNetwork:
     def ns(self, node: str) -> str:
         return f"{self.tag}-{node}"
 
-    def _veth(self, node: str) -> str:
-        return f"{self.tag}v{self.nodes.index(node) + 1}"
+    def _addr(self, end: str) -> str:
+        return self.host_addr if end == HOST else self.addrs[end]
+
+    def _link(self, a: str, b: str) -> str:
+        """The name of a's end of the a-b link (unique on the host, at most 15 characters)."""
+        index = {HOST: 0, **{n: i for i, n in enumerate(self.nodes, start=1)}}
+        return f"{self.tag}l{index[a]}x{index[b]}"
+
+    def _ip_on(self, end: str, *argv: str, check: bool = True) -> subprocess.CompletedProcess:
+        return _ip(*argv, check=check) if end == HOST else _ip("-n", self.ns(end), *argv, check=check)
 
     def up(self) -> None:
-        _ip("link", "add", self.bridge, "type", "bridge")
-        _ip("addr", "add", f"{self.host_addr}/24", "dev", self.bridge)
-        _ip("link", "set", self.bridge, "up")
         for node in self.nodes:
-            ns, veth = self.ns(node), self._veth(node)
-            _ip("netns", "add", ns)
-            _ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
-            _ip("link", "set", veth, "master", self.bridge)
-            _ip("link", "set", veth, "up")
-            _ip("-n", ns, "addr", "add", f"{self.addrs[node]}/24", "dev", "eth0")
-            _ip("-n", ns, "link", "set", "eth0", "up")
-            _ip("-n", ns, "link", "set", "lo", "up")
-            # No default route: everything a node talks to is on the bridge's /24, and a DNS
-            # lookup (the host's nameserver is elsewhere) fails at once instead of timing out.
+            _ip("netns", "add", self.ns(node))
+            _ip("-n", self.ns(node), "link", "set", "lo", "up")
+            _ip("-n", self.ns(node), "addr", "add", f"{self.addrs[node]}/32", "dev", "lo")
+        _ip("addr", "add", f"{self.host_addr}/32", "dev", "lo")
+        for a, b in itertools.combinations([HOST, *self.nodes], 2):
+            end_a, end_b = self._link(a, b), self._link(b, a)
+            _ip("link", "add", end_a, "type", "veth", "peer", "name", end_b)
+            for end, dev, peer in ((a, end_a, b), (b, end_b, a)):
+                if end != HOST:
+                    _ip("link", "set", dev, "netns", self.ns(end))
+                self._ip_on(end, "link", "set", dev, "up")
+                self._ip_on(end, "route", "add", f"{self._addr(peer)}/32", "dev", dev, "src", self._addr(end))
+        # No default route in a node: everything it talks to has a route of its own, and a DNS
+        # lookup (the host's nameserver is elsewhere) fails at once instead of timing out.
 
     def run_in(self, node: str) -> list[str]:
         """The argv prefix that runs a command on `node`."""
@@ -69,9 +84,14 @@ class NodeNetwork:
         out = _ip("netns", "pids", self.ns(node), check=False).stdout
         return [int(p) for p in out.split()]
 
+    def _set_links(self, node: str, state: str) -> None:
+        for peer in [HOST, *self.nodes]:
+            if peer != node:
+                self._ip_on(node, "link", "set", self._link(node, peer), state, check=False)
+
     def lose(self, node: str) -> list[int]:
-        """Power the node off: cut its link, then kill every process on it. Returns the pids."""
-        _ip("link", "set", self._veth(node), "down", check=False)
+        """Power the node off: cut its links, then kill every process on it. Returns the pids."""
+        self._set_links(node, "down")  # its peers' ends lose carrier and keep their routes
         killed = []
         for _ in range(5):  # processes may be forking while they die
             pids = self.pids(node)
@@ -86,7 +106,11 @@ class NodeNetwork:
         return killed
 
     def restore(self, node: str) -> None:
-        _ip("link", "set", self._veth(node), "up", check=False)
+        self._set_links(node, "up")
+        for peer in [HOST, *self.nodes]:  # a link set down lost its route
+            if peer != node:
+                self._ip_on(node, "route", "replace", f"{self._addr(peer)}/32",
+                            "dev", self._link(node, peer), "src", self._addr(node), check=False)
 
     def down(self) -> None:
         for node in self.nodes:
@@ -95,5 +119,5 @@ class NodeNetwork:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-            _ip("netns", "del", self.ns(node), check=False)
-        _ip("link", "del", self.bridge, check=False)
+            _ip("netns", "del", self.ns(node), check=False)  # takes its links' both ends with it
+        _ip("addr", "del", f"{self.host_addr}/32", "dev", "lo", check=False)
