@@ -4,7 +4,7 @@ Debian's slurm-wlm 22.05 and munge, each started here in the foreground with its
 configuration, munge socket, ports and state in a scratch directory, and stopped when the
 test ends. With `netns=True` every slurmd (and so every task it starts) runs in a network
 namespace of its own with its own address (tests/node_network.py), slurmctld and the
-launcher on the bridge's address; otherwise all on 127.0.0.1. Nothing system-wide is touched. Installed by `scripts/install-system-packages.sh`
+launcher on the host's address in that network; otherwise all on 127.0.0.1. Nothing system-wide is touched. Installed by `scripts/install-system-packages.sh`
 (part of `make setup`); without root or the packages, `skip_reason()` says why and the tests
 skip with it.
 """

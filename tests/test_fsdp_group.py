@@ -193,3 +193,34 @@ def test_a_lost_fsdp_rank_without_redundancy_stops_the_job_loudly(tmp_path):
         assert events[0]["resolved_without_rollback"] is False
     finally:
         job.kill()
+
+
+HSDP_ARGS = ["--steps", "60", "--eval-every", "10", "--replicas", "2"]
+
+
+def test_hsdp_ranks_move_and_are_rebuilt_bitwise(tmp_path):
+    """2x2 HSDP llama (`job.mesh(("replicate", "shard"), (2, 2))`: shards all-gathered and
+    reduce-scattered within a replica group, gradients all-reduced across groups, every mesh
+    dimension a live sub-group): a planned move of rank 0, a taint of rank 3's slot, then
+    rank 1 killed -9. The job ends with every rank's shards, LR and random stream bitwise
+    equal to the same script's 2x2 HSDP run under torchrun with no failure."""
+    reference = _torchrun_llama(tmp_path, 4, HSDP_ARGS)
+    assert state_diff(reference[0], reference[2]) == ["rng"], "replica groups should hold equal shards"
+    job = Job(tmp_path, nproc=4, spares=3, steps=0, script=LLAMA, name="hsdp", script_args=HSDP_ARGS,
+              run_args=["--redundancy", "1"])
+    try:
+        job.wait_step(3, timeout=120)
+        job.client.migrate(0)
+        job.wait_until(lambda s: _resolved(job, 0), timeout=90, what="rank 0's planned move")
+        slot = next(r["slot"] for r in job.status()["ranks"] if r["rank"] == 3)
+        assert job.client.taint(slot, "ecc")["moving_ranks"] == [3]
+        job.wait_until(lambda s: _resolved(job, 3), timeout=90, what="rank 3's pre-emptive move")
+        job.signal_rank(1, signal.SIGKILL)
+        job.wait_until(lambda s: _resolved(job, 1), timeout=90, what="rank 1 rebuilt")
+        assert job.wait(timeout=240) == 0, job.log()
+        assert_ranks_equal(job, reference)
+        events = job.events()
+    finally:
+        job.kill()
+    assert [(e["kind"], e["status"], e["rank"]) for e in events] == \
+        [("planned", "resolved", 0), ("pre-emptive", "resolved", 3), ("unplanned", "resolved", 1)], events

@@ -70,7 +70,7 @@ def test_a_lost_node_recovers_both_its_ranks_onto_the_spare_node_bitwise(tmp_pat
         lost, spare_node = _node_of_rank(st, 2), st["spares"][0]["slot"].split("/")[0]
         assert _node_of_rank(st, 3) == lost and _node_of_rank(st, 0) not in (lost, spare_node)
         # Gloo connects ranks directly, node address to node address (and each to the launcher
-        # on the bridge): nothing crosses nodes on 127.0.0.1.
+        # on the host's test address): nothing crosses nodes on 127.0.0.1.
         seen = _peers_seen_from(slurm, _node_of_rank(st, 0))
         assert slurm.network.addrs[lost] in seen and slurm.network.host_addr in seen, seen
         slurm.lose_node(lost)  # slurmd and every process on it killed, its link cut
@@ -139,7 +139,7 @@ def _live_workers(st: dict) -> set[str]:
 
 
 def test_server_killed_and_a_node_lost_while_it_is_down(tmp_path, slurm, reference):
-    """`baton serve` (on the bridge's address) kill -9ed mid-job, a node with two ranks lost
+    """`baton serve` (on the host's test address) kill -9ed mid-job, a node with two ranks lost
     while it is down. Restarted, it reloads the job, reconciles with the agent and Slurm,
     finds both ranks silent, probes the node through Slurm, drains it and recovers both onto
     the spare node in one move: bitwise, 0 steps lost. Slurm then runs exactly the job steps

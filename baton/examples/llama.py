@@ -176,6 +176,8 @@ def main() -> None:
     p.add_argument("--dim", type=int, default=64, help="model width (the benchmark makes it bigger)")
     p.add_argument("--layers", type=int, default=3)
     p.add_argument("--progress", default=None, help="rank 0 appends `step wall-time` per step to this file")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="HSDP: this many replica groups, each sharding the model over world/replicas ranks")
     args = p.parse_args()
 
     # ---- the only differences between the torchrun and the baton version: setup ...
@@ -184,10 +186,18 @@ def main() -> None:
 
         dist.init_process_group("gloo")
         rank, world_size = dist.get_rank(), dist.get_world_size()
-        mesh = init_device_mesh("cpu", (world_size,))
+        if args.replicas > 1:
+            mesh = init_device_mesh("cpu", (args.replicas, world_size // args.replicas),
+                                    mesh_dim_names=("replicate", "shard"))
+        else:
+            mesh = init_device_mesh("cpu", (world_size,))
     else:
         job = baton.init()
-        rank, world_size, mesh = job.rank, job.world_size, job.mesh()
+        rank, world_size = job.rank, job.world_size
+        if args.replicas > 1:
+            mesh = job.mesh(("replicate", "shard"), (args.replicas, world_size // args.replicas))
+        else:
+            mesh = job.mesh()
 
     cfg = ModelArgs(dim=args.dim, n_layers=args.layers)
     progress = open(args.progress, "a", buffering=1) if args.progress and rank == 0 else None

@@ -154,10 +154,19 @@ class CollectiveFailure(RuntimeError):
 
 
 class LiveGroup(dist.ProcessGroup):
-    def __init__(self, rank: int, world_size: int):
+    """The world group (`members` None), or one of its live sub-groups (`subgroup`): a device
+    mesh dimension of HSDP, say. A sub-group has its own gloo backend per generation, formed
+    with the world's, and shares the world's failure state: a failure on any of them fails
+    the generation, and breaking the transport breaks all of them."""
+
+    def __init__(self, rank: int, world_size: int, members: list[int] | None = None,
+                 parent: "LiveGroup | None" = None):
         super().__init__(rank, world_size)
         self._rank = rank
         self._world = world_size
+        self.members = list(members) if members is not None else list(range(world_size))
+        self._parent = parent
+        self._children: list[LiveGroup] = []
         self._inner: dist.ProcessGroup | None = None
         # Backends of past generations are never destroyed: ~ProcessGroupGloo joins its
         # threads with the GIL held and can deadlock against a callback waiting for the GIL.
@@ -168,13 +177,68 @@ class LiveGroup(dist.ProcessGroup):
         self.known_local_ports: set[int] = set()  # e.g. this worker's transfer server
         self.known_remote_ports: set[int] = set()  # e.g. the orchestrator API and the store
         self.generation = -1
+        self._store: RendezvousClient | None = None
+        self._op_timeout_s = 60.0
         self.failed = threading.Event()  # set when any collective of this generation failed
         self.last_error: str = ""
         # Called with the op name before every collective the script issues (not baton's own):
         # the step loop uses it to capture this rank's bundle and enforce where collectives go.
         # It may return another group to run the call on (a joiner's startup barrier: its own).
-        self.guard: Callable[[str], dist.ProcessGroup | None] | None = None
+        self._guard: Callable[[str], dist.ProcessGroup | None] | None = None
         self._internal = threading.local()
+        if parent is not None:
+            self.failed, self._internal = parent.failed, parent._internal
+
+    @property
+    def root(self) -> "LiveGroup":
+        return self._parent.root if self._parent is not None else self
+
+    @property
+    def guard(self) -> Callable[[str], dist.ProcessGroup | None] | None:
+        return self.root._guard
+
+    @guard.setter
+    def guard(self, fn: Callable[[str], dist.ProcessGroup | None] | None) -> None:
+        self.root._guard = fn
+
+    def subgroup(self, members: list[int]) -> "LiveGroup":
+        """The live group of these world ranks (this rank among them), registered with
+        torch.distributed like `dist.new_group` would, but with no collective: every rank
+        creates its sub-groups locally, and each generation forms them with the world. The
+        same members give the same object."""
+        assert self._parent is None, "sub-groups are made from the world group"
+        members = sorted(int(r) for r in members)
+        if self._rank not in members or len(set(members)) != len(members) or \
+                not all(0 <= r < self._world for r in members):
+            raise ValueError(f"a sub-group of rank {self._rank} must hold it and only ranks of "
+                             f"0..{self._world - 1} once: {members}")
+        if members == self.members:
+            return self
+        for child in self._children:
+            if child.members == members:
+                return child
+        child = LiveGroup(members.index(self._rank), len(members), members=members, parent=self)
+        self._children.append(child)
+        world_store = dist.distributed_c10d._world.pg_map[self][1]
+        dist.distributed_c10d._register_pg_in_world(
+            child, _BACKEND_NAME, world_store, f"baton:{child.tag}", f"cpu:{_BACKEND_NAME}",
+            rank_mapping={r: i for i, r in enumerate(members)})
+        if self._inner is not None and self._store is not None:  # created mid-generation
+            before = _socket_fds()
+            child._form_backend(self._store, self.generation, self._op_timeout_s)
+            self._transport_fds += [fd for fd in _socket_fds() - before if not self._is_known_socket(fd)]
+        return child
+
+    @property
+    def tag(self) -> str:
+        return "-".join(map(str, self.members))
+
+    def _form_backend(self, store: RendezvousClient, generation: int, op_timeout_s: float) -> None:
+        prefixed = dist.PrefixStore(f"baton/gen{generation}/sub/{self.tag}/", store.store)
+        backend = gloo_backend(prefixed, self._rank, self._world, op_timeout_s)
+        self.drop()
+        self._inner = backend
+        self.generation = generation
 
     def internal(self) -> "_Internal":
         """Collectives issued inside `with group.internal():` are baton's own (no guard)."""
@@ -216,7 +280,10 @@ class LiveGroup(dist.ProcessGroup):
         backend = gloo_backend(prefixed, self._rank, self._world, op_timeout_s)
         self.drop()
         self._inner = backend
+        for child in self._children:  # every member holds the same sub-groups (the same script)
+            child._form_backend(store, generation, op_timeout_s)
         self._transport_fds = [fd for fd in _socket_fds() - before if not self._is_known_socket(fd)]
+        self._store, self._op_timeout_s = store, op_timeout_s
         self.generation = generation
         self.failed.clear()
         self.last_error = ""
@@ -259,12 +326,17 @@ class LiveGroup(dist.ProcessGroup):
         return local_port in self.known_local_ports or remote_port in self.known_remote_ports
 
     def drop(self) -> None:
-        """Retire the current generation's backend (after a failure or before re-forming)."""
+        """Retire the current generation's backends (after a failure or before re-forming)."""
         if self._inner is not None:
             self._retired.append(self._inner)
         self._inner = None
+        for child in self._children:
+            child.drop()
 
     def note_failure(self, exc: BaseException | str) -> None:
+        if self._parent is not None:
+            self.root.note_failure(exc)
+            return
         self.last_error = str(exc)[:500]
         first = not self.failed.is_set()
         self.failed.set()
@@ -297,7 +369,7 @@ class LiveGroup(dist.ProcessGroup):
             if substitute is not None:
                 return substitute
         if self._inner is None or self.failed.is_set():
-            err = CollectiveFailure(f"baton live group has no healthy generation ({self.last_error})")
+            err = CollectiveFailure(f"baton live group has no healthy generation ({self.root.last_error})")
             self.failed.set()
             raise err
         return self._inner

@@ -128,19 +128,45 @@ class Job:
         self.group = rt.group
         self.slot = os.environ.get(ENV_SLOT, "")
         self.joined = rt.joiner  # this process took over a rank from another (skip resume-from-file code)
-        self._mesh: DeviceMesh | None = None
+        self._meshes: dict[tuple, DeviceMesh] = {}
 
     # ------------------------------------------------------------------ setup
-    def mesh(self, device_type: str = "cpu") -> "DeviceMesh":
-        """A 1-D DeviceMesh over the live group, for `fully_shard(module, mesh=job.mesh())`.
+    def mesh(self, dim_names: tuple[str, ...] | None = None, shape: tuple[int, ...] | None = None,
+             *, device_type: str = "cpu") -> "DeviceMesh":
+        """A DeviceMesh over the live group, for `fully_shard(module, mesh=...)`.
 
-        Its collectives run on the live group, so they follow it across generations.
-        HSDP's 2-D meshes (replicate x shard) need live sub-groups: not built yet."""
+        `job.mesh()` is 1-D (FSDP); `job.mesh(("replicate", "shard"), (2, 2))` is HSDP's 2-D
+        mesh, laid out like `init_device_mesh` (rank = replicate index * shard size + shard
+        index). Each dimension's group is a live sub-group: its collectives follow the job
+        across generations like the world group's, and a failure on one fails the generation.
+        """
         from torch.distributed.device_mesh import DeviceMesh
 
-        if self._mesh is None:
-            self._mesh = DeviceMesh.from_group(self.group, device_type)
-        return self._mesh
+        if shape is None:
+            shape = (self.world_size,)
+        shape = tuple(int(n) for n in shape)
+        names = tuple(dim_names) if dim_names is not None else None
+        if names is not None and (isinstance(dim_names, str) or len(names) != len(shape)):
+            raise ValueError(f"job.mesh: give one name per dimension, as a tuple: {dim_names!r} for shape {shape}")
+        if any(n < 1 for n in shape) or torch.Size(shape).numel() != self.world_size:
+            raise ValueError(f"job.mesh: shape {shape} does not hold the job's {self.world_size} ranks")
+        key = (names, shape, device_type)
+        if key not in self._meshes:
+            layout = torch.arange(self.world_size).view(shape)
+            if len(shape) == 1:
+                self._meshes[key] = DeviceMesh.from_group(self.group, device_type, mesh_dim_names=names)
+            else:
+                if names is None:
+                    raise ValueError("job.mesh: a mesh of more than one dimension needs dimension names")
+                coords = [int(c) for c in torch.nonzero(layout == self.rank)[0]]
+                groups = []
+                for dim in range(len(shape)):
+                    line = list(coords)
+                    line[dim] = slice(None)  # type: ignore[call-overload]
+                    groups.append(self.group.subgroup(layout[tuple(line)].tolist()))
+                self._meshes[key] = DeviceMesh.from_group(groups, device_type, mesh=layout,
+                                                          mesh_dim_names=names)
+        return self._meshes[key]
 
     def wrap(self, model: torch.nn.Module, **ddp_kwargs: Any) -> ddp_mod.LiveDDP:
         """DistributedDataParallel over the live group; numerically identical to torchrun + DDP."""
