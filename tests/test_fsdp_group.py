@@ -215,12 +215,17 @@ def test_hsdp_ranks_move_and_are_rebuilt_bitwise(tmp_path):
         slot = next(r["slot"] for r in job.status()["ranks"] if r["rank"] == 3)
         assert job.client.taint(slot, "ecc")["moving_ranks"] == [3]
         job.wait_until(lambda s: _resolved(job, 3), timeout=90, what="rank 3's pre-emptive move")
+        # A joiner holds no snapshot from before it joined: the first loss after a move is
+        # rebuildable once the buddies hold the boundary the joiner started at.
+        job.wait_step(job.status()["ranks"][0]["step"] + 2, timeout=60)
         job.signal_rank(1, signal.SIGKILL)
         job.wait_until(lambda s: _resolved(job, 1), timeout=90, what="rank 1 rebuilt")
         assert job.wait(timeout=240) == 0, job.log()
         assert_ranks_equal(job, reference)
-        events = job.events()
+        events, log = job.events(), job.log(tail=None)
     finally:
         job.kill()
     assert [(e["kind"], e["status"], e["rank"]) for e in events] == \
         [("planned", "resolved", 0), ("pre-emptive", "resolved", 3), ("unplanned", "resolved", 1)], events
+    # Rank 1's buddy held only its rank-local state; its shards came from rank 3 (other replica group).
+    assert "rebuilding rank=1" in log and "state_from=2 shards_from=[3]" in log, log

@@ -132,6 +132,7 @@ class Recover(_Msg):
     # and those it holds for its wards (rank -> boundaries).
     snapshots: list[Pos] = []
     held: dict[int, list[Pos]] = {}
+    replicas: list[int] = []  # HSDP: the ranks holding this rank's very shards (other replica groups)
 
 
 class Formed(_Msg):
@@ -249,6 +250,9 @@ class Form(_Msg):
     wards: dict[int, Addr] = {}
     rewind: bool = False
     snapshot: bool = False
+    # HSDP: the joiner's shards come from one of these ranks' own snapshots (by rank), the
+    # rest of its state from `fetch_from` (its buddy's copy without shards).
+    shards_from: dict[int, Addr] = {}
     verify: bool = True
     formation_timeout_s: PositiveFloat | None = None  # longer than configured on a retry
 

@@ -54,6 +54,7 @@ class Operation:
     # it holds for its wards (ward -> boundaries).
     snapshots: dict[int, set[tuple[int, int]]] = field(default_factory=dict)
     held: dict[int, dict[int, set[tuple[int, int]]]] = field(default_factory=dict)
+    replicas: dict[int, set[int]] = field(default_factory=dict)  # HSDP: who holds each survivor's shards
     formed: dict[int, float] = field(default_factory=dict)
     deadline: float = float("inf")  # when the current phase has run out of time
     transfer_bytes: int = 0

@@ -50,6 +50,7 @@ class Recovery:
             op.boundaries[w.rank] = pos  # type: ignore[assignment]
             op.snapshots[w.rank] = {tuple(p) for p in rep.snapshots}  # type: ignore[misc]
             op.held[w.rank] = {int(r): {tuple(p) for p in ps} for r, ps in rep.held.items()}  # type: ignore[misc]
+            op.replicas[w.rank] = set(rep.replicas)
             op.rerun = op.rerun or rep.in_step
         self._advance_collect()
 
@@ -296,16 +297,27 @@ class Recovery:
 
     def _snapshot_target(self, op: Operation, survivors: list[int]) -> tuple[int, int] | str:
         """The newest boundary every survivor can reach (its state is there, or its own
-        snapshot of it) and every lost rank's buddy holds a snapshot of; or why none is."""
+        snapshot of it) and every lost rank can be rebuilt at: its buddy holds a snapshot of
+        it, and for HSDP a rank of another replica group holds its shards there; or why none is."""
         candidates = {op.boundaries[r] for r in survivors}.union(*(op.snapshots.get(r, set()) for r in survivors))
         for pos in sorted(candidates, reverse=True):
             if all(op.boundaries[r] == pos or pos in op.snapshots.get(r, set()) for r in survivors) and \
-                    all(self._snapshot_holder(op, survivors, lost, pos) is not None for lost in op.moves):
+                    all(self._snapshot_holder(op, survivors, lost, pos) is not None and
+                        (not self._hsdp(op, survivors) or self._shard_replicas(op, survivors, lost, pos))
+                        for lost in op.moves):
                 return pos
         lost = sorted(op.moves)
         holders = {r: [b for b in self._buddies(r)] for r in lost}
         copies = "; ".join(f"rank {r}'s copy was on rank(s) {', '.join(map(str, holders[r])) or 'none'}"
                            for r in lost)
+        if self._hsdp(op, survivors):
+            orphaned = [r for r in lost if not any(r in op.replicas.get(s, set()) for s in survivors)]
+            if orphaned:
+                return (f"rank(s) {', '.join(map(str, orphaned))} lost together with every other replica group's "
+                        "copy of their HSDP shards: no boundary can be rebuilt")
+            return (f"rank(s) {', '.join(map(str, lost))} lost together with every copy of their rank-local "
+                    f"state (random streams, data position; {copies}; --redundancy {self.config.redundancy}): "
+                    "no boundary can be rebuilt. Raise --redundancy to survive this many adjacent losses")
         return (f"rank(s) {', '.join(map(str, lost))} lost together with every copy of their FSDP2 shards "
                 f"({copies}; --redundancy {self.config.redundancy}): no boundary can be rebuilt. Raise "
                 "--redundancy to survive this many adjacent losses")
@@ -313,6 +325,16 @@ class Recovery:
     @staticmethod
     def _snapshot_holder(op: Operation, survivors: list[int], lost: int, pos: tuple[int, int]) -> int | None:
         return next((r for r in survivors if pos in op.held.get(r, {}).get(lost, set())), None)
+
+    @staticmethod
+    def _hsdp(op: Operation, survivors: list[int]) -> bool:
+        """Whether the job's shards are replicated across groups (its buddies hold no shards)."""
+        return any(op.replicas.get(r) for r in survivors)
+
+    @staticmethod
+    def _shard_replicas(op: Operation, survivors: list[int], lost: int, pos: tuple[int, int]) -> list[int]:
+        """Survivors holding `lost`'s very shards, with their own snapshot at `pos`."""
+        return [r for r in survivors if lost in op.replicas.get(r, set()) and pos in op.snapshots.get(r, set())]
 
     def _form_from_snapshots(self, op: Operation, survivors: list[int], target: tuple[int, int], ft: float) -> None:
         """Survivors go back to `target` where they are past it; each joiner fetches its rank's
@@ -330,8 +352,14 @@ class Recovery:
             holder = self._snapshot_holder(op, survivors, rank, target)
             assert holder is not None
             addr = self.workers[self.ranks[holder].worker or ""].transfer_addr
+            shards_from = {r: self.workers[self.ranks[r].worker or ""].transfer_addr
+                           for r in self._shard_replicas(op, survivors, rank, target)} \
+                if self._hsdp(op, survivors) else {}
+            self._emit("rebuilding", {"rank": rank, "step": target[0], "state_from": holder,
+                                      **({"shards_from": sorted(shards_from)} if shards_from else {})})
             self._post(move.to_worker, m.Form(generation=op.generation, pos=target, fetch_from=[addr],
-                                              snapshot=True, buddies=self._buddy_addr(rank, op),
+                                              snapshot=True, shards_from=shards_from,
+                                              buddies=self._buddy_addr(rank, op),
                                               wards=self._ward_addr(rank, op), formation_timeout_s=ft))
 
     def _lost_rank(self, rank: int, op: Operation) -> m.LostRank:

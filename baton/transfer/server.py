@@ -44,7 +44,17 @@ log = logging.getLogger("baton.transfer")
 FETCH, PUSH, WARD, SNAPSHOT = b"F", b"P", b"W", b"S"
 
 
+SMALL = 1 << 22  # marks the snapshot id of a rank's state without its shards (see small_id)
+
+
+def small_id(rank: int) -> int:
+    """The snapshot id under which `rank`'s state without its shards is kept: an HSDP rank's
+    buddy needs only that, a rank of another replica group holding the same shards."""
+    return rank | SMALL
+
+
 def snapshot_key(rank: int, step: int) -> int:
+    """`rank` is a rank, or the id `small_id` gives."""
     return (rank << 40) | step
 
 
@@ -190,7 +200,7 @@ class TransferServer:
                 if kind == SNAPSHOT:
                     found = self._wait_snapshot(generation)
                     if found is None:
-                        send_json(conn, {"error": f"no snapshot of rank {generation >> 40} at step "
+                        send_json(conn, {"error": f"no snapshot of rank {(generation >> 40) & (SMALL - 1)} at step "
                                                   f"{generation & ((1 << 40) - 1)} here"})
                         return
                 else:

@@ -38,7 +38,7 @@ from baton.store.rendezvous import RendezvousClient
 from baton.transfer import FetchStats, TransferError, codec, fetch_state
 from baton.transfer.bundles import Bundle, Frame, Pos, encode_frame, newest
 from baton.transfer.protocol import FlatState
-from baton.transfer.server import PUSH, SNAPSHOT, TransferServer, connect, snapshot_key
+from baton.transfer.server import PUSH, SNAPSHOT, TransferServer, connect, small_id, snapshot_key
 from baton.worker import rng, shards, verify
 from baton.worker.bundle import BundlePushers, StepCapture, fetch_ward_bundle
 from baton.worker.control import ControlChannel, cpu_report
@@ -142,6 +142,7 @@ class Runtime:
         self.wards = wards_of(rank, world_size, config.ranks_per_node or world_size, int(config.redundancy))
         self.snapshots = Snapshots(server, token, rank, self.op_timeout)
         self.ward_addrs: dict[int, tuple[str, int]] = {}  # where the wards are (from the latest Form)
+        self.replicas: list[int] = []  # HSDP: the ranks holding this rank's very shards
         self.group.known_local_ports.add(server.address[1])
         self.group.known_remote_ports.update(_ports_of(os.environ.get("BATON_URL", ""),
                                                        os.environ.get("BATON_STORE", "")))
@@ -203,11 +204,12 @@ class Runtime:
             opt.register_step_post_hook(self._on_optimizer_step)
         sharded = self.tracked.sharded_names()
         self.tracked.sharded = set(sharded)
+        self.replicas = shards.replica_peers(self.tracked)
         if self._snapshotting():
             for opt in self.tracked.optimizers():
                 opt.register_step_pre_hook(self._before_optimizer_step)
             if not self.joiner:  # a joiner starts pulling when it forms its first generation
-                self.snapshots.set_wards(self.ward_addrs)
+                self.snapshots.set_wards(self.ward_addrs, light=bool(self.replicas))
         codec.encode(self.tracked.replicated())  # refuse untransferable state now, not mid-failure
         self.spe = self.feed.steps_per_epoch()
         if not 0 <= start <= total:
@@ -572,8 +574,13 @@ class Runtime:
     @selfcost.counted
     def _snapshot(self) -> None:
         """This rank's whole state at the boundary, copied to host memory for its buddies."""
-        meta, tensors = codec.encode(self._state(full=True, digest=False))
-        self.snapshots.keep(self.pos, FlatState(meta=meta, tensors=[t.clone() for t in tensors]))
+        state = self._state(full=True, digest=False)
+        meta, tensors = codec.encode(state)
+        small = None
+        if self.replicas:  # HSDP: buddies pull the state without the shards (another replica group has those)
+            small_meta, small_tensors = codec.encode({k: v for k, v in state.items() if k != "sharded"})
+            small = FlatState(meta=small_meta, tensors=[t.clone() for t in small_tensors])
+        self.snapshots.keep(self.pos, FlatState(meta=meta, tensors=[t.clone() for t in tensors]), small)
         self.ctl.heartbeat["snapshot_mb"] = round(self.snapshots.held_bytes() / 2**20, 2)
 
     @selfcost.counted
@@ -656,7 +663,8 @@ class Runtime:
                 known = max(self.group.generation, ctl.newest_abort)
             snaps, held = self.snapshots.report() if self._snapshotting() else ([], {})
             ctl.report(m.Recover(generation=known, pos=pos, in_step=in_step,
-                                 unit_reported=unit_reported, error=error[:2000], snapshots=snaps, held=held))
+                                 unit_reported=unit_reported, error=error[:2000], snapshots=snaps, held=held,
+                                 replicas=self.replicas))
             cmd = self.wait_for(m.Form, m.Abort)
             if isinstance(cmd, m.Abort) or cmd.generation < known:
                 continue  # a plan made before the latest restart: the next one follows the report
@@ -778,7 +786,9 @@ class Runtime:
             gen, target = cmd.generation, tuple(cmd.pos)
             try:
                 t0 = time.perf_counter()
-                if cmd.snapshot:  # a lost sharded rank: its buddy's copy of its whole state
+                if cmd.snapshot and cmd.shards_from:  # HSDP: the shards from another replica group
+                    state, stats = self._fetch_from_replica(cmd, target)
+                elif cmd.snapshot:  # a lost sharded rank: its buddy's copy of its whole state
                     state, stats = self._fetch_state(cmd.fetch_from, snapshot_key(self.rank, target[0]), target,
                                                      cmd.formation_timeout_s, kind=SNAPSHOT)
                 else:
@@ -816,6 +826,24 @@ class Runtime:
             self.ctl.report(m.Formed(generation=gen, pos=self.pos, bytes=stats.bytes, seconds=round(stats.seconds, 4)))
             self.joiner = False
             return
+
+    def _fetch_from_replica(self, cmd: m.Form, target: Pos) -> tuple[dict[str, Any], FetchStats]:
+        """A lost HSDP rank: its own state from its buddy's copy, its shards from the own
+        snapshot of a rank holding the same shards in another replica group."""
+        state, stats = self._fetch_state(cmd.fetch_from, snapshot_key(small_id(self.rank), target[0]), target,
+                                         cmd.formation_timeout_s, kind=SNAPSHOT)
+        errors = []
+        for peer, addr in sorted(cmd.shards_from.items()):
+            try:
+                peer_state, peer_stats = self._fetch_state([addr], snapshot_key(int(peer), target[0]), target,
+                                                           cmd.formation_timeout_s, kind=SNAPSHOT)
+            except (OSError, TransferError) as exc:
+                errors.append(f"rank {peer}: {exc}")
+                continue
+            state["sharded"] = peer_state["sharded"]
+            log.info("rank %d's shards from rank %d (another replica group)", self.rank, peer)
+            return state, FetchStats(bytes=stats.bytes + peer_stats.bytes, seconds=stats.seconds + peer_stats.seconds)
+        raise TransferError(f"no replica of rank {self.rank}'s shards could be fetched: {'; '.join(errors)}")
 
     def _load_sharded(self, state: dict[str, Any]) -> None:
         if not self.tracked.sharded:
@@ -875,7 +903,7 @@ class Runtime:
         self.pusher.set_buddies([tuple(b) for b in cmd.buddies])
         self.ward_addrs = {int(w): (str(a[0]), int(a[1])) for w, a in cmd.wards.items()}
         if self._snapshotting():
-            self.snapshots.set_wards(self.ward_addrs)
+            self.snapshots.set_wards(self.ward_addrs, light=bool(self.replicas))
 
     def _replicated_digests(self, replicated: dict[str, Any]) -> dict[str, int]:
         """Digests of what every replica holds (BatchNorm-style buffers are each rank's own)."""

@@ -129,6 +129,25 @@ def _drop_pending_gathers(module: Any) -> None:
         state._comm_ctx.all_gather_state = None
 
 
+def replica_peers(tracked: Tracked) -> list[int]:
+    """The other ranks holding this rank's very shards (HSDP's other replica groups): the
+    ranks at this rank's place on every dimension its sharded state is split over."""
+    for name in sorted(tracked.sharded):
+        obj = tracked.objects[name]
+        if isinstance(obj, torch.nn.Module):
+            dt = next((p for p in obj.parameters() if isinstance(p, DTensor)), None)
+            if dt is not None:
+                mesh, placements = dt.device_mesh, dt.placements
+                layout = mesh.mesh
+                coords = mesh.get_coordinate()
+                if coords is None:
+                    return []
+                index = tuple(slice(None) if p.is_replicate() else c for p, c in zip(placements, coords))
+                me = int(layout[tuple(coords)])
+                return sorted(int(r) for r in layout[index].flatten().tolist() if int(r) != me)
+    return []
+
+
 def digests(state: dict[str, Any]) -> dict[str, int]:
     """Per-entry digests of captured shards, to check a load reproduced them exactly."""
     return verify.entries(state, "sharded")

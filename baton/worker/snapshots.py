@@ -12,6 +12,10 @@ holds the one before (a snapshot is dropped only once the next has arrived), and
 rank keeps its own two newest snapshots, so the job can go back one boundary: the
 orchestrator picks the newest boundary that every survivor can reach and every lost
 rank's buddy holds. Memory per rank: its own two snapshots plus one or two per ward.
+
+HSDP keeps the same shards in every replica group, so there a buddy pulls only its ward's
+state without the shards (`light`): a lost rank's shards come from the own snapshot of a
+rank holding the same shards in another replica group.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from baton import selfcost
 from baton.transfer import TransferError, fetch_state
 from baton.transfer.bundles import Pos
 from baton.transfer.protocol import FlatState
-from baton.transfer.server import SNAPSHOT, TransferServer, snapshot_key
+from baton.transfer.server import SNAPSHOT, TransferServer, small_id, snapshot_key
 
 log = logging.getLogger("baton.worker")
 
@@ -49,14 +53,18 @@ class Snapshots:
         self._wanted: dict[int, int] = {}  # ward -> the step its puller should fetch next
         self._addrs: dict[int, tuple[str, int]] = {}
         self._epoch = 0  # bumped on every set_wards: older pullers stop
+        self.light = False  # wards' snapshots without their shards (HSDP)
         self.pulled_bytes = 0
         self.pull_seconds = 0.0
 
     # ---------------------------------------------------------------- own snapshots
-    def keep(self, pos: Pos, state: FlatState) -> None:
-        """This rank's snapshot at `pos`: served to its buddies, the two newest kept."""
+    def keep(self, pos: Pos, state: FlatState, small: FlatState | None = None) -> None:
+        """This rank's snapshot at `pos`: served to its buddies, the two newest kept; `small`,
+        the same without the shards, is what light buddies pull."""
         step = pos[0]
         self.server.put_snapshot(self.rank, step, state)
+        if small is not None:
+            self.server.put_snapshot(small_id(self.rank), step, small)
         with self._cond:
             self._own[step] = pos
             for old in sorted(self._own)[:-self.KEEP_OWN]:
@@ -66,19 +74,25 @@ class Snapshots:
                 self._wanted[ward] = step  # the wards snapshot this boundary too
             self._cond.notify_all()
         self.server.drop_snapshots(self.rank, keep)
+        self.server.drop_snapshots(small_id(self.rank), keep)
 
     def own(self, step: int) -> FlatState | None:
         return self.server.get_snapshot(self.rank, step)
 
     # ---------------------------------------------------------------- wards' snapshots
-    def set_wards(self, addrs: dict[int, tuple[str, int]]) -> None:
-        """Pull these wards' snapshots (from a new generation on: their holders may have changed)."""
+    def _id(self, ward: int) -> int:
+        return small_id(ward) if self.light else ward
+
+    def set_wards(self, addrs: dict[int, tuple[str, int]], light: bool = False) -> None:
+        """Pull these wards' snapshots (from a new generation on: their holders may have
+        changed), without their shards if `light`."""
         with self._cond:
             self._epoch += 1
             epoch = self._epoch
             for gone in set(self._held) - set(addrs):
                 self._held.pop(gone)
-                self.server.drop_snapshots(gone, set())
+                self.server.drop_snapshots(self._id(gone), set())
+            self.light = light
             self._addrs = dict(addrs)
             self._wanted = {w: -1 for w in addrs}  # from the next boundary on
             self._failed.clear()
@@ -96,7 +110,7 @@ class Snapshots:
                 step, addr = self._wanted[ward], self._addrs[ward]
             t0 = time.perf_counter()
             try:
-                state, stats = fetch_state([addr], snapshot_key(ward, step), self.token,
+                state, stats = fetch_state([addr], snapshot_key(self._id(ward), step), self.token,
                                            timeout=self.timeout_s, kind=SNAPSHOT)
             except (OSError, TransferError) as exc:
                 with self._cond:
@@ -111,12 +125,12 @@ class Snapshots:
             with self._cond:
                 if self._epoch != epoch:
                     return
-                self.server.put_snapshot(ward, step, state)
+                self.server.put_snapshot(self._id(ward), step, state)
                 held = self._held.setdefault(ward, {})
                 held[step] = pos
                 for old in [s for s in held if s < step]:  # the older one only once this one is whole
                     del held[old]
-                self.server.drop_snapshots(ward, set(held))
+                self.server.drop_snapshots(self._id(ward), set(held))
                 self._failed.pop(ward, None)
                 self.pulled_bytes += stats.bytes
                 self.pull_seconds += time.perf_counter() - t0
