@@ -514,3 +514,56 @@ def test_a_move_in_flight_when_the_control_plane_died_is_taken_up_as_a_recovery(
     assert [r.rank for r in again._retry_moves] == [2]  # the move itself runs again afterwards
     for wid in ("w0", "w1", "w2"):
         assert any(c["type"] == "abort" for c in _commands(again, wid))
+
+
+def _hsdp_recovery(tmp_path, lost: list[int], own: dict[int, list[list[int]]]) -> Orchestrator:
+    """A 2x2 HSDP job (ranks 0 and 2 hold the same shards, 1 and 3 too) with --redundancy 1,
+    at step 10, loses `lost`; each survivor reports its own snapshots (`own`, default steps
+    9 and 10) and its wards' copies of both."""
+    sched = RecordingScheduler(4 + 3 + 1)
+    orch = Orchestrator(Config(world_size=4, spares=3, redundancy=1), SqliteStore(tmp_path / "s.db"), sched)
+    orch.start()
+    for wid, _ in list(sched.started):
+        orch.register(wid, m.Register(pid=1, transfer_addr=("127.0.0.1", 1000 + int(wid[1:]))))
+    for r in range(4):
+        report(orch, f"w{r}", {"type": "ready", "loop": {**LOOP, "sharded": ["model", "optimizer"]},
+                               "bundle": _bundle(r)})
+        report(orch, f"w{r}", {"type": "heartbeat", "step": 10})
+    for r in lost:
+        orch.handle(m.WorkerExited(worker_id=f"w{r}", returncode=-9))
+    gen = orch.op.generation
+    for r in sorted(set(range(4)) - set(lost)):
+        wards = [w for w in range(4) if r in orch._buddies(w)]
+        report(orch, f"w{r}", {"type": "recover", "generation": gen, "pos": [10, 0], "in_step": True,
+                               "snapshots": own.get(r, [[9, 0], [10, 0]]),
+                               "held": {str(w): [[9, 0], [10, 0]] for w in wards}, "replicas": [(r + 2) % 4]})
+    return orch
+
+
+def _joiner_form(orch: Orchestrator) -> dict:
+    joiner = next(w for w in orch.workers.values() if w.rank == 1 and w.role.value == "rank")
+    return [c for c in _commands(orch, joiner.id) if c["type"] == "form"][-1]
+
+
+def test_a_lost_hsdp_rank_takes_its_shards_from_the_other_replica_group(tmp_path):
+    orch = _hsdp_recovery(tmp_path, lost=[1], own={})
+    holder = next(b for b in orch._buddies(1))
+    form = _joiner_form(orch)
+    assert form["pos"] == [10, 0] and form["snapshot"], form
+    assert form["shards_from"] == {"3": ["127.0.0.1", 1003]}, form  # rank 3 holds rank 1's shards
+    assert form["fetch_from"] == [["127.0.0.1", 1000 + holder]], form  # its buddy: the rest of its state
+
+
+def test_hsdp_goes_back_a_boundary_when_the_replica_has_no_snapshot_of_the_newest(tmp_path):
+    orch = _hsdp_recovery(tmp_path, lost=[1], own={3: [[8, 0], [9, 0]]})
+    form = _joiner_form(orch)
+    assert form["pos"] == [9, 0] and form["shards_from"] == {"3": ["127.0.0.1", 1003]}, form
+    rewinds = [c for c in _commands(orch, "w0") if c["type"] == "form"]
+    assert rewinds[-1]["pos"] == [9, 0] and rewinds[-1]["rewind"], rewinds
+
+
+def test_hsdp_ranks_lost_with_every_replica_of_their_shards_fail_clearly(tmp_path):
+    orch = _hsdp_recovery(tmp_path, lost=[1, 3], own={})
+    assert orch.failure and "rank(s) 1, 3 lost together with every other replica group's copy of their " \
+        "HSDP shards" in orch.failure, orch.failure
+    assert {e.status for e in orch.events} == {"failed"}
