@@ -16,6 +16,12 @@ A contender's ratio to torchrun is taken within each round; medians (min-max) ov
 Downtime: one more baton --redundancy 1 run with a planned move of rank 1 (its shards go
 straight to the joiner) and then kill -9 of rank 1 (rebuilt from its buddy's copy); each
 event's downtime against the raw loopback copy time of the same bytes (bench/rawcopy.py).
+
+    python bench/fsdp.py --replicas 2 --nproc 4   # HSDP 2x2: writes hsdp-<ts>.json, bench:hsdp
+
+HSDP: the same with `--replicas` replica groups (`job.mesh(("replicate", "shard"), ...)`);
+there `--redundancy 1` buddies copy only each other's rank-local state, and a killed rank's
+shards come from the rank holding them in the other replica group.
 """
 
 from __future__ import annotations
@@ -39,7 +45,6 @@ from common import free_port, interleave, median_range, write_readme_sentence  #
 from contenders import tree_cpu  # noqa: E402
 
 LLAMA = REPO / "baton" / "examples" / "llama.py"
-MARK = "bench:fsdp"
 CONTENDERS = {"torchrun": None, "baton-r0": ["--redundancy", "0"], "baton-r1": ["--redundancy", "1"]}
 
 
@@ -177,9 +182,12 @@ def sentence(r: dict) -> str:
         x = s[k][m]
         return f"{x['median']:.2f}× ({x['min']:.2f}–{x['max']:.2f})"
     ev = {e["kind"]: e for e in r["downtime"]["events"]}
+    replicas = r.get("replicas", 1)
+    what = (f"HSDP llama example ({replicas} replica groups of {r['nproc'] // replicas} ranks" if replicas > 1
+            else "FSDP2 llama example (")
     parts = [f"{k} {e['downtime_s']:.2f} s for {e['state_bytes'] / 1e6:.0f} MB (raw loopback copy "
              f"{e['raw_tcp_copy_s'] * 1e3:.0f} ms)" for k, e in ev.items()]
-    return (f"FSDP2 llama example ({r['params_m']:.1f}M parameters, {r['nproc']} ranks, steps "
+    return (f"{what}, {r['params_m']:.1f}M parameters, {r['nproc']} ranks, steps "
             f"~{s['torchrun']['step_s']['median'] * 1e3:.0f} ms under torchrun): step time vs torchrun "
             f"{ratio('baton-r0', 'step_ratio')} with `--redundancy 0` and {ratio('baton-r1', 'step_ratio')} "
             f"with `--redundancy 1`; CPU-seconds per step of the whole process tree {ratio('baton-r0', 'cpu_ratio')} "
@@ -199,12 +207,14 @@ def main() -> None:
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--replicas", type=int, default=1, help="HSDP: replica groups (each of nproc/replicas ranks)")
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--no-readme", action="store_true")
     a = p.parse_args()
-    a.model = ["--dim", str(a.dim), "--layers", str(a.layers)]
+    a.model = ["--dim", str(a.dim), "--layers", str(a.layers), "--replicas", str(a.replicas)]
+    name = "hsdp" if a.replicas > 1 else "fsdp"
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f"baton-bench-fsdp-{stamp}"
+    tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f"baton-bench-{name}-{stamp}"
     rounds = interleave(list(CONTENDERS), a.rounds, lambda k, i: run_one(k, tmp / f"{k}-{i}", a))
     steady = {}
     for k in CONTENDERS:
@@ -226,15 +236,16 @@ def main() -> None:
     params = layers * (4 * dim * dim + 3 * dim * hidden + 2 * dim) + 2 * 96 * dim + dim
     result = {"when": datetime.now().strftime("%Y-%m-%d %H:%M:%S"),
               "machine": f"{os.cpu_count()} cores, {platform.machine()}", "rounds": a.rounds, "nproc": a.nproc,
+              "replicas": a.replicas,
               "params_m": params / 1e6, "dim": dim, "layers": layers, "steps": a.steps, "warmup": a.warmup,
               "steady": steady, "raw_rounds": rounds, "downtime": dt}
     result["sentence"] = sentence(result)
-    out = REPO / "bench" / "results" / f"fsdp-{stamp}.json"
+    out = REPO / "bench" / "results" / f"{name}-{stamp}.json"
     out.write_text(json.dumps(result, indent=2))
     print(result["sentence"])
     print(f"wrote {out}")
     if not a.no_readme:
-        write_readme_sentence(REPO / "README.md", MARK, "bench/fsdp.py", result["sentence"])
+        write_readme_sentence(REPO / "README.md", f"bench:{name}", "bench/fsdp.py", result["sentence"])
 
 
 if __name__ == "__main__":
