@@ -247,3 +247,23 @@ def test_hsdp_ranks_move_and_are_rebuilt_bitwise(tmp_path, tmp_path_factory):
         [("planned", "resolved", 0), ("pre-emptive", "resolved", 3), ("unplanned", "resolved", 1)], events
     # Rank 1's buddy held only its rank-local state; its shards came from rank 3 (other replica group).
     assert "rebuilding rank=1" in log and "state_from=2 shards_from=[3]" in log, log
+
+
+def test_hsdp_replica_groups_that_disagree_stop_the_job(tmp_path):
+    """HSDP keeps the same shards in every replica group: one ulp of rank 1's shard changed
+    after step 6 (2 replica groups of 1 rank) is found by --verify-every 5 at step 10, and
+    the job ends non-zero naming the replicas that disagree, never with exit code 0."""
+    env = {"PYTHONPATH": str(Path(__file__).resolve().parent / "inject"), "BATON_TEST_CORRUPT": "1:6"}
+    job = Job(tmp_path, nproc=2, spares=0, steps=0, script=LLAMA, name="apart", env=env,
+              script_args=["--steps", "30", "--eval-every", "50", "--replicas", "2"],
+              run_args=["--verify-every", "5", "--redundancy", "0"])
+    try:
+        code = job.wait(timeout=120)
+        log = job.log()
+        assert "injected: rank 1 corrupted" in log, log
+        assert code != 0 and "state check failed" in log and "which hold the same shards in other replica groups" \
+            in log, log
+        events = [e for e in job.events() if e["kind"] == "divergence"]
+        assert events and all(e["status"] == "failed" and e["step"] == 10 for e in events), events
+    finally:
+        job.kill()

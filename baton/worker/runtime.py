@@ -922,13 +922,22 @@ class Runtime:
         """Replicas agree on replicated state; a joiner holds exactly what it was sent."""
         digests = self._replicated_digests(self.tracked.replicated())
         mine = verify.combined(digests)
-        t = torch.tensor([verify.to_signed(mine)], dtype=torch.int64)
-        out = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+        # HSDP: every replica group holds the same shards, so those must agree too.
+        shard_digests = shards.digests(shards.capture(self.tracked)) if self.replicas else {}
+        t = torch.tensor([verify.to_signed(mine), verify.to_signed(verify.combined(shard_digests))], dtype=torch.int64)
+        out = [torch.zeros(2, dtype=torch.int64) for _ in range(self.world_size)]
         with self.group.internal():
             self._wait_internal(self.group.allgather([out], [t]), "the state check")
-        values = [int(x.item()) for x in out]
+        values = [int(x[0].item()) for x in out]
         differing: list[str] = []
         detail = ""
+        if self.replicas:
+            sharded = [int(x[1].item()) for x in out]
+            apart = [p for p in self.replicas if sharded[p] != sharded[self.rank]]
+            if apart:
+                differing.append("sharded (replica groups)")
+                detail = (f"rank {self.rank}'s FSDP2 shards differ from those of rank(s) {apart}, which hold the "
+                          "same shards in other replica groups")
         if len(set(values)) > 1:
             key = f"baton/gen{generation}/verify/{self.pos[0]}/{self.pos[1]}"
             deadline = time.monotonic() + self.formation_timeout
@@ -938,7 +947,7 @@ class Runtime:
             theirs = json.loads(self.store.call(lambda s: s.get(f"{key}/{ref}"), deadline))
             differing = verify.differing(digests, {k: int(v) for k, v in theirs.items()})
             bad = [r for r, v in enumerate(values) if v != majority]
-            detail = f"replicated state differs on ranks {bad} (compared with rank {ref})"
+            detail += ("; " if detail else "") + f"replicated state differs on ranks {bad} (compared with rank {ref})"
         if expected is not None or bundle_state is not None:
             live = self._capture_at(self.pos)[0].state()
             if expected is not None:

@@ -88,7 +88,8 @@ if _corrupt:
         if not _corrupt_due():
             return
         with torch.no_grad():
-            flat = opt.param_groups[0]["params"][0].view(-1)
+            first = opt.param_groups[0]["params"][0]
+            flat = (first.to_local() if hasattr(first, "to_local") else first).view(-1)  # a DTensor: its shard
             flat[0] = torch.nextafter(flat[0], torch.tensor(float("inf"), dtype=flat.dtype))
         print(f"injected: rank {_corrupt.split(':')[0]} corrupted one value at step {_corrupt.split(':')[1]}",
               file=sys.stderr, flush=True)
