@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 
 import pytest
 import torch
@@ -251,3 +252,34 @@ def test_a_bundle_frame_with_impossible_sizes_is_an_error_not_a_huge_allocation(
         read_bundle_frame(b)
     a.close()
     b.close()
+
+
+def test_a_snapshot_being_sent_is_never_reused_and_a_reused_buffer_receives_bitwise():
+    """Snapshot buffers are reused (a copy into mapped memory instead of a fresh allocation
+    every step): one that a connection is still sending is not handed back, and a fetch into
+    reused buffers lands the same bytes as one into new ones."""
+    from baton.transfer.client import _Source
+    from baton.transfer.server import SNAPSHOT, snapshot_key
+
+    server = TransferServer("t")
+    try:
+        state = _state()
+        server.put_snapshot(3, 7, state)
+        reader = _Source(server.address, snapshot_key(3, 7), "t", 10.0, SNAPSHOT)  # mid-transfer
+        assert server.take_snapshot(3, 7) is None, "handed back while a connection sends it"
+        reader.close()
+        deadline = time.monotonic() + 10
+        while server.take_snapshot(3, 7) is None:
+            assert time.monotonic() < deadline, "never handed back after the reader left"
+            time.sleep(0.01)
+        server.put_snapshot(3, 8, state)
+        reuse = [torch.full_like(t, 5) for t in state.tensors]
+        got, _ = fetch_state([server.address], snapshot_key(3, 8), "t", kind=SNAPSHOT, into=reuse)
+        assert all(a is b for a, b in zip(got.tensors, reuse)), "the given buffers were not used"
+        assert all(torch.equal(a, b) for a, b in zip(got.tensors, state.tensors))
+        wrong = [torch.zeros(2) for _ in state.tensors]
+        got, _ = fetch_state([server.address], snapshot_key(3, 8), "t", kind=SNAPSHOT, into=wrong)
+        assert not any(a is b for a, b in zip(got.tensors, wrong))
+        assert all(torch.equal(a, b) for a, b in zip(got.tensors, state.tensors))
+    finally:
+        server.close()

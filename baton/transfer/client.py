@@ -76,9 +76,10 @@ class _Source:
 
 
 def fetch_state(sources: list[tuple[str, int]], generation: int, token: str,
-                timeout: float = 60.0, kind: bytes = FETCH) -> tuple[FlatState, FetchStats]:
+                timeout: float = 60.0, kind: bytes = FETCH,
+                into: list[torch.Tensor] | None = None) -> tuple[FlatState, FetchStats]:
     """The state the sources publish for `generation` (with kind SNAPSHOT: the shard
-    snapshot whose `snapshot_key` it is)."""
+    snapshot whose `snapshot_key` it is), received into `into`'s tensors where they fit."""
     t0 = time.perf_counter()
     conns: list[_Source] = []
     errors: list[str] = []
@@ -98,7 +99,7 @@ def fetch_state(sources: list[tuple[str, int]], generation: int, token: str,
     conns = agreeing
     manifest = conns[0].manifest
     t_conn = time.perf_counter()
-    tensors = alloc_tensors(manifest)
+    tensors = alloc_tensors(manifest, into)
     views = [byte_view(t) for t in tensors]
     chunks = plan_chunks(sizes_of(manifest), int(manifest["chunk_bytes"]))
     if len(chunks) != int(manifest["chunks"]):

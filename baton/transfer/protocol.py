@@ -96,7 +96,13 @@ def sizes_of(manifest: dict) -> list[int]:
     return out
 
 
-def alloc_tensors(manifest: dict) -> list[torch.Tensor]:
+def alloc_tensors(manifest: dict, reuse: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """Empty tensors for the manifest: `reuse` itself when its tensors have exactly its
+    shapes and dtypes (contiguous), else new ones."""
+    if reuse is not None and len(reuse) == len(manifest["tensors"]) and all(
+            t.is_contiguous() and list(t.shape) == list(spec["shape"]) and t.dtype == _DTYPES.get(spec["dtype"])
+            for t, spec in zip(reuse, manifest["tensors"])):
+        return list(reuse)
     out = []
     for spec in manifest["tensors"]:
         dtype = _DTYPES.get(spec["dtype"])

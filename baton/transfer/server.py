@@ -103,6 +103,7 @@ class TransferServer:
         # Shard snapshots by (rank, step): this rank's own, and its wards' it pulled as their
         # buddy (see baton.worker.snapshots). Served the way a published state is.
         self._snapshots: dict[tuple[int, int], tuple[FlatState, list[list[Piece]], list[memoryview]]] = {}
+        self._reading: dict[int, int] = {}  # id(snapshot) -> connections sending it now
         selfcost.spawn(self._accept_loop, "baton-transfer")
 
     def put_snapshot(self, rank: int, step: int, state: FlatState) -> None:
@@ -127,6 +128,16 @@ class TransferServer:
             found = self._snapshots.get((rank, step))
         return found[0] if found is not None else None
 
+    def take_snapshot(self, rank: int, step: int) -> FlatState | None:
+        """Remove that snapshot and return it, for its buffers to hold a newer one; None if it
+        is not here or a connection is still sending it (its bytes must not change under it)."""
+        with self._cond:
+            found = self._snapshots.get((rank, step))
+            if found is None or self._reading.get(id(found[0]), 0):
+                return None
+            del self._snapshots[(rank, step)]
+            return found[0]
+
     def snapshot_bytes(self) -> int:
         with self._cond:
             return sum(st.nbytes for st, _, _ in self._snapshots.values())
@@ -135,7 +146,18 @@ class TransferServer:
         rank, step = key >> 40, key & ((1 << 40) - 1)
         with self._cond:
             self._cond.wait_for(lambda: (rank, step) in self._snapshots or self._closed, timeout=self.publish_wait_s)
-            return self._snapshots.get((rank, step))
+            found = self._snapshots.get((rank, step))
+            if found is not None:  # being sent: not reused until done (see take_snapshot)
+                self._reading[id(found[0])] = self._reading.get(id(found[0]), 0) + 1
+            return found
+
+    def _done_reading(self, state: FlatState) -> None:
+        with self._cond:
+            left = self._reading.get(id(state), 0) - 1
+            if left > 0:
+                self._reading[id(state)] = left
+            else:
+                self._reading.pop(id(state), None)
 
     def publish(self, generation: int, state: FlatState) -> None:
         views = [byte_view(t) for t in state.tensors]
@@ -203,25 +225,33 @@ class TransferServer:
                         send_json(conn, {"error": f"no snapshot of rank {(generation >> 40) & (SMALL - 1)} at step "
                                                   f"{generation & ((1 << 40) - 1)} here"})
                         return
+                    try:
+                        self._send_state(conn, *found)
+                    finally:
+                        self._done_reading(found[0])
+                    return
                 else:
                     found = self._wait_published(generation)
                     if found is None:
                         send_json(conn, {"error": f"no state published for generation {generation}"})
                         return
-                state, chunks, views = found
-                manifest = manifest_of(state, self.chunk_bytes)
-                manifest["chunks"] = len(chunks)
-                send_json(conn, manifest)
-                send_all(conn, state.meta)
-                while True:
-                    (count,) = struct.unpack("!I", recv_exact(conn, 4))
-                    if count == 0:
-                        return
-                    wanted = struct.unpack(f"!{count}I", recv_exact(conn, 4 * count))
-                    for index in wanted:
-                        self._send_chunk(conn, index, chunks, views)
+                self._send_state(conn, *found)
         except (OSError, TransferError, struct.error) as exc:
             log.debug("transfer connection ended: %s", exc)
+
+    def _send_state(self, conn: socket.socket, state: FlatState, chunks: list[list[Piece]],
+                    views: list[memoryview]) -> None:
+        manifest = manifest_of(state, self.chunk_bytes)
+        manifest["chunks"] = len(chunks)
+        send_json(conn, manifest)
+        send_all(conn, state.meta)
+        while True:
+            (count,) = struct.unpack("!I", recv_exact(conn, 4))
+            if count == 0:
+                return
+            wanted = struct.unpack(f"!{count}I", recv_exact(conn, 4 * count))
+            for index in wanted:
+                self._send_chunk(conn, index, chunks, views)
 
     def _serve_ward(self, conn: socket.socket) -> None:
         from baton.transfer.bundles import END_FRAME

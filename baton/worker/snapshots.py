@@ -26,6 +26,8 @@ import threading
 import time
 from typing import Callable
 
+import torch
+
 from baton import selfcost
 from baton.transfer import TransferError, fetch_state
 from baton.transfer.bundles import Pos
@@ -33,6 +35,16 @@ from baton.transfer.protocol import FlatState
 from baton.transfer.server import SNAPSHOT, TransferServer, small_id, snapshot_key
 
 log = logging.getLogger("baton.worker")
+
+
+def copy_into(old: FlatState | None, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of `tensors`: into `old`'s buffers where they have the same layout, else new."""
+    if old is not None and len(old.tensors) == len(tensors) and all(
+            b.shape == t.shape and b.dtype == t.dtype and b.stride() == t.stride() for b, t in zip(old.tensors, tensors)):
+        for b, t in zip(old.tensors, tensors):
+            b.copy_(t)
+        return list(old.tensors)
+    return [t.clone() for t in tensors]
 
 
 def position_of(state: FlatState) -> Pos:
@@ -76,6 +88,20 @@ class Snapshots:
         self.server.drop_snapshots(self.rank, keep)
         self.server.drop_snapshots(small_id(self.rank), keep)
 
+    def reusable(self, step: int) -> FlatState | None:
+        """The own snapshot that keeping one of `step` is about to drop, taken back now so its
+        buffers can hold the new one: allocating a rank's state afresh every step costs ~20x a
+        copy into memory already mapped (page faults). None: allocate."""
+        with self._cond:
+            if step in self._own or len(self._own) < self.KEEP_OWN:
+                return None
+            oldest = min(self._own)
+        flat = self.server.take_snapshot(self.rank, oldest)
+        if flat is not None:
+            with self._cond:
+                self._own.pop(oldest, None)
+        return flat
+
     def own(self, step: int) -> FlatState | None:
         return self.server.get_snapshot(self.rank, step)
 
@@ -102,6 +128,7 @@ class Snapshots:
 
     def _pull(self, ward: int, epoch: int) -> None:
         done = -1
+        spare: FlatState | None = None  # the buffers of the copy dropped last: the next pull lands there
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._epoch != epoch or self._wanted.get(ward, -1) > done)
@@ -111,7 +138,9 @@ class Snapshots:
             t0 = time.perf_counter()
             try:
                 state, stats = fetch_state([addr], snapshot_key(self._id(ward), step), self.token,
-                                           timeout=self.timeout_s, kind=SNAPSHOT)
+                                           timeout=self.timeout_s, kind=SNAPSHOT,
+                                           into=spare.tensors if spare is not None else None)
+                spare = None
             except (OSError, TransferError) as exc:
                 with self._cond:
                     if self._epoch != epoch:
@@ -130,6 +159,7 @@ class Snapshots:
                 held[step] = pos
                 for old in [s for s in held if s < step]:  # the older one only once this one is whole
                     del held[old]
+                    spare = self.server.take_snapshot(self._id(ward), old) or spare
                 self.server.drop_snapshots(self._id(ward), set(held))
                 self._failed.pop(ward, None)
                 self.pulled_bytes += stats.bytes
