@@ -567,3 +567,24 @@ def test_hsdp_ranks_lost_with_every_replica_of_their_shards_fail_clearly(tmp_pat
     assert orch.failure and "rank(s) 1, 3 lost together with every other replica group's copy of their " \
         "HSDP shards" in orch.failure, orch.failure
     assert {e.status for e in orch.events} == {"failed"}
+
+
+def test_without_redundancy_a_sharded_job_stops_on_the_lost_rank_even_when_a_survivor_reports_first(tmp_path):
+    """--redundancy 0, FSDP2: rank 0's failed collective reaches the orchestrator before rank
+    1's death does (the usual order after kill -9). The job is stopped when rank 1 is known
+    lost, with that rank's failed event in the ledger, not before and not without it."""
+    sched = RecordingScheduler(4)
+    orch = Orchestrator(Config(world_size=2, spares=1, redundancy=0), SqliteStore(tmp_path / "s.db"), sched)
+    orch.start()
+    for wid, _ in list(sched.started):
+        orch.register(wid, m.Register(pid=1, transfer_addr=("127.0.0.1", 1000 + int(wid[1:]))))
+    for r in range(2):
+        report(orch, f"w{r}", {"type": "ready", "loop": {**LOOP, "sharded": ["model", "optimizer"]},
+                               "bundle": _bundle(r)})
+        report(orch, f"w{r}", {"type": "heartbeat", "step": 10})
+    report(orch, "w0", {"type": "recover", "generation": orch.generation, "pos": [10, 0], "in_step": True,
+                        "error": "Connection closed by peer"})
+    assert not orch.failure, "stopped before any rank was known lost"
+    orch.handle(m.WorkerExited(worker_id="w1", returncode=-9))
+    assert orch.failure and "--redundancy 0 (no buddy holds a copy)" in orch.failure, orch.failure
+    assert [(e.kind.value, e.status, e.rank) for e in orch.events] == [("unplanned", "failed", 1)]

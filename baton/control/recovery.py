@@ -94,7 +94,10 @@ class Recovery:
     def _open_recovery(self, cause: str, dead_rank: int | None = None, dead_worker: Worker | None = None,
                        failed_at: float | None = None) -> None:
         block = self._sharded_block()
-        if block is not None and self._redundancy() == 0:
+        # Only a rank known lost ends the job: a survivor's failed collective often arrives
+        # before its peer's death is seen, and may be a glitch that lost no rank (then every
+        # rank re-forms where it stands, which loses no shard).
+        if block is not None and self._redundancy() == 0 and dead_rank is not None:
             self._stop_sharded(cause, dead_rank, dead_worker, block)
             return
         op = self.op
@@ -307,6 +310,11 @@ class Recovery:
                         for lost in op.moves):
                 return pos
         lost = sorted(op.moves)
+        if not lost:
+            where = ", ".join(f"rank {r} at step {op.boundaries[r][0]}" for r in survivors)
+            return (f"after a failed collective the ranks stand at different step boundaries ({where}) and "
+                    f"hold no snapshot of a common one (--redundancy {self.config.redundancy}): their sharded "
+                    "state cannot be brought together")
         holders = {r: [b for b in self._buddies(r)] for r in lost}
         copies = "; ".join(f"rank {r}'s copy was on rank(s) {', '.join(map(str, holders[r])) or 'none'}"
                            for r in lost)
