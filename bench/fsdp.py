@@ -183,11 +183,11 @@ def sentence(r: dict) -> str:
         return f"{x['median']:.2f}× ({x['min']:.2f}–{x['max']:.2f})"
     ev = {e["kind"]: e for e in r["downtime"]["events"]}
     replicas = r.get("replicas", 1)
-    what = (f"HSDP llama example ({replicas} replica groups of {r['nproc'] // replicas} ranks" if replicas > 1
+    what = (f"HSDP llama example ({replicas} replica groups of {r['nproc'] // replicas} ranks, " if replicas > 1
             else "FSDP2 llama example (")
     parts = [f"{k} {e['downtime_s']:.2f} s for {e['state_bytes'] / 1e6:.0f} MB (raw loopback copy "
              f"{e['raw_tcp_copy_s'] * 1e3:.0f} ms)" for k, e in ev.items()]
-    return (f"{what}, {r['params_m']:.1f}M parameters, {r['nproc']} ranks, steps "
+    return (f"{what}{r['params_m']:.1f}M parameters, {r['nproc']} ranks, steps "
             f"~{s['torchrun']['step_s']['median'] * 1e3:.0f} ms under torchrun): step time vs torchrun "
             f"{ratio('baton-r0', 'step_ratio')} with `--redundancy 0` and {ratio('baton-r1', 'step_ratio')} "
             f"with `--redundancy 1`; CPU-seconds per step of the whole process tree {ratio('baton-r0', 'cpu_ratio')} "
