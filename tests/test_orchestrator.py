@@ -16,6 +16,7 @@ from baton.control.orchestrator import Config, Orchestrator, RequestError
 from baton.store.sqlite import SqliteStore
 
 LOOP = {"style": "steps", "total_steps": 100}
+SHARDED = {**LOOP, "sharded": ["model", "optimizer"]}  # an FSDP2 job's loop
 
 
 def _bundle(rank: int, pos=(0, 0)) -> dict:
@@ -44,14 +45,14 @@ class RecordingScheduler:
         self.killed.append(worker_id)
 
 
-def _started(tmp_path, sched, config: Config) -> Orchestrator:
+def _started(tmp_path, sched, config: Config, loop: dict = LOOP) -> Orchestrator:
     """An orchestrator whose workers all registered and whose ranks are at step 10."""
     orch = Orchestrator(config, SqliteStore(tmp_path / "s.db"), sched)
     orch.start()
     for wid, _ in list(sched.started):
         orch.register(wid, m.Register(pid=1, transfer_addr=("127.0.0.1", 1000 + int(wid[1:]))))
     for r in range(config.world_size):
-        report(orch, f"w{r}", {"type": "ready", "loop": LOOP, "bundle": _bundle(r)})
+        report(orch, f"w{r}", {"type": "ready", "loop": loop, "bundle": _bundle(r)})
         report(orch, f"w{r}", {"type": "heartbeat", "step": 10})
     return orch
 
@@ -520,15 +521,7 @@ def _hsdp_recovery(tmp_path, lost: list[int], own: dict[int, list[list[int]]]) -
     """A 2x2 HSDP job (ranks 0 and 2 hold the same shards, 1 and 3 too) with --redundancy 1,
     at step 10, loses `lost`; each survivor reports its own snapshots (`own`, default steps
     9 and 10) and its wards' copies of both."""
-    sched = RecordingScheduler(4 + 3 + 1)
-    orch = Orchestrator(Config(world_size=4, spares=3, redundancy=1), SqliteStore(tmp_path / "s.db"), sched)
-    orch.start()
-    for wid, _ in list(sched.started):
-        orch.register(wid, m.Register(pid=1, transfer_addr=("127.0.0.1", 1000 + int(wid[1:]))))
-    for r in range(4):
-        report(orch, f"w{r}", {"type": "ready", "loop": {**LOOP, "sharded": ["model", "optimizer"]},
-                               "bundle": _bundle(r)})
-        report(orch, f"w{r}", {"type": "heartbeat", "step": 10})
+    orch = _started(tmp_path, RecordingScheduler(4 + 3 + 1), Config(world_size=4, spares=3, redundancy=1), SHARDED)
     for r in lost:
         orch.handle(m.WorkerExited(worker_id=f"w{r}", returncode=-9))
     gen = orch.op.generation
@@ -573,15 +566,7 @@ def test_without_redundancy_a_sharded_job_stops_on_the_lost_rank_even_when_a_sur
     """--redundancy 0, FSDP2: rank 0's failed collective reaches the orchestrator before rank
     1's death does (the usual order after kill -9). The job is stopped when rank 1 is known
     lost, with that rank's failed event in the ledger, not before and not without it."""
-    sched = RecordingScheduler(4)
-    orch = Orchestrator(Config(world_size=2, spares=1, redundancy=0), SqliteStore(tmp_path / "s.db"), sched)
-    orch.start()
-    for wid, _ in list(sched.started):
-        orch.register(wid, m.Register(pid=1, transfer_addr=("127.0.0.1", 1000 + int(wid[1:]))))
-    for r in range(2):
-        report(orch, f"w{r}", {"type": "ready", "loop": {**LOOP, "sharded": ["model", "optimizer"]},
-                               "bundle": _bundle(r)})
-        report(orch, f"w{r}", {"type": "heartbeat", "step": 10})
+    orch = _started(tmp_path, RecordingScheduler(4), Config(world_size=2, spares=1, redundancy=0), SHARDED)
     report(orch, "w0", {"type": "recover", "generation": orch.generation, "pos": [10, 0], "in_step": True,
                         "error": "Connection closed by peer"})
     assert not orch.failure, "stopped before any rank was known lost"

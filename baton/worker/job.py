@@ -152,12 +152,12 @@ class Job:
             raise ValueError(f"job.mesh: shape {shape} does not hold the job's {self.world_size} ranks")
         key = (names, shape, device_type)
         if key not in self._meshes:
-            layout = torch.arange(self.world_size).view(shape)
             if len(shape) == 1:
                 self._meshes[key] = DeviceMesh.from_group(self.group, device_type, mesh_dim_names=names)
             else:
                 if names is None:
                     raise ValueError("job.mesh: a mesh of more than one dimension needs dimension names")
+                layout = torch.arange(self.world_size).view(shape)
                 coords = [int(c) for c in torch.nonzero(layout == self.rank)[0]]
                 groups = []
                 for dim in range(len(shape)):

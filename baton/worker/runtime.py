@@ -946,7 +946,7 @@ class Runtime:
             majority = max(set(values), key=values.count)
             ref = values.index(majority)
             theirs = json.loads(self.store.call(lambda s: s.get(f"{key}/{ref}"), deadline))
-            differing = verify.differing(digests, {k: int(v) for k, v in theirs.items()})
+            differing += verify.differing(digests, {k: int(v) for k, v in theirs.items()})
             bad = [r for r, v in enumerate(values) if v != majority]
             detail += ("; " if detail else "") + f"replicated state differs on ranks {bad} (compared with rank {ref})"
         if expected is not None or bundle_state is not None:
