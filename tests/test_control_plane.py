@@ -158,13 +158,18 @@ def test_survivor_that_fetched_a_completed_step_loses_its_sources_before_forming
     only copy left: it must still hold step 15's start (the fetched state is applied only once
     formed), and everyone runs step 15 once. Before, it reported step 15 with step 16's state
     and the job ended with exit 0 one optimizer step ahead (seen in CI), or failed."""
-    mark = tmp_path / "held"
+    mark, go = tmp_path / "held", tmp_path / "go"
     env = {"PYTHONPATH": str(Path(__file__).resolve().parent / "inject"),
-           "BATON_TEST_FAIL_AFTER_ALLREDUCE": "0:15",
+           "BATON_TEST_FAIL_AFTER_ALLREDUCE": "0:15", "BATON_TEST_FAIL_AFTER_ALLREDUCE_GO": str(go),
            "BATON_TEST_HOLD_AFTER_TAKING_STEP": "0", "BATON_TEST_HOLD_MARK": str(mark)}
     job = gpt_job(tmp_path, "sources-lost", spares=2, env=env)
     try:
         _spare_pids(job, 2)
+        # Rank 0 fails only once ranks 1 and 2 are past step 15 (seen in CI: without this,
+        # its failure could reach them inside the all-reduce's tail and all re-ran step 15).
+        job.wait_until(lambda s: all(r["step"] >= 16 for r in s["ranks"] if r["rank"] in (1, 2)),
+                       timeout=120, what="ranks 1 and 2 past step 15")
+        go.touch()
         deadline = time.time() + 120
         while not mark.exists():
             assert time.time() < deadline and job.proc.poll() is None, job.log()

@@ -4,7 +4,9 @@ BATON_TEST_FAIL_AFTER_ALLREDUCE="rank:step": that rank loses that step after its
 all-reduce completed everywhere, just before its optimizer.step(), as a rank does when a
 peer is lost at the very end of the all-reduce. The others complete the step; this rank
 must take their result, never re-run it. Random signals reach this path rarely; this
-reaches it every time.
+reaches it every time. A gloo all-reduce can end on this rank before the others have
+their last bytes: with BATON_TEST_FAIL_AFTER_ALLREDUCE_GO (a file path), the rank waits for
+that file (at most 60 s) before it fails, so the test can see the others past the step.
 
 BATON_TEST_CORRUPT="rank:step": after that rank's optimizer step at that step, one float of
 its first parameter changes by one ulp, as silent data corruption in memory would.
@@ -55,14 +57,21 @@ def _once_at(spec: str):  # noqa: ANN202
     return due
 
 
-def _lose_peer_at(spec: str, register, what: str) -> None:  # noqa: ANN001
-    """Once, at rank:step `spec`, an optimizer hook (`register`) raises a lost-peer error."""
+def _lose_peer_at(spec: str, register, what: str, go: str | None = None) -> None:  # noqa: ANN001
+    """Once, at rank:step `spec`, an optimizer hook (`register`) raises a lost-peer error
+    (once the file `go` exists, when given)."""
     due = _once_at(spec)
 
     def lose(opt, args, kwargs):  # noqa: ANN001
         if not due():
             return
+        import time
+
         from baton.worker.group import CollectiveFailure
+
+        deadline = time.time() + 60
+        while go and not os.path.exists(go) and time.time() < deadline:
+            time.sleep(0.02)
 
         print(f"injected: {what}", file=sys.stderr, flush=True)
         raise CollectiveFailure(f"injected: {what}")
@@ -75,7 +84,8 @@ if _fail:
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
     _lose_peer_at(_fail, register_optimizer_step_pre_hook,
-                  f"rank {_fail.split(':')[0]} loses step {_fail.split(':')[1]} after its all-reduce")
+                  f"rank {_fail.split(':')[0]} loses step {_fail.split(':')[1]} after its all-reduce",
+                  os.environ.get("BATON_TEST_FAIL_AFTER_ALLREDUCE_GO"))
 
 _corrupt = os.environ.get("BATON_TEST_CORRUPT")
 if _corrupt:
