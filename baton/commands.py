@@ -63,6 +63,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                    help="buddies holding each rank's own state, so N ranks lost at once are rebuilt "
                         "(default 2). In an FSDP2 job each buddy also holds a copy of the rank's shards "
                         "in host memory, refreshed every step; 0: no copies, a lost sharded rank ends the job")
+    p.add_argument("--snapshot-transport", choices=("auto", "tcp"), default="auto",
+                   help="how an FSDP2 rank's buddy gets its shard snapshots: auto (default) maps them from the "
+                        "rank's shared memory when both run on one machine and pulls them over TCP otherwise; "
+                        "tcp always pulls, as buddies on other nodes do")
     p.add_argument("--job-id", default="job")
     p.add_argument("--quiet", action="store_true", help="do not print events")
     p.add_argument("--server", default=None, metavar="URL[,URL]",
@@ -180,6 +184,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                       advertise_addr=args.advertise_addr, return_home=args.return_home,
                       straggler_factor=args.straggler_factor, straggler_steps=args.straggler_steps,
                       borrow_spares=args.borrow_spares, borrow_partition=args.borrow_partition,
+                      env={"BATON_SNAPSHOT_TRANSPORT": args.snapshot_transport},
                       gpu_limits=GpuThresholds(temp_c=args.taint_gpu_temp, ecc_uncorrected=args.taint_ecc_uncorrected,
                                                ecc_corrected=args.taint_ecc_corrected))
     if args.server:

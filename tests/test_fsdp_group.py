@@ -141,13 +141,16 @@ def test_fsdp_ranks_move_planned_and_preemptive_bitwise(tmp_path, four_rank_refe
     assert all(e["steps_rerun"] == 0 for e in events), events
 
 
-def test_lost_fsdp_ranks_are_rebuilt_from_their_buddies_copies_bitwise(tmp_path, four_rank_reference):
+@pytest.mark.parametrize("transport", ["auto", "tcp"])
+def test_lost_fsdp_ranks_are_rebuilt_from_their_buddies_copies_bitwise(tmp_path, four_rank_reference, transport):
     """4-rank FSDP2 llama with --redundancy 1: kill -9 of rank 0, then rank 2 hung (SIGSTOP).
-    Each lost rank's shards come from the copy its buddy pulled at the last step boundary
-    (survivors go back one boundary when the newest copy had not arrived); the job ends
-    bitwise equal to torchrun's run with no failure."""
-    job = Job(tmp_path, nproc=4, spares=2, steps=0, script=LLAMA, name="lost",
-              script_args=FOUR_ARGS, run_args=["--redundancy", "1"])
+    Each lost rank's shards come from its buddy's copy of the last step boundary (survivors
+    go back one boundary when the newest copy had not arrived); the job ends bitwise equal to
+    torchrun's run with no failure. `auto`: the buddies, on this machine, map their wards'
+    snapshots from shared memory, which outlives the killed rank; `tcp`: they pull copies,
+    as buddies on other nodes do."""
+    job = Job(tmp_path, nproc=4, spares=2, steps=0, script=LLAMA, name="lost", script_args=FOUR_ARGS,
+              run_args=["--redundancy", "1", "--snapshot-transport", transport], env={"BATON_LOG": "INFO"})
     try:
         job.wait_step(5, timeout=120)
         job.signal_rank(0, signal.SIGKILL)
@@ -164,10 +167,14 @@ def test_lost_fsdp_ranks_are_rebuilt_from_their_buddies_copies_bitwise(tmp_path,
         assert job.wait(timeout=240) == 0, job.log()
         assert_ranks_equal(job, four_rank_reference)
         events = job.events()
+        log = job.log(tail=None)
     finally:
         job.kill()
     assert [(e["kind"], e["status"], e["rank"]) for e in events] == \
         [("unplanned", "resolved", 0), ("unplanned", "resolved", 2)], events
+    mapped = "rank 0's shard snapshots are mapped from its shared memory" in log
+    assert mapped == (transport == "auto"), log[-3000:]
+    assert "rebuilding rank=0" in log and "rebuilding rank=2" in log, log[-3000:]
     # A rank lost before its newest copy arrived costs the survivors one boundary: re-run, counted.
     assert all(e["steps_lost"] <= 1 and e["steps_rerun"] <= 2 for e in events), events
 

@@ -38,7 +38,7 @@ from baton.transfer.protocol import (
     send_all,
     sizes_of,
 )
-from baton.transfer.server import FETCH, connect
+from baton.transfer.server import FETCH, SNAPSHOT_REF, connect
 
 log = logging.getLogger("baton.transfer")
 
@@ -73,6 +73,16 @@ class _Source:
         except OSError:
             pass
         self.sock.close()
+
+
+def snapshot_ref(addr: tuple[str, int], key: int, token: str, timeout: float = 60.0) -> dict | None:
+    """Where the snapshot `key` lies in its rank's shared memory (waiting until the rank
+    holds it, as a fetch does), or None where it is in private memory only."""
+    with connect(tuple(addr), token, SNAPSHOT_REF, key, timeout) as sock:
+        reply = recv_json(sock)
+    if "error" in reply:
+        raise TransferError(f"source {addr[0]}:{addr[1]} refused: {reply['error']}")
+    return reply.get("ref")
 
 
 def fetch_state(sources: list[tuple[str, int]], generation: int, token: str,

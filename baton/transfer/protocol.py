@@ -14,6 +14,7 @@ import json
 import socket
 import struct
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -36,6 +37,7 @@ class FlatState:
 
     meta: bytes
     tensors: list[torch.Tensor]
+    shared: Any = None  # the SharedBlock holding the tensors, for a shard snapshot in shared memory
 
     @property
     def nbytes(self) -> int:

@@ -40,8 +40,9 @@ log = logging.getLogger("baton.transfer")
 
 # Request kinds, sent right after the nonce: fetch a published state, push bundles to
 # this process as a buddy, read one ward bundle back, fetch a shard snapshot (whose key,
-# `snapshot_key(rank, step)`, goes where the others send a generation).
-FETCH, PUSH, WARD, SNAPSHOT = b"F", b"P", b"W", b"S"
+# `snapshot_key(rank, step)`, goes where the others send a generation), or only where a
+# shard snapshot lies in shared memory (a buddy on the same machine maps it; see shared.py).
+FETCH, PUSH, WARD, SNAPSHOT, SNAPSHOT_REF = b"F", b"P", b"W", b"S", b"R"
 
 
 SMALL = 1 << 22  # marks the snapshot id of a rank's state without its shards (see small_id)
@@ -107,10 +108,11 @@ class TransferServer:
         selfcost.spawn(self._accept_loop, "baton-transfer")
 
     def put_snapshot(self, rank: int, step: int, state: FlatState) -> None:
-        views = [byte_view(t) for t in state.tensors]
-        chunks = plan_chunks([len(v) for v in views], self.chunk_bytes)
+        """Serve `state` as that snapshot. Its chunk plan is made when it is first sent: most
+        snapshots are dropped unsent (a mapped one is never sent), and the plan costs a rank
+        ~1 ms per boundary for a state of some hundred tensors."""
         with self._cond:
-            self._snapshots[(rank, step)] = (state, chunks, views)
+            self._snapshots[(rank, step)] = (state, [], [])
             self._cond.notify_all()
 
     def drop_snapshots(self, rank: int, keep: set[int]) -> None:
@@ -139,16 +141,24 @@ class TransferServer:
             return found[0]
 
     def snapshot_bytes(self) -> int:
+        """Host memory the snapshots here take (a ward's block mapped here is the ward's)."""
         with self._cond:
-            return sum(st.nbytes for st, _, _ in self._snapshots.values())
+            return sum(st.nbytes for st, _, _ in self._snapshots.values()
+                       if st.shared is None or st.shared.owner)
 
-    def _wait_snapshot(self, key: int) -> tuple[FlatState, list[list[Piece]], list[memoryview]] | None:
+    def _wait_snapshot(self, key: int, plan: bool = True) -> tuple[FlatState, list[list[Piece]], list[memoryview]] | None:
         rank, step = key >> 40, key & ((1 << 40) - 1)
         with self._cond:
             self._cond.wait_for(lambda: (rank, step) in self._snapshots or self._closed, timeout=self.publish_wait_s)
             found = self._snapshots.get((rank, step))
-            if found is not None:  # being sent: not reused until done (see take_snapshot)
-                self._reading[id(found[0])] = self._reading.get(id(found[0]), 0) + 1
+            if found is None:
+                return None
+            state = found[0]
+            if plan and not found[2] and state.tensors:
+                views = [byte_view(t) for t in state.tensors]
+                found = self._snapshots[(rank, step)] = (state, plan_chunks([len(v) for v in views],
+                                                                            self.chunk_bytes), views)
+            self._reading[id(state)] = self._reading.get(id(state), 0) + 1  # not reused until sent (take_snapshot)
             return found
 
     def _done_reading(self, state: FlatState) -> None:
@@ -208,7 +218,7 @@ class TransferServer:
                 kind = recv_exact(conn, 1)
                 (generation,) = struct.unpack("!Q", recv_exact(conn, 8))
                 digest = recv_exact(conn, 32)
-                if kind not in (FETCH, PUSH, WARD, SNAPSHOT) or \
+                if kind not in (FETCH, PUSH, WARD, SNAPSHOT, SNAPSHOT_REF) or \
                         not hmac.compare_digest(digest, auth_digest(self.token, nonce, generation, kind)):
                     send_json(conn, {"error": "authentication failed: wrong job token"})
                     return
@@ -219,14 +229,19 @@ class TransferServer:
                 if kind == WARD:
                     self._serve_ward(conn)
                     return
-                if kind == SNAPSHOT:
-                    found = self._wait_snapshot(generation)
+                if kind in (SNAPSHOT, SNAPSHOT_REF):
+                    found = self._wait_snapshot(generation, plan=kind == SNAPSHOT)
                     if found is None:
                         send_json(conn, {"error": f"no snapshot of rank {(generation >> 40) & (SMALL - 1)} at step "
                                                   f"{generation & ((1 << 40) - 1)} here"})
                         return
                     try:
-                        self._send_state(conn, *found)
+                        if kind == SNAPSHOT_REF:
+                            block = found[0].shared
+                            send_json(conn, {"ref": block.ref.to_json() if block is not None and block.owner
+                                             else None})
+                        else:
+                            self._send_state(conn, *found)
                     finally:
                         self._done_reading(found[0])
                     return

@@ -44,7 +44,7 @@ from baton.worker.bundle import BundlePushers, StepCapture, fetch_ward_bundle
 from baton.worker.control import ControlChannel, cpu_report
 from baton.worker.data import DataFeed
 from baton.worker.group import CollectiveFailure, LiveGroup, install_as_world, solo_group
-from baton.worker.snapshots import Snapshots, copy_into, position_of
+from baton.worker.snapshots import Snapshots, position_of
 from baton.worker.tracked import Tracked, UsageError, reset_scaler_stage
 
 log = logging.getLogger("baton.worker")
@@ -581,7 +581,7 @@ class Runtime:
             small_meta, small_tensors = codec.encode({k: v for k, v in state.items() if k != "sharded"})
             small = FlatState(meta=small_meta, tensors=[t.clone() for t in small_tensors])
         old = self.snapshots.reusable(self.pos[0])
-        self.snapshots.keep(self.pos, FlatState(meta=meta, tensors=copy_into(old, tensors)), small)
+        self.snapshots.keep(self.pos, self.snapshots.fill(self.pos, meta, tensors, old), small)
         self.ctl.heartbeat["snapshot_mb"] = round(self.snapshots.held_bytes() / 2**20, 2)
 
     @selfcost.counted

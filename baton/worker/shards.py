@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from baton.worker import verify
+from baton.worker import shard_capture, verify
 from baton.worker.tracked import Tracked, UsageError
 
 LOCAL = "$dtensor"
@@ -34,20 +34,29 @@ def owner_model(tracked: Tracked, optimizer: torch.optim.Optimizer) -> torch.nn.
 
 
 def capture(tracked: Tracked) -> dict[str, Any]:
-    """This rank's shards of every sharded object, DTensors replaced by their local tensors."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
+    """This rank's shards of every sharded object, DTensors replaced by their local tensors
+    (the helpers' answer, learned after the first boundary: see shard_capture.py)."""
     out: dict[str, Any] = {}
     for name in sorted(tracked.sharded):
         obj = tracked.objects[name]
-        if isinstance(obj, torch.nn.Module):
-            sd = get_model_state_dict(obj)
-        elif not obj.state:
-            sd = obj.state_dict()  # never stepped: nothing to shard (and the helper would step it)
-        else:
-            sd = get_optimizer_state_dict(owner_model(tracked, obj), obj)
-        out[name] = _to_local(sd)
+        if not isinstance(obj, torch.nn.Module) and not obj.state:
+            out[name] = _to_local(obj.state_dict())  # never stepped: nothing to shard (the helper would step it)
+            continue
+        capturer = tracked.shard_capture.get(name)
+        if capturer is None:
+            capturer = tracked.shard_capture[name] = _capturer(tracked, name, obj)
+        out[name] = capturer()
     return out
+
+
+def _capturer(tracked: Tracked, name: str, obj: Any) -> shard_capture.ShardCapture:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    if isinstance(obj, torch.nn.Module):
+        return shard_capture.for_model(name, obj, lambda: _to_local(get_model_state_dict(obj)), _to_local)
+    model = owner_model(tracked, obj)
+    return shard_capture.for_optimizer(name, obj, lambda: _to_local(get_optimizer_state_dict(model, obj)),
+                                       _to_local)
 
 
 def load(tracked: Tracked, state: dict[str, Any]) -> None:
@@ -155,7 +164,7 @@ def digests(state: dict[str, Any]) -> dict[str, int]:
 
 def _to_local(obj: Any) -> Any:
     if isinstance(obj, DTensor):
-        return {LOCAL: obj.to_local()}
+        return {LOCAL: obj._local_tensor.detach()}  # noqa: SLF001 - to_local() without the autograd call
     if isinstance(obj, dict):
         return {k: _to_local(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):

@@ -16,12 +16,18 @@ rank's buddy holds. Memory per rank: its own two snapshots plus one or two per w
 HSDP keeps the same shards in every replica group, so there a buddy pulls only its ward's
 state without the shards (`light`): a lost rank's shards come from the own snapshot of a
 rank holding the same shards in another replica group.
+
+A rank's own snapshots lie in shared memory (baton.transfer.shared) where the machine
+allows it, and a buddy on the same machine maps its ward's instead of pulling a copy: the
+copy would die with the machine just as the ward's does. BATON_SNAPSHOT_TRANSPORT=tcp
+(`baton run --snapshot-transport tcp`) makes every buddy pull, as one on another node does.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 from typing import Callable
@@ -30,11 +36,16 @@ import torch
 
 from baton import selfcost
 from baton.transfer import TransferError, fetch_state
+from baton.transfer.client import snapshot_ref
+from baton.transfer.shared import SharedBlock, SharedRef
+from baton.transfer.shared import available as shared_memory_available
 from baton.transfer.bundles import Pos
 from baton.transfer.protocol import FlatState
 from baton.transfer.server import SNAPSHOT, TransferServer, small_id, snapshot_key
 
 log = logging.getLogger("baton.worker")
+
+TRANSPORT_ENV = "BATON_SNAPSHOT_TRANSPORT"  # auto: map a same-machine ward's snapshots; tcp: always pull
 
 
 def copy_into(old: FlatState | None, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -68,6 +79,14 @@ class Snapshots:
         self.light = False  # wards' snapshots without their shards (HSDP)
         self.pulled_bytes = 0
         self.pull_seconds = 0.0
+        transport = os.environ.get(TRANSPORT_ENV, "auto")
+        if transport not in ("auto", "tcp"):
+            raise ValueError(f"{TRANSPORT_ENV}={transport!r}: expected 'auto' or 'tcp'")
+        self.shared = transport == "auto" and shared_memory_available()
+        # (ward, pid, fd, inode) -> a ward's block mapped here, and the last step found in it
+        self._blocks: dict[tuple[int, int, int, int], tuple[SharedBlock, int]] = {}
+        self._pulled: set[int] = set()  # wards whose snapshots could not be mapped: pulled over TCP
+        self.mapped_wards: set[int] = set()  # wards whose snapshots this buddy maps (logged once each)
 
     # ---------------------------------------------------------------- own snapshots
     def keep(self, pos: Pos, state: FlatState, small: FlatState | None = None) -> None:
@@ -87,6 +106,23 @@ class Snapshots:
             self._cond.notify_all()
         self.server.drop_snapshots(self.rank, keep)
         self.server.drop_snapshots(small_id(self.rank), keep)
+
+    def fill(self, pos: Pos, meta: bytes, tensors: list[torch.Tensor], old: FlatState | None) -> FlatState:
+        """This rank's snapshot at `pos`: a copy of `tensors`, into `old`'s buffers where they fit,
+        in shared memory where this machine gives it."""
+        if self.shared:
+            block = old.shared if old is not None and old.shared is not None and old.shared.fits(tensors, meta) \
+                else None
+            if block is None:
+                try:
+                    block = SharedBlock.create(tensors, meta)
+                except OSError as exc:
+                    log.warning("shard snapshots stay in private memory (buddies on this machine pull copies): "
+                                "shared memory could not be reserved: %s", exc)
+                    self.shared = False
+            if block is not None:
+                return FlatState(meta=meta, tensors=block.write(pos, meta, tensors), shared=block)
+        return FlatState(meta=meta, tensors=copy_into(old if old is None or old.shared is None else None, tensors))
 
     def reusable(self, step: int) -> FlatState | None:
         """The own snapshot that keeping one of `step` is about to drop, taken back now so its
@@ -118,9 +154,11 @@ class Snapshots:
             for gone in set(self._held) - set(addrs):
                 self._held.pop(gone)
                 self.server.drop_snapshots(self._id(gone), set())
+            self._blocks = {k: v for k, v in self._blocks.items() if k[0] in addrs}
             self.light = light
             self._addrs = dict(addrs)
             self._wanted = {w: -1 for w in addrs}  # from the next boundary on
+            self._pulled.clear()  # a ward's new process may be on another machine, or on this one
             self._failed.clear()
             self._cond.notify_all()
         for ward in addrs:
@@ -137,10 +175,15 @@ class Snapshots:
                 step, addr = self._wanted[ward], self._addrs[ward]
             t0 = time.perf_counter()
             try:
-                state, stats = fetch_state([addr], snapshot_key(self._id(ward), step), self.token,
-                                           timeout=self.timeout_s, kind=SNAPSHOT,
-                                           into=spare.tensors if spare is not None else None)
-                spare = None
+                state = self._map(ward, addr, step)
+                if state is None:
+                    state, stats = fetch_state([addr], snapshot_key(self._id(ward), step), self.token,
+                                               timeout=self.timeout_s, kind=SNAPSHOT,
+                                               into=spare.tensors if spare is not None else None)
+                    spare = None
+                    pulled = stats.bytes
+                else:
+                    pulled = 0
             except (OSError, TransferError) as exc:
                 with self._cond:
                     if self._epoch != epoch:
@@ -159,13 +202,58 @@ class Snapshots:
                 held[step] = pos
                 for old in [s for s in held if s < step]:  # the older one only once this one is whole
                     del held[old]
-                    spare = self.server.take_snapshot(self._id(ward), old) or spare
+                    taken = self.server.take_snapshot(self._id(ward), old)
+                    if taken is not None and taken.shared is None:  # never land a pull in a ward's memory
+                        spare = taken
                 self.server.drop_snapshots(self._id(ward), set(held))
+                self._forget_blocks(ward, step, held)
                 self._failed.pop(ward, None)
-                self.pulled_bytes += stats.bytes
+                self.pulled_bytes += pulled
                 self.pull_seconds += time.perf_counter() - t0
                 self._cond.notify_all()
             done = step
+
+    def _map(self, ward: int, addr: tuple[str, int], step: int) -> FlatState | None:
+        """The ward's snapshot of `step` mapped from its shared memory, or None where it must be
+        pulled (another machine, private memory, `tcp` transport, a light pull)."""
+        if not self.shared or self.light or ward in self._pulled:
+            return None
+        raw = snapshot_ref(addr, snapshot_key(ward, step), self.token, timeout=self.timeout_s)
+        if raw is None:
+            return None
+        ref = SharedRef.from_json(raw)
+        key = (ward, ref.pid, ref.fd, ref.inode)
+        block = self._blocks[key][0] if key in self._blocks else None
+        if block is None:
+            try:
+                block = SharedBlock.attach(ref)
+            except (OSError, ValueError) as exc:
+                log.info("rank %d's shard snapshots are pulled over TCP: its shared memory cannot be mapped "
+                         "here (%s)", ward, exc)
+                self._pulled.add(ward)
+                return None
+            if ward not in self.mapped_wards:
+                self.mapped_wards.add(ward)
+                log.info("rank %d's shard snapshots are mapped from its shared memory (same machine)", ward)
+        got = block.read(step)
+        if got is None:
+            raise TransferError(f"rank {ward}'s shard snapshot of step {step} was overwritten before it was mapped")
+        _, meta, tensors = got
+        with self._cond:
+            self._blocks[key] = (block, step)
+        return FlatState(meta=meta, tensors=tensors, shared=block)
+
+    def _forget_blocks(self, ward: int, step: int, held: dict[int, Pos]) -> None:
+        """Unmap a ward's blocks that hold no snapshot kept here and that its latest
+        boundaries did not use (a block its process replaced, or a replaced process's):
+        their memory is freed with the last mapping. Under the lock."""
+        kept = set()
+        for k in held:
+            st = self.server.get_snapshot(self._id(ward), k)
+            if st is not None and st.shared is not None:
+                kept.add(id(st.shared))
+        self._blocks = {key: (b, used) for key, (b, used) in self._blocks.items()
+                        if key[0] != ward or used >= step - 2 or id(b) in kept}
 
     def wait_wards(self, step: int, timeout_s: float, cancelled: Callable[[], bool]) -> str | None:
         """Wait until every ward's snapshot of `step` is held here; None, or why not."""
@@ -187,9 +275,26 @@ class Snapshots:
 
     # ---------------------------------------------------------------- what a recovery needs
     def report(self) -> tuple[list[Pos], dict[int, list[Pos]]]:
+        """This rank's own snapshots, and the wards' it holds. A ward's snapshot mapped from its
+        shared memory counts only while the block still holds it and its bytes match the
+        digest the ward wrote (the ward may have died overwriting it): never a torn copy."""
         with self._cond:
-            return (sorted(self._own.values()),
-                    {w: sorted(held.values()) for w, held in self._held.items() if held})
+            own = sorted(self._own.values())
+            held = {w: dict(h) for w, h in self._held.items() if h}
+        out: dict[int, list[Pos]] = {}
+        for ward, steps in held.items():
+            ok = []
+            for step, pos in sorted(steps.items()):
+                st = self.server.get_snapshot(self._id(ward), step)
+                if st is not None and st.shared is not None and not st.shared.owner \
+                        and not st.shared.holds(step, check=True):
+                    log.warning("rank %d's snapshot of step %d in its shared memory is no longer whole: not used",
+                                ward, step)
+                    continue
+                ok.append(pos)
+            if ok:
+                out[ward] = ok
+        return own, out
 
     def held_bytes(self) -> int:
         return self.server.snapshot_bytes()

@@ -100,6 +100,7 @@ class Tracked:
         self.scope: str | None = None  # "step" | "boundary" | None, set by the loop
         self.discovered: list[str] = []
         self.sharded: set[str] = set()  # objects holding DTensor shards (see sharded_names)
+        self.shard_capture: dict[str, Any] = {}  # name -> its learned state dict (shard_capture.py)
         self._buffer_places: dict[int, list[tuple[str, torch.nn.Module, str]]] = {}
 
     # ---------------------------------------------------------------- registration
