@@ -5,8 +5,11 @@
 
 The llama example (baton/examples/llama.py, per-block fully_shard, AdamW) at a bench size
 (--dim 256 --layers 4 by default: 3.3M parameters), 2 ranks, under three contenders run
-interleaved: torchrun (`--plain`), baton with `--redundancy 0` (no shard copies) and baton
-with `--redundancy 1` (each rank's buddy pulls its shard snapshot every step). Per run,
+interleaved: torchrun (`--plain`), baton with `--redundancy 0` (no shard copies), baton with
+`--redundancy 1` (each rank's buddy holds its shard snapshot of every step boundary; on one
+machine it maps the rank's own snapshot from shared memory) and the same with
+`--snapshot-transport tcp` (the buddy pulls a copy over loopback TCP every step, as a buddy on
+another node does over the network). Per run,
 over the window from step --warmup to step --steps (rank 0 writes a line per step):
   step_s          median gap between rank 0's steps
   cpu_s_per_step  CPU-seconds of the whole process tree (ranks, spare, launcher, store) / steps
@@ -45,7 +48,8 @@ from common import free_port, interleave, median_range, write_readme_sentence  #
 from contenders import tree_cpu  # noqa: E402
 
 LLAMA = REPO / "baton" / "examples" / "llama.py"
-CONTENDERS = {"torchrun": None, "baton-r0": ["--redundancy", "0"], "baton-r1": ["--redundancy", "1"]}
+CONTENDERS = {"torchrun": None, "baton-r0": ["--redundancy", "0"], "baton-r1": ["--redundancy", "1"],
+              "baton-r1-tcp": ["--redundancy", "1", "--snapshot-transport", "tcp"]}
 
 
 def _progress(path: Path) -> list[tuple[int, float]]:
@@ -187,14 +191,20 @@ def sentence(r: dict) -> str:
             else "FSDP2 llama example (")
     parts = [f"{k} {e['downtime_s']:.2f} s for {e['state_bytes'] / 1e6:.0f} MB (raw loopback copy "
              f"{e['raw_tcp_copy_s'] * 1e3:.0f} ms)" for k, e in ev.items()]
+    tcp = ""
+    if "redundancy-tcp" in s:
+        tcp = (f"; pulled over TCP instead (`--snapshot-transport tcp`, what a buddy on another node does): "
+               f"step time {ratio('redundancy-tcp', 'step_ratio')}, CPU {ratio('redundancy-tcp', 'cpu_ratio')}, "
+               f"{s['baton-r1-tcp']['snapshot_mb']['median']:.0f} MB held")
     return (f"{what}{r['params_m']:.1f}M parameters, {r['nproc']} ranks, steps "
             f"~{s['torchrun']['step_s']['median'] * 1e3:.0f} ms under torchrun): step time vs torchrun "
             f"{ratio('baton-r0', 'step_ratio')} with `--redundancy 0` and {ratio('baton-r1', 'step_ratio')} "
             f"with `--redundancy 1`; CPU-seconds per step of the whole process tree {ratio('baton-r0', 'cpu_ratio')} "
             f"and {ratio('baton-r1', 'cpu_ratio')}. The redundancy itself (`--redundancy 1` against 0, round "
-            f"by round): step time {ratio('redundancy', 'step_ratio')}, CPU {ratio('redundancy', 'cpu_ratio')}; "
-            f"host memory it holds, all ranks together: {s['baton-r1']['snapshot_mb']['median']:.0f} MB (each "
-            f"rank's state is {r['downtime']['events'][0]['state_bytes'] / 2**20:.0f} MB). Downtime: "
+            f"by round), buddies on the same machine mapping the rank's snapshot from shared memory: step time "
+            f"{ratio('redundancy', 'step_ratio')}, CPU {ratio('redundancy', 'cpu_ratio')}, host memory held "
+            f"{s['baton-r1']['snapshot_mb']['median']:.0f} MB for all ranks together"
+            + tcp + f" (each rank's state is {r['downtime']['events'][0]['state_bytes'] / 2**20:.0f} MB). Downtime: "
             + "; ".join(parts)
             + f" (`bench/fsdp.py`, {r['machine']}, {r['when']}, {r['rounds']} rounds, medians (min–max)).")
 
@@ -222,11 +232,13 @@ def main() -> None:
                                                                          "rank_rss_mb")}
         steady[k]["step_ratio"] = median_range(r[k]["step_s"] / r["torchrun"]["step_s"] for r in rounds)
         steady[k]["cpu_ratio"] = median_range(r[k]["cpu_s_per_step"] / r["torchrun"]["cpu_s_per_step"] for r in rounds)
-    steady["baton-r1"]["snapshot_mb"] = median_range(r["baton-r1"]["snapshot_mb"] for r in rounds)
+    for k in ("baton-r1", "baton-r1-tcp"):
+        steady[k]["snapshot_mb"] = median_range(r[k]["snapshot_mb"] for r in rounds)
     # What the redundancy itself costs: baton with copies against baton without, round by round.
-    steady["redundancy"] = {
-        "step_ratio": median_range(r["baton-r1"]["step_s"] / r["baton-r0"]["step_s"] for r in rounds),
-        "cpu_ratio": median_range(r["baton-r1"]["cpu_s_per_step"] / r["baton-r0"]["cpu_s_per_step"] for r in rounds)}
+    for ratio_name, k in (("redundancy", "baton-r1"), ("redundancy-tcp", "baton-r1-tcp")):
+        steady[ratio_name] = {
+            "step_ratio": median_range(r[k]["step_s"] / r["baton-r0"]["step_s"] for r in rounds),
+            "cpu_ratio": median_range(r[k]["cpu_s_per_step"] / r["baton-r0"]["cpu_s_per_step"] for r in rounds)}
     print("downtime run:", flush=True)
     d = tmp / "downtime"
     d.mkdir(parents=True, exist_ok=True)
