@@ -73,6 +73,24 @@ def _rss_mb(pid: int) -> float:
     return 0.0
 
 
+def _own_cpu(run: Path) -> dict[int, tuple[int, float, float]]:
+    """Each rank's (step, CPU-seconds, baton's own CPU-seconds) as its last heartbeat said."""
+    from baton.control.client import ApiClient
+    from baton.rundir import RunDir
+
+    url, token = RunDir(run / "run").read()
+    return {r["rank"]: (r["step"], r["cpu_s"], r["baton_cpu_s"]) for r in ApiClient(url, token).status()["jobs"][0]["ranks"]}
+
+
+def _own_per_step(a: dict[int, tuple[int, float, float]], b: dict[int, tuple[int, float, float]]) -> dict:
+    """baton's own CPU in the ranks per step, counted bottom up by baton (baton/selfcost.py),
+    summed over the ranks, and its share of the ranks' CPU: resolves what whole-tree CPU on 2
+    shared cores cannot."""
+    own = sum((b[r][2] - a[r][2]) / max(1, b[r][0] - a[r][0]) for r in a if r in b)
+    total = sum((b[r][1] - a[r][1]) / max(1, b[r][0] - a[r][0]) for r in a if r in b)
+    return {"own_cpu_s_per_step": own, "own_share": own / total if total else None}
+
+
 def _ranks(kind: str, root: int, run: Path) -> tuple[list[int], float | None]:
     """The ranks' pids (from baton's API, or torchrun's workers) and, under baton, the shard
     snapshots they hold in MB (what each rank reports in its heartbeat)."""
@@ -108,7 +126,8 @@ def _launch(kind: str, run: Path, model: list[str], steps: int, nproc: int) -> s
 
 def run_one(kind: str, run: Path, a: argparse.Namespace) -> dict:
     proc = _launch(kind, run, a.model, a.steps, a.nproc)
-    cpu0 = t0 = snap_mb = None
+    cpu0 = t0 = snap_mb = own0 = None
+    own: dict = {}
     rss = 0.0
     try:
         deadline = time.time() + a.timeout
@@ -117,9 +136,12 @@ def run_one(kind: str, run: Path, a: argparse.Namespace) -> dict:
             n = done[-1][0] if done else 0
             if cpu0 is None and n >= a.warmup:
                 cpu0, t0 = sum(c for c, _ in tree_cpu([proc.pid]).values()), time.time()
+                own0 = _own_cpu(run) if kind != "torchrun" else None
             if n >= a.steps - 2 and not rss:  # before the ranks start to exit
                 pids, snap_mb = _ranks(kind, proc.pid, run)
                 rss = sum(_rss_mb(p) for p in pids)
+                if own0 is not None:
+                    own = _own_per_step(own0, _own_cpu(run))
             if n >= a.steps:
                 cpu1, t1 = sum(c for c, _ in tree_cpu([proc.pid]).values()), time.time()
                 break
@@ -138,9 +160,11 @@ def run_one(kind: str, run: Path, a: argparse.Namespace) -> dict:
     n_steps = a.steps - a.warmup
     out = {"step_s": gaps[len(gaps) // 2], "mean_step_s": (window[-1][1] - window[0][1]) / n_steps,
            "cpu_s_per_step": (cpu1 - cpu0) / n_steps, "rank_rss_mb": rss, "snapshot_mb": snap_mb,
-           "exit": proc.returncode}
+           "exit": proc.returncode, **own}
     print(f"  {kind:>9}: step {out['step_s'] * 1e3:.1f} ms (median), CPU {out['cpu_s_per_step'] * 1e3:.0f} ms/step, "
-          f"ranks' RSS {rss:.0f} MB" + (f", shard snapshots held {snap_mb:.0f} MB" if snap_mb else ""), flush=True)
+          f"ranks' RSS {rss:.0f} MB" + (f", shard snapshots held {snap_mb:.0f} MB" if snap_mb else "")
+          + (f", baton's own CPU in the ranks {own['own_cpu_s_per_step'] * 1e3:.1f} ms/step" if own else ""),
+          flush=True)
     return out
 
 
@@ -191,21 +215,31 @@ def sentence(r: dict) -> str:
             else "FSDP2 llama example (")
     parts = [f"{k} {e['downtime_s']:.2f} s for {e['state_bytes'] / 1e6:.0f} MB (raw loopback copy "
              f"{e['raw_tcp_copy_s'] * 1e3:.0f} ms)" for k, e in ev.items()]
+    def own(k: str) -> str:
+        x = s[k].get("own_cpu_share") or {}
+        if x.get("median") is None:
+            return ""
+        return (f", counted bottom up by baton +{x['median'] * 100:.1f}% ({x['min'] * 100:.1f}–{x['max'] * 100:.1f}) of "
+                f"the job's CPU")
+    if replicas > 1:
+        how = ("buddies copy only the rank-local state, a lost rank's shards coming from the other replica group, "
+               "so the cost is each rank's own snapshot and its buddy's small pull")
+    else:
+        how = "buddies on the same machine mapping the rank's snapshot from shared memory"
     tcp = ""
-    if "redundancy-tcp" in s:
+    if "redundancy-tcp" in s and replicas == 1:
         tcp = (f"; pulled over TCP instead (`--snapshot-transport tcp`, what a buddy on another node does): "
-               f"step time {ratio('redundancy-tcp', 'step_ratio')}, CPU {ratio('redundancy-tcp', 'cpu_ratio')}, "
-               f"{s['baton-r1-tcp']['snapshot_mb']['median']:.0f} MB held")
+               f"step time {ratio('redundancy-tcp', 'step_ratio')}, CPU {ratio('redundancy-tcp', 'cpu_ratio')}"
+               f"{own('redundancy-tcp')}, {s['baton-r1-tcp']['snapshot_mb']['median']:.0f} MB held")
     return (f"{what}{r['params_m']:.1f}M parameters, {r['nproc']} ranks, steps "
             f"~{s['torchrun']['step_s']['median'] * 1e3:.0f} ms under torchrun): step time vs torchrun "
             f"{ratio('baton-r0', 'step_ratio')} with `--redundancy 0` and {ratio('baton-r1', 'step_ratio')} "
             f"with `--redundancy 1`; CPU-seconds per step of the whole process tree {ratio('baton-r0', 'cpu_ratio')} "
             f"and {ratio('baton-r1', 'cpu_ratio')}. The redundancy itself (`--redundancy 1` against 0, round "
-            f"by round), buddies on the same machine mapping the rank's snapshot from shared memory: step time "
-            f"{ratio('redundancy', 'step_ratio')}, CPU {ratio('redundancy', 'cpu_ratio')}, host memory held "
-            f"{s['baton-r1']['snapshot_mb']['median']:.0f} MB for all ranks together"
-            + tcp + f" (each rank's state is {r['downtime']['events'][0]['state_bytes'] / 2**20:.0f} MB). Downtime: "
-            + "; ".join(parts)
+            f"by round; {how}): step time {ratio('redundancy', 'step_ratio')}, CPU {ratio('redundancy', 'cpu_ratio')}"
+            f"{own('redundancy')}, host memory held {s['baton-r1']['snapshot_mb']['median']:.0f} MB for all ranks "
+            f"together" + tcp + f" (each rank's state is {r['downtime']['events'][0]['state_bytes'] / 2**20:.0f} MB). "
+            "Downtime: " + "; ".join(parts)
             + f" (`bench/fsdp.py`, {r['machine']}, {r['when']}, {r['rounds']} rounds, medians (min–max)).")
 
 
@@ -225,20 +259,30 @@ def main() -> None:
     name = "hsdp" if a.replicas > 1 else "fsdp"
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f"baton-bench-{name}-{stamp}"
-    rounds = interleave(list(CONTENDERS), a.rounds, lambda k, i: run_one(k, tmp / f"{k}-{i}", a))
+    # HSDP buddies pull only kilobytes, over TCP either way: no fourth contender there.
+    kinds = [k for k in CONTENDERS if a.replicas == 1 or k != "baton-r1-tcp"]
+    rounds = interleave(kinds, a.rounds, lambda k, i: run_one(k, tmp / f"{k}-{i}", a))
     steady = {}
-    for k in CONTENDERS:
+    for k in kinds:
         steady[k] = {m: median_range(r[k][m] for r in rounds) for m in ("step_s", "mean_step_s", "cpu_s_per_step",
                                                                          "rank_rss_mb")}
         steady[k]["step_ratio"] = median_range(r[k]["step_s"] / r["torchrun"]["step_s"] for r in rounds)
         steady[k]["cpu_ratio"] = median_range(r[k]["cpu_s_per_step"] / r["torchrun"]["cpu_s_per_step"] for r in rounds)
-    for k in ("baton-r1", "baton-r1-tcp"):
+    for k in kinds[2:]:
         steady[k]["snapshot_mb"] = median_range(r[k]["snapshot_mb"] for r in rounds)
     # What the redundancy itself costs: baton with copies against baton without, round by round.
-    for ratio_name, k in (("redundancy", "baton-r1"), ("redundancy-tcp", "baton-r1-tcp")):
+    for k in kinds[1:]:
+        steady[k]["own_cpu_s_per_step"] = median_range(r[k].get("own_cpu_s_per_step") for r in rounds)
+        steady[k]["own_share"] = median_range(r[k].get("own_share") for r in rounds)
+    for ratio_name, k in (("redundancy", "baton-r1"), ("redundancy-tcp", "baton-r1-tcp"))[:len(kinds) - 2]:
         steady[ratio_name] = {
             "step_ratio": median_range(r[k]["step_s"] / r["baton-r0"]["step_s"] for r in rounds),
-            "cpu_ratio": median_range(r[k]["cpu_s_per_step"] / r["baton-r0"]["cpu_s_per_step"] for r in rounds)}
+            "cpu_ratio": median_range(r[k]["cpu_s_per_step"] / r["baton-r0"]["cpu_s_per_step"] for r in rounds),
+            # bottom up: baton's own CPU per step with the copies, less without, over torchrun's CPU
+            "own_cpu_share": median_range(
+                (r[k]["own_cpu_s_per_step"] - r["baton-r0"]["own_cpu_s_per_step"]) / r["torchrun"]["cpu_s_per_step"]
+                if r[k].get("own_cpu_s_per_step") is not None and r["baton-r0"].get("own_cpu_s_per_step") is not None
+                else None for r in rounds)}
     print("downtime run:", flush=True)
     d = tmp / "downtime"
     d.mkdir(parents=True, exist_ok=True)

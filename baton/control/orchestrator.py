@@ -836,6 +836,9 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing):
                 ranks.append({"rank": r, "worker": w.id if w else None, "pid": w.pid if w else None,
                               "slot": w.slot if w else None,
                               "step": info.step, "state": info.state.value,
+                              # CPU-seconds its process reported with that step, and baton's part
+                              "cpu_s": round(w.cpu_s, 3) if w else None,
+                              "baton_cpu_s": round(w.baton_cpu_s, 3) if w else None,
                               "metrics": info.metrics, **({"gpu": w.gpu} if w and w.gpu else {})})
             spares = [{"worker": w.id, "slot": w.slot, "pid": w.pid, "state": w.role.value,
                        **self._spare_kind(w.slot)}

@@ -9,10 +9,14 @@ is then the whole cost of the redundancy. A buddy on another machine (the placem
 for a job that spans nodes) still pulls over TCP.
 
 A block is [header | layout | data]. The ward marks the header WRITING before it
-overwrites a block and COMMITTED, with the boundary and an xxh3-64 of layout and data,
-after; a buddy trusts a block only while its header names the step it holds, and checks
-the digest before a recovery may use it. So a ward killed half way through a snapshot
-leaves its previous one, intact and verifiable, in its other block.
+overwrites a block and COMMITTED, with the boundary, after; a buddy trusts a block only
+while its header names the step it holds. The buddy takes an xxh3-64 of the block when
+it maps a snapshot (on its own thread: the ward's training thread only copies) and checks
+it again before a recovery may use the copy. The ward cannot start to overwrite that
+block before the buddy has taken the digest: it reuses a block two boundaries later, and
+the buddy does not commit its own step before it holds the snapshot. So a ward killed half
+way through a snapshot leaves its previous one, intact and verifiable, in its other
+block, and bytes changed after the commit are never loaded.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import xxhash
 
 from baton.transfer.protocol import _DTYPES
 
-# magic, state, step, sub, layout bytes, meta bytes, data bytes, xxh3-64, nonce
+# magic, state, step, sub, layout bytes, meta bytes, data bytes, (unused), nonce
 HEADER = struct.Struct("<8sQqqQQQQ16s")
 MAGIC = b"BATONSH1"
 WRITING, COMMITTED = 1, 2
@@ -87,6 +91,7 @@ class SharedBlock:
         self._data_off = 0
         self._room = 0
         self._layout_bytes = b""  # the owner's layout as written
+        self._digests: dict[int, int] = {}  # a buddy's: step -> xxh3 of the block when it was mapped
         self._tensors: list[torch.Tensor] = []
 
     # ---------------------------------------------------------------- the ward's side
@@ -128,8 +133,7 @@ class SharedBlock:
         end = _PAGE + len(layout)
         self._mm[_PAGE:end] = layout
         self._mm[end:end + len(meta)] = meta
-        digest = self._digest(len(layout), len(meta))
-        self._write_header(COMMITTED, pos[0], pos[1], len(layout), len(meta), self._layout[1], digest)
+        self._write_header(COMMITTED, pos[0], pos[1], len(layout), len(meta), self._layout[1], 0)
         return list(self._tensors)
 
     # ---------------------------------------------------------------- the buddy's side
@@ -167,15 +171,19 @@ class SharedBlock:
                 return None
             self._set_layout(layout)
         meta = bytes(self._mm[_PAGE + layout_len:_PAGE + layout_len + meta_len])
+        digest = self._digest(layout_len, meta_len)
+        if not self.holds(step):  # overwritten while it was read: not this step's bytes
+            return None
+        self._digests = {step: digest}
         return (k, sub), meta, list(self._tensors)
 
     def holds(self, step: int, check: bool = False) -> bool:
-        """The block still holds the committed snapshot of `step` (and, with `check`, bytes
-        that match the digest its ward wrote with it)."""
-        magic, state, k, _, layout_len, meta_len, _, digest, nonce = self._header()
+        """The block still holds the committed snapshot of `step` (and, with `check`, the
+        bytes it held when `read` mapped it)."""
+        magic, state, k, _, layout_len, meta_len, _, _, nonce = self._header()
         if magic != MAGIC or state != COMMITTED or k != step or nonce != self.nonce:
             return False
-        return not check or self._digest(layout_len, meta_len) == digest
+        return not check or self._digests.get(step) == self._digest(layout_len, meta_len)
 
     @property
     def nbytes(self) -> int:
