@@ -168,7 +168,7 @@ def run_one(kind: str, run: Path, a: argparse.Namespace) -> dict:
     return out
 
 
-def downtime(run: Path, a: argparse.Namespace) -> dict:
+def downtime(run: Path, a: argparse.Namespace, model: list[str] | None = None) -> dict:
     """A planned move, then kill -9, of rank 1 in one baton --redundancy 1 run."""
     from rawcopy import close as rawcopy_close
     from rawcopy import tcp_copy_s
@@ -176,7 +176,8 @@ def downtime(run: Path, a: argparse.Namespace) -> dict:
     from tests.jobs import Job
 
     job = Job(run, nproc=a.nproc, spares=1, steps=0, script=LLAMA, name="downtime",
-              script_args=["--steps", "100000", "--eval-every", "1000", *a.model], run_args=["--redundancy", "1"])
+              script_args=["--steps", "100000", "--eval-every", "1000", *(model or a.model)],
+              run_args=["--redundancy", "1"])
     events = []
     try:
         job.wait_step(a.warmup, timeout=a.timeout)
@@ -202,6 +203,46 @@ def downtime(run: Path, a: argparse.Namespace) -> dict:
               f"(raw copy {raw * 1e3:.1f} ms), steps lost {ev['steps_lost']}", flush=True)
     rawcopy_close()
     return {"events": out}
+
+
+def fit(points: list[tuple[float, float]]) -> dict | None:
+    """Least squares downtime = constant + times * raw copy time, over the sizes measured:
+    the issue's goal reads times <= 1.5 and a small constant."""
+    if len({x for x, _ in points}) < 2:
+        return None
+    n = len(points)
+    mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
+    times = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
+    return {"times_raw": times, "constant_s": my - times * mx, "n": n}
+
+
+def sweep(tmp: Path, a: argparse.Namespace, dims: list[int]) -> dict:
+    """Downtime at several model sizes, to tell the constant from what grows with the bytes."""
+    runs = []
+    for dim in dims:
+        print(f"downtime run, dim {dim}:", flush=True)
+        d = tmp / f"downtime-{dim}"
+        d.mkdir(parents=True, exist_ok=True)
+        model = ["--dim", str(dim), "--layers", str(a.layers), "--replicas", str(a.replicas)]
+        runs.append({"dim": dim, **downtime(d, a, model)})
+    fits = {}
+    for kind in ("planned", "unplanned"):
+        pts = [(e["raw_tcp_copy_s"], e["downtime_s"]) for r in runs for e in r["events"]
+               if e["kind"] == kind and e.get("raw_tcp_copy_s")]
+        fits[kind] = fit(pts)
+    return {"runs": runs, "fit": fits}
+
+
+def sweep_sentence(r: dict) -> str:
+    f = r["fit"]
+    runs = "; ".join(
+        f"{e['state_bytes'] / 1e6:.0f} MB per rank: " + ", ".join(
+            f"{x['kind']} {x['downtime_s']:.2f} s (raw {x['raw_tcp_copy_s'] * 1e3:.0f} ms)" for x in run["events"])
+        for run in r["runs"] for e in run["events"][:1])
+    fitted = "; ".join(f"{k} {v['constant_s']:.2f} s + {v['times_raw']:.1f}× the raw copy" for k, v in f.items() if v)
+    return (f"Downtime against the bytes moved ({r['what']}, `--redundancy 1`, one planned move and one kill -9 "
+            f"of rank 1 per size): {runs}. Least squares over the sizes: {fitted} (`bench/fsdp.py "
+            f"--downtime-dims`, {r['machine']}, {r['when']}, one run per size).")
 
 
 def sentence(r: dict) -> str:
@@ -253,12 +294,32 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--replicas", type=int, default=1, help="HSDP: replica groups (each of nproc/replicas ranks)")
     p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--downtime-dims", default="",
+                   help="also measure downtime at these model widths (comma-separated) and fit it against the "
+                        "raw copy time")
+    p.add_argument("--downtime-only", action="store_true",
+                   help="with --downtime-dims: only the sweep (writes <name>-downtime-<ts>.json)")
     p.add_argument("--no-readme", action="store_true")
     a = p.parse_args()
     a.model = ["--dim", str(a.dim), "--layers", str(a.layers), "--replicas", str(a.replicas)]
     name = "hsdp" if a.replicas > 1 else "fsdp"
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f"baton-bench-{name}-{stamp}"
+    if a.downtime_dims:
+        dims = [int(x) for x in a.downtime_dims.split(",") if x.strip()]
+        sw = sweep(tmp, a, dims)
+        sw.update(when=datetime.now().strftime("%Y-%m-%d %H:%M:%S"), machine=f"{os.cpu_count()} cores, "
+                  f"{platform.machine()}", what=f"{'HSDP' if a.replicas > 1 else 'FSDP2'} llama, {a.nproc} ranks, "
+                  f"{a.layers} blocks of width " + "/".join(map(str, dims)))
+        sw["sentence"] = sweep_sentence(sw)
+        out = REPO / "bench" / "results" / f"{name}-downtime-{stamp}.json"
+        out.write_text(json.dumps(sw, indent=2))
+        print(sw["sentence"])
+        print(f"wrote {out}")
+        if not a.no_readme:
+            write_readme_sentence(REPO / "README.md", f"bench:{name}-downtime", "bench/fsdp.py", sw["sentence"])
+        if a.downtime_only:
+            return
     # HSDP buddies pull only kilobytes, over TCP either way: no fourth contender there.
     kinds = [k for k in CONTENDERS if a.replicas == 1 or k != "baton-r1-tcp"]
     rounds = interleave(kinds, a.rounds, lambda k, i: run_one(k, tmp / f"{k}-{i}", a))

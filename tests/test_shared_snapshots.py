@@ -128,3 +128,30 @@ def test_a_layout_that_changes_gets_a_new_block_and_the_tcp_transport_uses_none(
             Snapshots(server, "tok", rank=0, timeout_s=5)
     finally:
         server.close()
+
+
+def test_a_buddy_asks_over_one_connection_and_a_timed_out_answer_is_never_taken_for_the_next():
+    from baton.transfer.client import SnapshotRefs
+    from baton.transfer.server import snapshot_key
+
+    server = TransferServer("tok")
+    try:
+        snaps = Snapshots(server, "tok", rank=0, timeout_s=5)
+        first = snaps.fill((1, 0), b"{}", [torch.ones(4)], None)
+        server.put_snapshot(0, 1, first)
+        refs = SnapshotRefs(server.address, "tok", timeout=0.5)
+        assert SharedRef.from_json(refs.ref(snapshot_key(0, 1))) == first.shared.ref
+        sock = refs._sock
+        assert SharedRef.from_json(refs.ref(snapshot_key(0, 1))) == first.shared.ref and refs._sock is sock
+        with pytest.raises(OSError):  # step 2 is not there yet: the wait times out
+            refs.ref(snapshot_key(0, 2))
+        assert refs._sock is None
+        second = snaps.fill((2, 0), b"{}", [torch.ones(4)], None)
+        server.put_snapshot(0, 2, second)  # the first connection's late answer goes nowhere
+        assert SharedRef.from_json(refs.ref(snapshot_key(0, 2))) == second.shared.ref
+        private = FlatState(meta=b"{}", tensors=[torch.ones(2)])
+        server.put_snapshot(0, 3, private)
+        assert refs.ref(snapshot_key(0, 3)) is None  # in private memory: the buddy must fetch it
+        refs.close()
+    finally:
+        server.close()

@@ -75,14 +75,35 @@ class _Source:
         self.sock.close()
 
 
-def snapshot_ref(addr: tuple[str, int], key: int, token: str, timeout: float = 60.0) -> dict | None:
-    """Where the snapshot `key` lies in its rank's shared memory (waiting until the rank
-    holds it, as a fetch does), or None where it is in private memory only."""
-    with connect(tuple(addr), token, SNAPSHOT_REF, key, timeout) as sock:
-        reply = recv_json(sock)
-    if "error" in reply:
-        raise TransferError(f"source {addr[0]}:{addr[1]} refused: {reply['error']}")
-    return reply.get("ref")
+class SnapshotRefs:
+    """Where a ward's shard snapshots lie in its shared memory, asked over one connection
+    kept open from boundary to boundary (a new connection per step cost the ward's server
+    an accept and a thread, and the buddy a handshake, every step)."""
+
+    def __init__(self, addr: tuple[str, int], token: str, timeout: float = 60.0):
+        self.addr, self.token, self.timeout = tuple(addr), token, timeout
+        self._sock: socket.socket | None = None
+
+    def ref(self, key: int) -> dict | None:
+        """Where the snapshot `key` lies (waiting until the rank holds it, as a fetch does),
+        or None where it is in private memory only."""
+        try:
+            if self._sock is None:
+                self._sock = connect(self.addr, self.token, SNAPSHOT_REF, 0, self.timeout)
+            send_all(self._sock, struct.pack("!Q", key))
+            reply = recv_json(self._sock)
+        except BaseException:
+            self.close()  # a late answer must never be read as the next one's
+            raise
+        if "error" in reply:
+            self.close()
+            raise TransferError(f"source {self.addr[0]}:{self.addr[1]} refused: {reply['error']}")
+        return reply.get("ref")
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
 
 
 def fetch_state(sources: list[tuple[str, int]], generation: int, token: str,

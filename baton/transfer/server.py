@@ -229,19 +229,17 @@ class TransferServer:
                 if kind == WARD:
                     self._serve_ward(conn)
                     return
-                if kind in (SNAPSHOT, SNAPSHOT_REF):
-                    found = self._wait_snapshot(generation, plan=kind == SNAPSHOT)
+                if kind == SNAPSHOT_REF:
+                    self._serve_refs(conn)
+                    return
+                if kind == SNAPSHOT:
+                    found = self._wait_snapshot(generation)
                     if found is None:
                         send_json(conn, {"error": f"no snapshot of rank {(generation >> 40) & (SMALL - 1)} at step "
                                                   f"{generation & ((1 << 40) - 1)} here"})
                         return
                     try:
-                        if kind == SNAPSHOT_REF:
-                            block = found[0].shared
-                            send_json(conn, {"ref": block.ref.to_json() if block is not None and block.owner
-                                             else None})
-                        else:
-                            self._send_state(conn, *found)
+                        self._send_state(conn, *found)
                     finally:
                         self._done_reading(found[0])
                     return
@@ -267,6 +265,27 @@ class TransferServer:
             wanted = struct.unpack(f"!{count}I", recv_exact(conn, 4 * count))
             for index in wanted:
                 self._send_chunk(conn, index, chunks, views)
+
+    def _serve_refs(self, conn: socket.socket) -> None:
+        """A buddy's questions, one snapshot key at a time for as long as it keeps the
+        connection: where that snapshot lies in this process's shared memory (None: it
+        does not; it must be fetched)."""
+        conn.settimeout(None)
+        while True:
+            try:
+                (key,) = struct.unpack("!Q", recv_exact(conn, 8))
+            except TransferError:
+                return  # the buddy closed the connection
+            found = self._wait_snapshot(key, plan=False)
+            if found is None:
+                send_json(conn, {"error": f"no snapshot of rank {(key >> 40) & (SMALL - 1)} at step "
+                                          f"{key & ((1 << 40) - 1)} here"})
+                return
+            try:
+                block = found[0].shared
+                send_json(conn, {"ref": block.ref.to_json() if block is not None and block.owner else None})
+            finally:
+                self._done_reading(found[0])
 
     def _serve_ward(self, conn: socket.socket) -> None:
         from baton.transfer.bundles import END_FRAME

@@ -36,7 +36,7 @@ import torch
 
 from baton import selfcost
 from baton.transfer import TransferError, fetch_state
-from baton.transfer.client import snapshot_ref
+from baton.transfer.client import SnapshotRefs
 from baton.transfer.shared import SharedBlock, SharedRef
 from baton.transfer.shared import available as shared_memory_available
 from baton.transfer.bundles import Pos
@@ -165,6 +165,16 @@ class Snapshots:
             selfcost.spawn(self._pull, f"baton-snapshot-pull-{ward}", (ward, epoch))
 
     def _pull(self, ward: int, epoch: int) -> None:
+        with self._cond:
+            if self._epoch != epoch or ward not in self._addrs:
+                return
+            refs = SnapshotRefs(self._addrs[ward], self.token, timeout=self.timeout_s)
+        try:
+            self._pull_from(ward, epoch, refs)
+        finally:
+            refs.close()
+
+    def _pull_from(self, ward: int, epoch: int, refs: SnapshotRefs) -> None:
         done = -1
         spare: FlatState | None = None  # the buffers of the copy dropped last: the next pull lands there
         while True:
@@ -175,15 +185,15 @@ class Snapshots:
                 step, addr = self._wanted[ward], self._addrs[ward]
             t0 = time.perf_counter()
             try:
-                state = self._map(ward, addr, step)
-                if state is None:
+                mapped = self._map(ward, addr, step, refs)
+                if mapped is None:
                     state, stats = fetch_state([addr], snapshot_key(self._id(ward), step), self.token,
                                                timeout=self.timeout_s, kind=SNAPSHOT,
                                                into=spare.tensors if spare is not None else None)
                     spare = None
-                    pulled = stats.bytes
+                    pulled, pos = stats.bytes, position_of(state)
                 else:
-                    pulled = 0
+                    (pos, state), pulled = mapped, 0
             except (OSError, TransferError) as exc:
                 with self._cond:
                     if self._epoch != epoch:
@@ -193,7 +203,6 @@ class Snapshots:
                     self._cond.notify_all()
                     done = step  # wait for the next boundary (or a new generation)
                 continue
-            pos = position_of(state)
             with self._cond:
                 if self._epoch != epoch:
                     return
@@ -213,12 +222,14 @@ class Snapshots:
                 self._cond.notify_all()
             done = step
 
-    def _map(self, ward: int, addr: tuple[str, int], step: int) -> FlatState | None:
+    def _map(self, ward: int, addr: tuple[str, int], step: int, refs: SnapshotRefs) -> tuple[Pos, FlatState] | None:
         """The ward's snapshot of `step` mapped from its shared memory, or None where it must be
         pulled (another machine, private memory, `tcp` transport, a light pull)."""
         if not self.shared or self.light or ward in self._pulled:
             return None
-        raw = snapshot_ref(addr, snapshot_key(ward, step), self.token, timeout=self.timeout_s)
+        if refs.addr != tuple(addr):
+            raise TransferError(f"rank {ward} moved to {addr} during a pull")  # set_wards starts a new puller
+        raw = refs.ref(snapshot_key(ward, step))
         if raw is None:
             return None
         ref = SharedRef.from_json(raw)
@@ -238,10 +249,10 @@ class Snapshots:
         got = block.read(step)
         if got is None:
             raise TransferError(f"rank {ward}'s shard snapshot of step {step} was overwritten before it was mapped")
-        _, meta, tensors = got
+        pos, meta, tensors = got
         with self._cond:
             self._blocks[key] = (block, step)
-        return FlatState(meta=meta, tensors=tensors, shared=block)
+        return pos, FlatState(meta=meta, tensors=tensors, shared=block)
 
     def _forget_blocks(self, ward: int, step: int, held: dict[int, Pos]) -> None:
         """Unmap a ward's blocks that hold no snapshot kept here and that its latest
