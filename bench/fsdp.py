@@ -308,16 +308,10 @@ def main() -> None:
     if a.downtime_dims:
         dims = [int(x) for x in a.downtime_dims.split(",") if x.strip()]
         sw = sweep(tmp, a, dims)
-        sw.update(when=datetime.now().strftime("%Y-%m-%d %H:%M:%S"), machine=f"{os.cpu_count()} cores, "
-                  f"{platform.machine()}", what=f"{'HSDP' if a.replicas > 1 else 'FSDP2'} llama, {a.nproc} ranks, "
+        sw.update(_when_where(), what=f"{'HSDP' if a.replicas > 1 else 'FSDP2'} llama, {a.nproc} ranks, "
                   f"{a.layers} blocks of width " + "/".join(map(str, dims)))
         sw["sentence"] = sweep_sentence(sw)
-        out = REPO / "bench" / "results" / f"{name}-downtime-{stamp}.json"
-        out.write_text(json.dumps(sw, indent=2))
-        print(sw["sentence"])
-        print(f"wrote {out}")
-        if not a.no_readme:
-            write_readme_sentence(REPO / "README.md", f"bench:{name}-downtime", "bench/fsdp.py", sw["sentence"])
+        _publish(sw, f"{name}-downtime", stamp, a.no_readme)
         if a.downtime_only:
             return
     # HSDP buddies pull only kilobytes, over TCP either way: no fourth contender there.
@@ -351,17 +345,25 @@ def main() -> None:
     dim, layers = a.dim, a.layers
     hidden = 32 * -(-int(8 * dim / 3) // 32)
     params = layers * (4 * dim * dim + 3 * dim * hidden + 2 * dim) + 2 * 96 * dim + dim
-    result = {"when": datetime.now().strftime("%Y-%m-%d %H:%M:%S"),
-              "machine": f"{os.cpu_count()} cores, {platform.machine()}", "rounds": a.rounds, "nproc": a.nproc,
-              "replicas": a.replicas,
+    result = {**_when_where(), "rounds": a.rounds, "nproc": a.nproc, "replicas": a.replicas,
               "params_m": params / 1e6, "dim": dim, "layers": layers, "steps": a.steps, "warmup": a.warmup,
               "steady": steady, "raw_rounds": rounds, "downtime": dt}
     result["sentence"] = sentence(result)
+    _publish(result, name, stamp, a.no_readme)
+
+
+def _when_where() -> dict:
+    return {"when": datetime.now().strftime("%Y-%m-%d %H:%M:%S"),
+            "machine": f"{os.cpu_count()} cores, {platform.machine()}"}
+
+
+def _publish(result: dict, name: str, stamp: str, no_readme: bool) -> None:
+    """bench/results/<name>-<stamp>.json, and its sentence between the README's bench:<name> markers."""
     out = REPO / "bench" / "results" / f"{name}-{stamp}.json"
     out.write_text(json.dumps(result, indent=2))
     print(result["sentence"])
     print(f"wrote {out}")
-    if not a.no_readme:
+    if not no_readme:
         write_readme_sentence(REPO / "README.md", f"bench:{name}", "bench/fsdp.py", result["sentence"])
 
 

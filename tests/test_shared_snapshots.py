@@ -50,17 +50,19 @@ def _ward(mode: str) -> tuple[subprocess.Popen, SharedRef]:
     return proc, SharedRef.from_json(json.loads(line))
 
 
-def _kill(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=10)
-
-
-def test_a_wards_snapshot_outlives_its_process_killed_9():
-    proc, ref = _ward("commit")
+def _mapped_then_killed(mode: str) -> tuple[SharedBlock, SharedRef]:
+    """A real ward's block, mapped here, then the ward killed with SIGKILL."""
+    proc, ref = _ward(mode)
     try:
         block = SharedBlock.attach(ref)
     finally:
-        _kill(proc)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+    return block, ref
+
+
+def test_a_wards_snapshot_outlives_its_process_killed_9():
+    block, ref = _mapped_then_killed("commit")
     time.sleep(0.2)
     pos, meta, tensors = block.read(7)
     assert pos == (7, 0) and meta == b'{"pos":[7,0]}'
@@ -71,11 +73,7 @@ def test_a_wards_snapshot_outlives_its_process_killed_9():
 
 
 def test_a_ward_killed_while_overwriting_a_block_leaves_nothing_usable_there():
-    proc, ref = _ward("overwrite")
-    try:
-        block = SharedBlock.attach(ref)
-    finally:
-        _kill(proc)
+    block, _ = _mapped_then_killed("overwrite")
     assert block.read(7) is None and not block.holds(7) and not block.holds(7, check=True)
 
 

@@ -152,7 +152,8 @@ class SharedBlock:
         finally:
             os.close(fd)
         block = cls(mm, bytes.fromhex(ref.nonce), False, ref)
-        if block._header()[0] != MAGIC or block._header()[-1] != block.nonce:
+        header = block._header()
+        if header[0] != MAGIC or header[-1] != block.nonce:
             raise OSError("the descriptor no longer names the ward's snapshot block")
         return block
 

@@ -122,7 +122,8 @@ class Snapshots:
                     self.shared = False
             if block is not None:
                 return FlatState(meta=meta, tensors=block.write(pos, meta, tensors), shared=block)
-        return FlatState(meta=meta, tensors=copy_into(old if old is None or old.shared is None else None, tensors))
+        private = old if old is not None and old.shared is None else None  # never copy into a shared block here
+        return FlatState(meta=meta, tensors=copy_into(private, tensors))
 
     def reusable(self, step: int) -> FlatState | None:
         """The own snapshot that keeping one of `step` is about to drop, taken back now so its
