@@ -97,6 +97,18 @@ def test_bytes_changed_after_the_commit_are_never_reported_as_held():
         server.close()
 
 
+def test_bytes_changed_before_the_buddy_mapped_them_fail_the_wards_own_digest():
+    tensors = _expected(4)
+    ward_block = SharedBlock.create(tensors, b"{}")
+    ward_block.write((7, 0), b"{}", tensors)
+    ward_block._tensors[1].view(-1)[999] += 1  # after the commit, before any buddy looked
+    mapped = SharedBlock.attach(ward_block.ref)
+    assert mapped.read(7) is not None and mapped.holds(7)
+    assert not mapped.holds(7, check=True)
+    ward_block.write((8, 0), b"{}", tensors)  # the ward's next commit is whole again
+    assert mapped.read(8) is not None and mapped.holds(8, check=True)
+
+
 def test_a_block_on_another_machine_or_of_another_process_is_refused():
     tensors = _expected(5)
     block = SharedBlock.create(tensors, b"{}")

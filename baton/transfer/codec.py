@@ -11,6 +11,8 @@ State dicts hold more than JSON can say (int keys, tuples, OrderedDicts with
     {"$od": [[k, v], ...], "$meta": ...}   OrderedDict (a module state_dict) and its _metadata
     {"$np": 3, "dtype": "uint32"}          numpy array, carried as tensor number 3
     {"$bt": 3}                 bytes, carried as (uint8) tensor number 3
+    {"$at": 7, "$enc": ...}    a subtree encoded ahead of time (Encoded): its own skeleton,
+                               its tensors numbered from 0 and carried from number 7 on
 
 Anything else (a lambda in a scheduler, an open file) is refused with the path to
 it, when the state is first captured, not when a failure needs it.
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,6 +35,27 @@ except ImportError:  # pragma: no cover - numpy is a dependency
 
 class EncodeError(TypeError):
     """A value in tracked state that baton cannot carry without pickle."""
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """A subtree already encoded: `skeleton` numbers its own `tensors` from 0. Lets a caller
+    that knows a state's structure (a learned shard capture) skip walking it at every step.
+    The tensors must already be what encode makes of them: detached, contiguous, on CPU."""
+
+    skeleton: Any
+    tensors: list[torch.Tensor]
+
+
+def encoded(state: Any) -> Encoded:
+    """`state` encoded as a subtree (the slow path of whoever builds Encoded itself)."""
+    tensors: list[torch.Tensor] = []
+    return Encoded(_enc(state, tensors, ("state",)), tensors)
+
+
+def encode_into(state: Any, tensors: list[torch.Tensor]) -> Any:
+    """`state`'s skeleton, its tensors appended to `tensors` and numbered after those there."""
+    return _enc(state, tensors, ("state",))
 
 
 def encode(state: Any) -> tuple[bytes, list[torch.Tensor]]:
@@ -123,6 +147,14 @@ def _enc(obj: Any, tensors: list[torch.Tensor], path: Path) -> Any:
         return _enc(obj.item(), tensors, path)
     if isinstance(obj, torch.dtype):
         return {"$dtype": str(obj).removeprefix("torch.")}
+    if type(obj) is Encoded:
+        base = len(tensors)
+        if type(tensors) is Payloads:
+            for t in obj.tensors:
+                _tensor_index(t, tensors)
+        else:
+            tensors.extend(obj.tensors)
+        return {"$at": base, "$enc": obj.skeleton}
     if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
         return {"$tu": [_enc(v, tensors, (path, i)) for i, v in enumerate(obj)]}
     raise EncodeError(f"{_path_text(path)} is a {type(obj).__name__}, which baton cannot migrate "
@@ -148,6 +180,11 @@ def _dec(obj: Any, tensors: list[torch.Tensor]) -> Any:
         return tuple(_dec(v, tensors) for v in obj["$tu"])
     if "$d" in obj:
         return {_dec(k, tensors): _dec(v, tensors) for k, v in obj["$d"]}
+    if "$enc" in obj:
+        at = obj["$at"]
+        if type(at) is not int or not 0 <= at <= len(tensors):
+            raise ValueError(f"a pre-encoded subtree starts at tensor {at!r} of {len(tensors)}")
+        return _dec(obj["$enc"], tensors[at:])
     if "$od" in obj:
         out = OrderedDict((_dec(k, tensors), _dec(v, tensors)) for k, v in obj["$od"])
         if "$meta" in obj:

@@ -9,6 +9,8 @@ a single byte of it is used.
 
 from __future__ import annotations
 
+import functools
+
 import hashlib
 import json
 import socket
@@ -33,13 +35,14 @@ class TransferError(RuntimeError):
 
 @dataclass
 class FlatState:
-    """A state ready to move: `meta` is a pickled skeleton whose tensor slots index `tensors`."""
+    """A state ready to move: `meta` is a JSON skeleton (baton.transfer.codec) whose tensor
+    slots index `tensors`. Neither changes once made (buffers are reused by making a new one)."""
 
     meta: bytes
     tensors: list[torch.Tensor]
     shared: Any = None  # the SharedBlock holding the tensors, for a shard snapshot in shared memory
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
         return len(self.meta) + sum(t.numel() * t.element_size() for t in self.tensors)
 

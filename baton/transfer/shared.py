@@ -9,14 +9,13 @@ is then the whole cost of the redundancy. A buddy on another machine (the placem
 for a job that spans nodes) still pulls over TCP.
 
 A block is [header | layout | data]. The ward marks the header WRITING before it
-overwrites a block and COMMITTED, with the boundary, after; a buddy trusts a block only
-while its header names the step it holds. The buddy takes an xxh3-64 of the block when
-it maps a snapshot (on its own thread: the ward's training thread only copies) and checks
-it again before a recovery may use the copy. The ward cannot start to overwrite that
-block before the buddy has taken the digest: it reuses a block two boundaries later, and
-the buddy does not commit its own step before it holds the snapshot. So a ward killed half
-way through a snapshot leaves its previous one, intact and verifiable, in its other
-block, and bytes changed after the commit are never loaded.
+overwrites a block and COMMITTED, with the boundary and an xxh3-64 of what it wrote,
+after; a buddy trusts a block only while its header names the step it holds, and checks
+the bytes against that digest before a recovery may use the copy. The ward hashes each
+tensor right after copying it, while its bytes are still in cache: a second pass over the
+block (the buddy's, when it mapped it) cost as much as the copy's own reads. So a ward
+killed half way through a snapshot leaves its previous one, intact and verifiable, in
+its other block, and bytes changed after the commit are never loaded.
 """
 
 from __future__ import annotations
@@ -35,9 +34,9 @@ import xxhash
 
 from baton.transfer.protocol import _DTYPES
 
-# magic, state, step, sub, layout bytes, meta bytes, data bytes, (unused), nonce
+# magic, state, step, sub, layout bytes, meta bytes, data bytes, xxh3-64 of layout, meta and tensors, nonce
 HEADER = struct.Struct("<8sQqqQQQQ16s")
-MAGIC = b"BATONSH1"
+MAGIC = b"BATONSH2"
 WRITING, COMMITTED = 1, 2
 _ALIGN = 64
 _PAGE = 4096
@@ -91,8 +90,9 @@ class SharedBlock:
         self._data_off = 0
         self._room = 0
         self._layout_bytes = b""  # the owner's layout as written
-        self._digests: dict[int, int] = {}  # a buddy's: step -> xxh3 of the block when it was mapped
+        self._digests: dict[int, int] = {}  # a buddy's: step -> the digest the header held when mapped
         self._tensors: list[torch.Tensor] = []
+        self._views: list[memoryview] = []  # each tensor's bytes in the block, for the digest
 
     # ---------------------------------------------------------------- the ward's side
     @classmethod
@@ -124,16 +124,19 @@ class SharedBlock:
         return self.owner and _layout_of(tensors) == self._layout and len(self._layout_bytes) + len(meta) <= self._room
 
     def write(self, pos: tuple[int, int], meta: bytes, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Copy a snapshot in and commit it; the block's tensors, which now hold it."""
+        """Copy a snapshot in and commit it with its digest; the block's tensors, which now hold it."""
         assert self._layout is not None and self.fits(tensors, meta)
         self._write_header(WRITING, -1, 0, 0, 0, 0, 0)
-        for dst, src in zip(self._tensors, tensors):
-            dst.copy_(src)
         layout = self._layout_bytes
         end = _PAGE + len(layout)
         self._mm[_PAGE:end] = layout
         self._mm[end:end + len(meta)] = meta
-        self._write_header(COMMITTED, pos[0], pos[1], len(layout), len(meta), self._layout[1], 0)
+        h = xxhash.xxh3_64()
+        h.update(memoryview(self._mm)[_PAGE:end + len(meta)])
+        for dst, src, view in zip(self._tensors, tensors, self._views):
+            dst.copy_(src)
+            h.update(view)
+        self._write_header(COMMITTED, pos[0], pos[1], len(layout), len(meta), self._layout[1], h.intdigest())
         return list(self._tensors)
 
     # ---------------------------------------------------------------- the buddy's side
@@ -160,7 +163,7 @@ class SharedBlock:
     def read(self, step: int) -> tuple[tuple[int, int], bytes, list[torch.Tensor]] | None:
         """The committed snapshot of `step` as views into the block, or None if the block no
         longer holds it (its ward has moved on, or died writing it)."""
-        magic, state, k, sub, layout_len, meta_len, _, _, nonce = self._header()
+        magic, state, k, sub, layout_len, meta_len, _, digest, nonce = self._header()
         if magic != MAGIC or state != COMMITTED or k != step or nonce != self.nonce:
             return None
         raw = json.loads(bytes(self._mm[_PAGE:_PAGE + layout_len]))
@@ -172,19 +175,18 @@ class SharedBlock:
                 return None
             self._set_layout(layout)
         meta = bytes(self._mm[_PAGE + layout_len:_PAGE + layout_len + meta_len])
-        digest = self._digest(layout_len, meta_len)
-        if not self.holds(step):  # overwritten while it was read: not this step's bytes
+        if self._header()[7] != digest or not self.holds(step):  # overwritten while it was read
             return None
         self._digests = {step: digest}
         return (k, sub), meta, list(self._tensors)
 
     def holds(self, step: int, check: bool = False) -> bool:
         """The block still holds the committed snapshot of `step` (and, with `check`, the
-        bytes it held when `read` mapped it)."""
-        magic, state, k, _, layout_len, meta_len, _, _, nonce = self._header()
+        bytes its ward wrote: the header's digest, the one `read` saw, matches them)."""
+        magic, state, k, _, layout_len, meta_len, _, digest, nonce = self._header()
         if magic != MAGIC or state != COMMITTED or k != step or nonce != self.nonce:
             return False
-        return not check or self._digests.get(step) == self._digest(layout_len, meta_len)
+        return not check or self._digests.get(step) == digest == self._digest(layout_len, meta_len)
 
     @property
     def nbytes(self) -> int:
@@ -193,20 +195,22 @@ class SharedBlock:
     # ---------------------------------------------------------------- internals
     def _set_layout(self, layout: Layout) -> None:
         self._layout = layout
-        self._tensors = []
+        self._tensors, self._views = [], []
+        whole = memoryview(self._mm)
         for dtype, shape, off, nbytes in layout[0]:
             dt = _DTYPES[dtype]
             n = nbytes // torch.empty((), dtype=dt).element_size()
             t = torch.frombuffer(self._mm, dtype=dt, count=n, offset=self._data_off + off) if n else \
                 torch.empty(0, dtype=dt)
             self._tensors.append(t.view(shape))
+            self._views.append(whole[self._data_off + off:self._data_off + off + nbytes])
 
     def _digest(self, layout_len: int, meta_len: int) -> int:
-        assert self._layout is not None
-        view = memoryview(self._mm)
+        """What `write` computes: the layout and skeleton, then each tensor's bytes."""
         h = xxhash.xxh3_64()
-        h.update(view[_PAGE:_PAGE + layout_len + meta_len])
-        h.update(view[self._data_off:self._data_off + self._layout[1]])
+        h.update(memoryview(self._mm)[_PAGE:_PAGE + layout_len + meta_len])
+        for view in self._views:
+            h.update(view)
         return h.intdigest()
 
     def _header(self) -> tuple[Any, ...]:

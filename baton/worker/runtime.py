@@ -574,7 +574,7 @@ class Runtime:
     @selfcost.counted
     def _snapshot(self) -> None:
         """This rank's whole state at the boundary, copied to host memory for its buddies."""
-        state = self._state(full=True, digest=False)
+        state = self._state(full=True, digest=False, encoded=True)
         meta, tensors = codec.encode(state)
         small = None
         if self.replicas:  # HSDP: buddies pull the state without the shards (another replica group has those)
@@ -620,8 +620,9 @@ class Runtime:
         self.server.publish(generation, FlatState(meta=meta, tensors=tensors))
         log.info("published generation %s (full=%s): %d tensors", generation, full, len(tensors))
 
-    def _state(self, full: bool, digest: bool = True) -> dict[str, Any]:
-        """What this rank serves: its replicated state, and with `full` its own and its shards."""
+    def _state(self, full: bool, digest: bool = True, encoded: bool = False) -> dict[str, Any]:
+        """What this rank serves: its replicated state, and with `full` its own and its shards
+        (with `encoded`, already encoded: a snapshot's, without digests)."""
         from baton.worker.ddp import export_state
 
         assert self.loop is not None
@@ -633,7 +634,7 @@ class Runtime:
             bundle_state = self.at_pos.state()
             state["bundle"] = bundle_state
             if self.tracked.sharded:  # this rank's FSDP2 shards exist nowhere else
-                state["sharded"] = shards.capture(self.tracked)
+                state["sharded"] = shards.capture(self.tracked, encoded=encoded)
                 if digest:
                     state["sharded_digest"] = verify.combined(shards.digests(state["sharded"]))
             if self.world_size == 1 and digest:

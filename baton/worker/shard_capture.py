@@ -24,6 +24,8 @@ from typing import Any, Callable
 import torch
 from torch.distributed.tensor import DTensor
 
+from baton.transfer import codec
+
 log = logging.getLogger("baton.worker")
 
 REVALIDATE_EVERY = 50
@@ -52,57 +54,135 @@ def same(a: Any, b: Any) -> bool:
     return type(a) is type(b) and a == b
 
 
+_registrations = 0  # parameters, buffers and modules registered anywhere (torch's global hooks)
+_hooked = False
+
+
+def _count_registration(*_: Any) -> None:
+    global _registrations
+    _registrations += 1
+
+
+def _watch_registrations() -> None:
+    """Count registrations from now on: a model's parameters and buffers are then found again
+    only when one happened (the walk costs ~0.4 ms per boundary), and checked in place."""
+    global _hooked
+    if not _hooked:
+        from torch.nn.modules import module
+
+        module.register_module_parameter_registration_hook(_count_registration)
+        module.register_module_buffer_registration_hook(_count_registration)
+        module.register_module_module_registration_hook(_count_registration)
+        _hooked = True
+
+
 class _Learned:
-    def __init__(self, fingerprint: tuple, rebuild: Callable[[], Any]):
-        self.fingerprint, self.rebuild, self.uses = fingerprint, rebuild, 0
+    def __init__(self, fingerprint: tuple, rebuild: Callable[[], Any],
+                 encode: Callable[[], codec.Encoded] | None):
+        self.fingerprint, self.rebuild, self.encode, self.uses = fingerprint, rebuild, encode, 0
+
+
+class Learning:
+    """What `learn` makes of the helpers' answer: how to rebuild it, and (optionally) how to
+    encode it without walking it (codec.Encoded, checked against the codec's own)."""
+
+    def __init__(self, rebuild: Callable[[], Any], encode: Callable[[], codec.Encoded] | None = None):
+        self.rebuild, self.encode = rebuild, encode
+
+
+def same_encoding(a: codec.Encoded, b: codec.Encoded) -> bool:
+    return a.skeleton == b.skeleton and same(a.tensors, b.tensors)
 
 
 class ShardCapture:
     """One tracked object's state dict through the helpers (`ask`), learned once it can be."""
 
     def __init__(self, name: str, ask: Callable[[], Any], fingerprint: Callable[[], tuple],
-                 learn: Callable[[Any], Callable[[], Any] | None]):
+                 learn: Callable[[Any], Learning | None]):
         self.name, self._ask, self._fingerprint, self._learn = name, ask, fingerprint, learn
         self._learned: _Learned | None = None
         self.disabled = False
         self.rebuilt = 0  # answers rebuilt without the helpers (tests read it)
 
     def __call__(self) -> Any:
+        return self._get(encoded=False)
+
+    def encoded(self) -> codec.Encoded:
+        """The answer, encoded (the snapshot's form): without walking it where learned."""
+        return self._get(encoded=True)
+
+    def _get(self, encoded: bool) -> Any:
         fp = None if self.disabled else self._fingerprint()
         learned = self._learned
         if learned is not None and learned.fingerprint == fp and learned.uses % REVALIDATE_EVERY:
             learned.uses += 1
             self.rebuilt += 1
-            return learned.rebuild()
+            if not encoded:
+                return learned.rebuild()
+            return learned.encode() if learned.encode is not None else codec.encoded(learned.rebuild())
         answer = self._ask()
-        if fp is None:
-            return answer
-        if learned is not None and learned.fingerprint == fp and not same(learned.rebuild(), answer):
+        if fp is not None:
+            self._check_or_learn(fp, answer)
+        return codec.encoded(answer) if encoded else answer
+
+    def _check_or_learn(self, fp: tuple, answer: Any) -> None:
+        learned = self._learned
+        if learned is not None and learned.fingerprint == fp:
+            if self._matches(learned, answer):
+                learned.uses += 1  # revalidated
+                return
             log.warning("%s: the learned state dict no longer matches the DCP helpers' answer; asking them "
                         "at every boundary from now on", self.name)
             self.disabled, self._learned = True, None
-            return answer
-        if learned is not None and learned.fingerprint == fp:
-            learned.uses += 1  # revalidated
-            return answer
-        rebuild = self._learn(answer)
-        if rebuild is not None and same(rebuild(), answer):
-            self._learned = _Learned(fp, rebuild)
-            self._learned.uses = 1
-        else:
-            self._learned = None
-        return answer
+            return
+        learning = self._learn(answer)
+        self._learned = None
+        if learning is not None:
+            candidate = _Learned(fp, learning.rebuild, learning.encode)
+            if self._matches(candidate, answer):
+                candidate.uses = 1
+                self._learned = candidate
+
+    @staticmethod
+    def _matches(learned: _Learned, answer: Any) -> bool:
+        """The learned answer is the helpers', entry for entry over the same memory, and so is
+        its encoding (skeleton and tensors) where it encodes itself."""
+        if not same(learned.rebuild(), answer):
+            return False
+        if learned.encode is not None and not same_encoding(learned.encode(), codec.encoded(answer)):
+            learned.encode = None  # rebuild, then encode by walking: still right, only slower
+        return True
+
+
+def _places(model: torch.nn.Module) -> list[tuple[dict, str]]:
+    """Where each of the model's parameters and buffers is registered."""
+    out = []
+    for module in model.modules():
+        out.extend((module._parameters, n) for n in module._parameters)  # noqa: SLF001
+        out.extend((module._buffers, n) for n in module._buffers)  # noqa: SLF001
+    return out
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor | None:
+    """The tensor an encode makes of a live shard, when that needs no copy (else None)."""
+    t = _local(t).detach()
+    return t if t.device.type == "cpu" and t.is_contiguous() else None
 
 
 def for_model(name: str, model: torch.nn.Module, ask: Callable[[], Any],
               to_local: Callable[[Any], Any]) -> ShardCapture:
     """`ask`: the helpers' answer with DTensors made local by `to_local` (shards.py's form)."""
+    _watch_registrations()
+    found: list = [-1, []]  # the registration count when the places were found, and the places
 
     def fingerprint() -> tuple:
-        return tuple((id(t), id(_local(t))) for t in model.parameters()) + \
-            tuple(id(b) for b in model.buffers())
+        if found[0] != _registrations:
+            found[:] = [_registrations, _places(model)]
+        live = [d.get(n) for d, n in found[1]]
+        return (found[0], tuple(id(t) for t in live), tuple(id(t._local_tensor) for t in live  # noqa: SLF001
+                                                               if isinstance(t, DTensor)))
 
-    def learn(answer: Any) -> Callable[[], Any] | None:
+    def learn(answer: Any) -> Learning | None:
         live = {**dict(model.named_buffers()), **dict(model.named_parameters())}
         if not isinstance(answer, dict) or set(answer) - set(live):
             return None  # entries that are not parameters or buffers (extra state, hooks)
@@ -112,7 +192,15 @@ def for_model(name: str, model: torch.nn.Module, ask: Callable[[], Any],
         def rebuild() -> dict[str, Any]:
             return to_local({k: t.detach() if not isinstance(t, DTensor) else t for k, t in zip(keys, sources)})
 
-        return rebuild
+        skeleton = codec.encoded(rebuild()).skeleton
+
+        def encode() -> codec.Encoded:
+            tensors = [_plain(t) for t in sources]
+            if any(t is None for t in tensors):
+                return codec.encoded(rebuild())
+            return codec.Encoded(skeleton, tensors)
+
+        return Learning(rebuild, encode)
 
     return ShardCapture(name, ask, fingerprint, learn)
 
@@ -124,11 +212,11 @@ def for_optimizer(name: str, optimizer: torch.optim.Optimizer, ask: Callable[[],
                      for group in optimizer.param_groups for p in group["params"]) + \
             tuple(tuple(g) for g in optimizer.param_groups)
 
-    def learn(answer: Any) -> Callable[[], Any] | None:
+    def learn(answer: Any) -> Learning | None:
         try:
             groups = answer["param_groups"]
             fqns = [list(g["params"]) for g in groups]
-            if len(groups) != len(optimizer.param_groups) or set(answer) != {"state", "param_groups"} or any(
+            if len(groups) != len(optimizer.param_groups) or list(answer) != ["state", "param_groups"] or any(
                     len(f) != len(g["params"]) for f, g in zip(fqns, optimizer.param_groups)):
                 return None
             by_fqn = {fqn: p for f, g in zip(fqns, optimizer.param_groups) for fqn, p in zip(f, g["params"])}
@@ -137,12 +225,30 @@ def for_optimizer(name: str, optimizer: torch.optim.Optimizer, ask: Callable[[],
         except (KeyError, TypeError):
             return None
 
+        def param_groups() -> list[dict[str, Any]]:
+            return [{**{k: v for k, v in g.items() if k != "params"}, "params": list(f)}
+                    for g, f in zip(optimizer.param_groups, fqns)]
+
         def rebuild() -> dict[str, Any]:
             state = {fqn: dict(optimizer.state[p]) for fqn, p in zip(order, params)}
-            param_groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": list(f)}
-                            for g, f in zip(optimizer.param_groups, fqns)]
-            return to_local({"state": state, "param_groups": param_groups})
+            return to_local({"state": state, "param_groups": param_groups()})
 
-        return rebuild
+        # The state's skeleton is fixed while the fingerprint (each parameter's state keys) is;
+        # param_groups (the LR changes every step) are encoded at every boundary.
+        state_skeleton = codec.encoded(rebuild()["state"]).skeleton
+        slots = [(p, k) for p in params for k in optimizer.state[p]]
+
+        def encode() -> codec.Encoded:
+            tensors = []
+            for p, k in slots:
+                v = optimizer.state[p][k]
+                t = _plain(v) if isinstance(v, torch.Tensor) else None
+                if t is None:  # a value the skeleton cannot hold: walk it
+                    return codec.encoded(rebuild())
+                tensors.append(t)
+            groups = codec.encode_into(to_local(param_groups()), tensors)
+            return codec.Encoded({"state": state_skeleton, "param_groups": groups}, tensors)
+
+        return Learning(rebuild, encode)
 
     return ShardCapture(name, ask, fingerprint, learn)

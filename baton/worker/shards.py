@@ -33,9 +33,10 @@ def owner_model(tracked: Tracked, optimizer: torch.optim.Optimizer) -> torch.nn.
                      "track the root module fully_shard was applied to (job.track(model=model))")
 
 
-def capture(tracked: Tracked) -> dict[str, Any]:
+def capture(tracked: Tracked, encoded: bool = False) -> dict[str, Any]:
     """This rank's shards of every sharded object, DTensors replaced by their local tensors
-    (the helpers' answer, learned after the first boundary: see shard_capture.py)."""
+    (the helpers' answer, learned after the first boundary: see shard_capture.py); with
+    `encoded`, each object's already encoded (codec.Encoded), as a snapshot takes them."""
     out: dict[str, Any] = {}
     for name in sorted(tracked.sharded):
         obj = tracked.objects[name]
@@ -45,7 +46,7 @@ def capture(tracked: Tracked) -> dict[str, Any]:
         capturer = tracked.shard_capture.get(name)
         if capturer is None:
             capturer = tracked.shard_capture[name] = _capturer(tracked, name, obj)
-        out[name] = capturer()
+        out[name] = capturer.encoded() if encoded else capturer()
     return out
 
 
