@@ -165,8 +165,10 @@ def _places(model: torch.nn.Module) -> list[tuple[dict, str]]:
 
 def _plain(t: torch.Tensor) -> torch.Tensor | None:
     """The tensor an encode makes of a live shard, when that needs no copy (else None)."""
-    t = _local(t).detach()
-    return t if t.device.type == "cpu" and t.is_contiguous() else None
+    t = _local(t)
+    if t.requires_grad:  # a parameter's (optimizer state never is: detach costs ~1 us a tensor)
+        t = t.detach()
+    return t if t.is_cpu and t.is_contiguous() else None
 
 
 def for_model(name: str, model: torch.nn.Module, ask: Callable[[], Any],
