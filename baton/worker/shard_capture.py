@@ -238,16 +238,19 @@ def for_optimizer(name: str, optimizer: torch.optim.Optimizer, ask: Callable[[],
         # The state's skeleton is fixed while the fingerprint (each parameter's state keys) is;
         # param_groups (the LR changes every step) are encoded at every boundary.
         state_skeleton = codec.encoded(rebuild()["state"]).skeleton
-        slots = [(p, k) for p in params for k in optimizer.state[p]]
+        slots = [(p, list(optimizer.state[p])) for p in params]
 
         def encode() -> codec.Encoded:
             tensors = []
-            for p, k in slots:
-                v = optimizer.state[p][k]
-                t = _plain(v) if isinstance(v, torch.Tensor) else None
-                if t is None:  # a value the skeleton cannot hold: walk it
-                    return codec.encoded(rebuild())
-                tensors.append(t)
+            state = optimizer.state
+            for p, keys in slots:
+                st = state[p]
+                for k in keys:
+                    v = st[k]
+                    t = _plain(v) if isinstance(v, torch.Tensor) else None
+                    if t is None:  # a value the skeleton cannot hold: walk it
+                        return codec.encoded(rebuild())
+                    tensors.append(t)
             groups = codec.encode_into(to_local(param_groups()), tensors)
             return codec.Encoded({"state": state_skeleton, "param_groups": groups}, tensors)
 
