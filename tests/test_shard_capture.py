@@ -10,6 +10,7 @@ import socket
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint.state_dict as dcp_sd
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.device_mesh import init_device_mesh
@@ -173,3 +174,56 @@ def test_state_the_skeleton_cannot_hold_is_encoded_by_walking_it(mesh):
         assert _equal_bitwise(_decoded(tracked), _helpers(model, opt))
         _train(model, opt, sched, 1)
     assert tracked.shard_capture["optimizer"].rebuilt >= 2
+
+
+def _optimizer_tensors(captured: dict) -> list[torch.Tensor]:
+    return [v[shards.LOCAL] if isinstance(v, dict) else v for st in captured["optimizer"]["state"].values()
+            for v in st.values()]
+
+
+def _storage(model, opt) -> list[int]:
+    return [shard_capture._local(p).data_ptr() for p in model.parameters()] + \
+        [shard_capture._local(t).data_ptr() for st in opt.state.values() for t in st.values()]
+
+
+def test_a_load_copies_into_the_live_shards_and_sets_the_lr_as_the_helpers_would(mesh):
+    model, opt, sched, tracked = _job(mesh)
+    _train(model, opt, sched, 2)
+    other_model, other_opt, other_sched, other = _job(mesh)
+    _train(other_model, other_opt, other_sched, 5)  # other values, another LR
+    before = _storage(model, opt)
+    arrived = shards.cloned(shards.capture(other))
+    shards.load(tracked, arrived, owned=False)
+    assert _storage(model, opt) == before  # the same storage: copied in, nothing replaced
+    assert _equal_bitwise(_helpers(model, opt), _helpers(other_model, other_opt))
+    assert opt.param_groups[0]["lr"] == other_opt.param_groups[0]["lr"] != 1e-2
+    for t in _optimizer_tensors(arrived):  # the arrived tensors were not taken over
+        t.add_(1)
+    assert _equal_bitwise(_helpers(model, opt), _helpers(other_model, other_opt))
+
+
+def test_a_fresh_optimizer_gets_its_state_created_then_copied_into(mesh):
+    other_model, other_opt, other_sched, other = _job(mesh)
+    _train(other_model, other_opt, other_sched, 3)
+    model, opt, _, tracked = _job(mesh)  # a joiner: a model and an optimizer that never stepped
+    assert not opt.state
+    shards.load(tracked, shards.cloned(shards.capture(other)))
+    assert _equal_bitwise(_helpers(model, opt), _helpers(other_model, other_opt))
+    assert tracked.shard_capture["optimizer"]._learned is not None  # it went the in-place way
+
+
+def test_an_arrival_of_another_structure_goes_through_the_helpers_and_is_never_aliased(mesh, monkeypatch):
+    model, opt, sched, tracked = _job(mesh)
+    _train(model, opt, sched, 1)
+    other_model, other_opt, other_sched, other = _job(mesh)
+    _train(other_model, other_opt, other_sched, 2)
+    arrived = shards.cloned(shards.capture(other))
+    arrived["optimizer"]["param_groups"][0]["note"] = 1  # a key this rank's groups lack: not copied in place
+    used = []
+    orig = dcp_sd.set_optimizer_state_dict
+    monkeypatch.setattr(dcp_sd, "set_optimizer_state_dict", lambda *a, **k: (used.append(1), orig(*a, **k))[1])
+    shards.load(tracked, arrived, owned=False)
+    assert used and opt.param_groups[0]["note"] == 1  # the helpers loaded it
+    assert _equal_bitwise(_helpers(model, opt)["model"], _helpers(other_model, other_opt)["model"])
+    held = [t for st in opt.state.values() for t in st.values()]
+    assert not {shard_capture._local(t).data_ptr() for t in held} & {t.data_ptr() for t in _optimizer_tensors(arrived)}

@@ -604,11 +604,13 @@ class Runtime:
         flat = self.snapshots.own(target[0])
         if flat is None or position_of(flat) != tuple(target):
             raise RuntimeError(f"rank {self.rank} holds no snapshot of its state at {target}")
-        # Copies: loading aliases the optimizer's state to these tensors, and the snapshot
-        # must stay as it is for as long as another failure could need it.
-        state = codec.decode(flat.meta, [t.clone() for t in flat.tensors])
+        # The snapshot must stay as it is for as long as another failure could need it, and
+        # loading may alias state to the tensors it is given: the shards are copied into the
+        # live ones (or cloned where the helpers must load them), the rest is cloned here.
+        state = codec.decode(flat.meta, list(flat.tensors))
+        state = {k: v if k == "sharded" else shards.cloned(v) for k, v in state.items()}
         self._load_replicated(state)
-        self._load_sharded(state)
+        self._load_sharded(state, owned=False)
         bundle_state = state["bundle"]
         self._apply_bundle(bundle_state)
         self.pos = target
@@ -847,7 +849,7 @@ class Runtime:
             return state, FetchStats(bytes=stats.bytes + peer_stats.bytes, seconds=stats.seconds + peer_stats.seconds)
         raise TransferError(f"no replica of rank {self.rank}'s shards could be fetched: {'; '.join(errors)}")
 
-    def _load_sharded(self, state: dict[str, Any]) -> None:
+    def _load_sharded(self, state: dict[str, Any], owned: bool = True) -> None:
         if not self.tracked.sharded:
             return
         if "sharded" not in state:
@@ -855,7 +857,9 @@ class Runtime:
                              "predecessor (or a copy of it) holds them (a baton bug; please report it)")
         self.loading = True  # the DCP helper may step a fresh optimizer once (lr 0) to create its state
         try:
-            shards.load(self.tracked, state["sharded"])
+            in_place = shards.load(self.tracked, state["sharded"], owned=owned)
+            log.info("shards loaded: %s copied in place, %s through the DCP helpers", in_place or "none",
+                     sorted(self.tracked.sharded - set(in_place)) or "none")
         finally:
             self.loading = False
 

@@ -107,6 +107,15 @@ class ShardCapture:
     def __call__(self) -> Any:
         return self._get(encoded=False)
 
+    def live(self) -> Any | None:
+        """The learned answer, whose tensors are the live shards themselves (a load may copy
+        into them), or None where nothing learned holds now (the helpers' answer may be copies)."""
+        self()  # learns at the first call, and re-learns after a change
+        learned = self._learned
+        if learned is None or self.disabled or learned.fingerprint != self._fingerprint():
+            return None
+        return learned.rebuild()
+
     def encoded(self) -> codec.Encoded:
         """The answer, encoded (the snapshot's form): without walking it where learned."""
         return self._get(encoded=True)

@@ -60,8 +60,12 @@ def _capturer(tracked: Tracked, name: str, obj: Any) -> shard_capture.ShardCaptu
                                        _to_local)
 
 
-def load(tracked: Tracked, state: dict[str, Any]) -> None:
-    """Load `capture`'s output from another rank into this rank's sharded objects."""
+def load(tracked: Tracked, state: dict[str, Any], owned: bool = True) -> list[str]:
+    """Load `capture`'s output from another rank into this rank's sharded objects: copied into
+    the live shards where their structure is the one that arrived (one pass over the bytes),
+    else through the DCP helpers. `owned`: the arrived tensors are this rank's to keep (a
+    fetch); otherwise (its own snapshot, which must stay as it is) they are never aliased.
+    Returns the objects copied in place."""
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                          set_model_state_dict, set_optimizer_state_dict)
 
@@ -69,8 +73,14 @@ def load(tracked: Tracked, state: dict[str, Any]) -> None:
         raise UsageError(f"sharded state differs between ranks: arrived {sorted(state)}, this rank shards "
                          f"{sorted(tracked.sharded)}; every rank must shard the same objects")
     models = [n for n in sorted(state) if isinstance(tracked.objects[n], torch.nn.Module)]
+    in_place = []
     for name in models + [n for n in sorted(state) if n not in models]:  # optimizers after models
         obj, incoming = tracked.objects[name], state[name]
+        if _load_in_place(tracked, name, obj, incoming):
+            in_place.append(name)
+            continue
+        if not owned:
+            incoming = cloned(incoming)
         if isinstance(obj, torch.nn.Module):
             set_model_state_dict(obj, _rebuild(incoming, get_model_state_dict(obj), name))
         elif not incoming.get("state"):
@@ -79,6 +89,84 @@ def load(tracked: Tracked, state: dict[str, Any]) -> None:
             model = owner_model(tracked, obj)
             here = get_optimizer_state_dict(model, obj)
             set_optimizer_state_dict(model, obj, _rebuild(incoming, here, name))
+    return in_place
+
+
+def _load_in_place(tracked: Tracked, name: str, obj: Any, incoming: Any) -> bool:
+    """Copy `incoming` into the live shards of `obj` if they have its very structure (keys,
+    shapes, dtypes; an optimizer's param_groups values are set as its load_state_dict would).
+    What the helpers would do then comes to the same bytes in the same storage; anything
+    else (other keys, a fresh optimizer the helper could not initialise) returns False."""
+    if not isinstance(incoming, dict):
+        return False
+    if not isinstance(obj, torch.nn.Module):
+        if not incoming.get("state"):
+            return False  # nothing to shard yet: the plain load_state_dict is cheap
+        if not obj.state:
+            from torch.distributed.checkpoint import state_dict as dcp_state_dict
+
+            init = getattr(dcp_state_dict, "_init_optim_state", None)
+            if init is None:
+                return False
+            init(obj)  # the state tensors to copy into (one step at lr 0, as the helper takes)
+            if not obj.state:
+                return False
+    capturer = tracked.shard_capture.get(name)
+    if capturer is None:
+        capturer = tracked.shard_capture[name] = _capturer(tracked, name, obj)
+    ours = capturer.live()
+    if ours is None:
+        return False
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    settings: list[tuple[int, str, Any]] = []
+    if not _pair(ours, incoming, pairs, settings, ()):
+        return False
+    if settings and isinstance(obj, torch.nn.Module):
+        return False
+    with torch.no_grad():
+        for live, new in pairs:
+            live.copy_(new)
+    for index, key, value in settings:
+        obj.param_groups[index][key] = value
+    return True
+
+
+def _pair(ours: Any, incoming: Any, pairs: list, settings: list, path: tuple) -> bool:
+    """Walk the live answer and the arrived one together: tensor pairs to copy, and the
+    param_groups values (LR, betas, ...) that differ; False at any other difference."""
+    if isinstance(ours, torch.Tensor):
+        if not isinstance(incoming, torch.Tensor) or incoming.shape != ours.shape or incoming.dtype != ours.dtype:
+            return False
+        pairs.append((ours, incoming))
+        return True
+    if isinstance(ours, dict):
+        return isinstance(incoming, dict) and list(incoming) == list(ours) and all(
+            _pair(ours[k], incoming[k], pairs, settings, (*path, k)) for k in ours)
+    if isinstance(ours, (list, tuple)):
+        return isinstance(incoming, (list, tuple)) and len(incoming) == len(ours) and all(
+            _pair(a, b, pairs, settings, (*path, i)) for i, (a, b) in enumerate(zip(ours, incoming)))
+    if isinstance(incoming, (dict, list, torch.Tensor)):
+        return False
+    if type(ours) is type(incoming) and ours == incoming:
+        return True
+    if len(path) == 3 and path[0] == "param_groups" and path[2] != "params":
+        settings.append((path[1], path[2], incoming))
+        return True
+    return False
+
+
+def cloned(obj: Any) -> Any:
+    """`obj` (as codec.decode makes it) with every tensor in it copied."""
+    if isinstance(obj, torch.Tensor):
+        return obj.clone()
+    if isinstance(obj, dict):
+        out = type(obj)((k, cloned(v)) for k, v in obj.items())
+        if hasattr(obj, "_metadata"):
+            out._metadata = cloned(obj._metadata)  # type: ignore[attr-defined]
+        return out
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(cloned(v) for v in obj)
+    return obj
 
 
 def reset_after_failure(tracked: Tracked) -> None:
