@@ -202,14 +202,31 @@ def test_a_load_copies_into_the_live_shards_and_sets_the_lr_as_the_helpers_would
     assert _equal_bitwise(_helpers(model, opt), _helpers(other_model, other_opt))
 
 
-def test_a_fresh_optimizer_gets_its_state_created_then_copied_into(mesh):
+@pytest.mark.parametrize("owned", [True, False])
+def test_a_fresh_optimizer_takes_the_arrived_state_and_trains_on_bitwise(mesh, owned):
+    """A joiner's optimizer never stepped: it adopts a fetched state (no step at lr 0, no
+    copy), or, given tensors it must not keep, gets its state created and copied into."""
+    torch.manual_seed(5)
+    batches = [torch.randint(96, (4, 32)) for _ in range(2)]
     other_model, other_opt, other_sched, other = _job(mesh)
     _train(other_model, other_opt, other_sched, 3)
-    model, opt, _, tracked = _job(mesh)  # a joiner: a model and an optimizer that never stepped
+    model, opt, sched, tracked = _job(mesh)  # a joiner: a model and an optimizer that never stepped
     assert not opt.state
-    shards.load(tracked, shards.cloned(shards.capture(other)))
+    arrived = shards.cloned(shards.capture(other))
+    loaded = shards.load(tracked, arrived, owned=owned)
+    assert loaded == ["model", "optimizer"]
+    sched.load_state_dict(other_sched.state_dict())
     assert _equal_bitwise(_helpers(model, opt), _helpers(other_model, other_opt))
-    assert tracked.shard_capture["optimizer"]._learned is not None  # it went the in-place way
+    theirs = {t.data_ptr() for t in _optimizer_tensors(arrived)}
+    mine = {shard_capture._local(t).data_ptr() for st in opt.state.values() for t in st.values()}
+    assert (mine == theirs) if owned else not (mine & theirs)
+    for m, o, s in ((model, opt, sched), (other_model, other_opt, other_sched)):
+        for x in batches:
+            m(x).float().pow(2).mean().backward()
+            o.step()
+            s.step()
+            o.zero_grad()
+    assert _equal_bitwise(_helpers(model, opt), _helpers(other_model, other_opt))
 
 
 def test_an_arrival_of_another_structure_goes_through_the_helpers_and_is_never_aliased(mesh, monkeypatch):

@@ -784,6 +784,14 @@ class Runtime:
 
     # ================================================================ joining
     def _join(self) -> None:
+        if self.tracked.sharded:
+            t0 = time.perf_counter()
+            self.loading = True
+            try:
+                shards.prepare(self.tracked)
+            finally:
+                self.loading = False
+            log.info("shards prepared to be loaded in place in %.3fs", time.perf_counter() - t0)
         log.info("joiner ready for state")
         while True:
             cmd = self.wait_for(m.Form)
@@ -858,7 +866,7 @@ class Runtime:
         self.loading = True  # the DCP helper may step a fresh optimizer once (lr 0) to create its state
         try:
             in_place = shards.load(self.tracked, state["sharded"], owned=owned)
-            log.info("shards loaded: %s copied in place, %s through the DCP helpers", in_place or "none",
+            log.info("shards loaded: %s in place, %s through the DCP helpers", in_place or "none",
                      sorted(self.tracked.sharded - set(in_place)) or "none")
         finally:
             self.loading = False
