@@ -197,7 +197,8 @@ def downtime(run: Path, a: argparse.Namespace, model: list[str] | None = None) -
     for ev in events:
         raw = sorted(tcp_copy_s(ev["state_bytes"]) for _ in range(5))[2] if ev.get("state_bytes") else None
         out.append({"kind": ev["kind"], "downtime_s": ev["downtime_s"], "state_bytes": ev["state_bytes"],
-                    "transfer_s": ev["transfer_s"], "steps_lost": ev["steps_lost"], "steps_rerun": ev["steps_rerun"],
+                    "transfer_s": ev["transfer_s"], "joiner_setup_s": ev.get("joiner_setup_s"),
+                    "steps_lost": ev["steps_lost"], "steps_rerun": ev["steps_rerun"],
                     "raw_tcp_copy_s": raw})
         print(f"  {ev['kind']}: downtime {ev['downtime_s']:.3f} s, {ev['state_bytes'] / 1e6:.1f} MB "
               f"(raw copy {raw * 1e3:.1f} ms), steps lost {ev['steps_lost']}", flush=True)
@@ -230,6 +231,11 @@ def sweep(tmp: Path, a: argparse.Namespace, dims: list[int]) -> dict:
         pts = [(e["raw_tcp_copy_s"], e["downtime_s"]) for r in runs for e in r["events"]
                if e["kind"] == kind and e.get("raw_tcp_copy_s")]
         fits[kind] = fit(pts)
+    # What baton itself spends: the downtime less the joiner's own script setup (building and
+    # sharding the model after it was given its rank, which a spare cannot do before).
+    fits["unplanned less the new rank's script setup"] = fit([
+        (e["raw_tcp_copy_s"], e["downtime_s"] - e["joiner_setup_s"]) for r in runs for e in r["events"]
+        if e["kind"] == "unplanned" and e.get("raw_tcp_copy_s") and e.get("joiner_setup_s") is not None])
     return {"runs": runs, "fit": fits}
 
 
@@ -237,7 +243,9 @@ def sweep_sentence(r: dict) -> str:
     f = r["fit"]
     runs = "; ".join(
         f"{e['state_bytes'] / 1e6:.0f} MB per rank: " + ", ".join(
-            f"{x['kind']} {x['downtime_s']:.2f} s (raw {x['raw_tcp_copy_s'] * 1e3:.0f} ms)" for x in run["events"])
+            f"{x['kind']} {x['downtime_s']:.2f} s (raw {x['raw_tcp_copy_s'] * 1e3:.0f} ms"
+            + (f"; the new rank's script setup {x['joiner_setup_s']:.2f} s" if x["kind"] == "unplanned"
+               and x.get("joiner_setup_s") is not None else "") + ")" for x in run["events"])
         for run in r["runs"] for e in run["events"][:1])
     fitted = "; ".join(f"{k} {v['constant_s']:.2f} s + {v['times_raw']:.1f}× the raw copy" for k, v in f.items() if v)
     return (f"Downtime against the bytes moved ({r['what']}, `--redundancy 1`, one planned move and one kill -9 "

@@ -89,7 +89,9 @@ def _torchrun_llama(tmp: Path, nproc: int, args: list[str]) -> list[dict[str, to
     return [torch.load(f"{out}.rank{r}") for r in range(nproc)]
 
 
-FOUR_ARGS = ["--steps", "70", "--eval-every", "10"]
+# Residual dropout (random draws inside the step) and gradient accumulation over two microbatches
+# (FSDP2 keeps unsharded gradients between them: what a failure mid-step must discard).
+FOUR_ARGS = ["--steps", "70", "--eval-every", "10", "--dropout", "0.1", "--grad-accum", "2", "--batch-size", "4"]
 
 
 def _shared_reference(tmp_path_factory, name: str, nproc: int, args: list[str]) -> list[dict[str, torch.Tensor]]:
@@ -121,7 +123,7 @@ def _resolved(job: Job, rank: int) -> bool:
 
 
 def test_fsdp_ranks_move_planned_and_preemptive_bitwise(tmp_path, four_rank_reference):
-    """4-rank FSDP2 llama: a planned move of rank 0, then a taint of rank 2's slot (a pre-emptive
+    """4-rank FSDP2 llama (dropout, two microbatches a step): a planned move of rank 0, then a taint of rank 2's slot (a pre-emptive
     move). Each leaver's shards (parameters and AdamW moments) go straight to its joiner; the
     job ends with every rank's shards, LR and random stream bitwise equal to torchrun's run
     with no failure, and no step lost or re-run."""
@@ -143,7 +145,7 @@ def test_fsdp_ranks_move_planned_and_preemptive_bitwise(tmp_path, four_rank_refe
 
 @pytest.mark.parametrize("transport", ["auto", "tcp"])
 def test_lost_fsdp_ranks_are_rebuilt_from_their_buddies_copies_bitwise(tmp_path, four_rank_reference, transport):
-    """4-rank FSDP2 llama with --redundancy 1: kill -9 of rank 0, then rank 2 hung (SIGSTOP).
+    """4-rank FSDP2 llama (dropout, two microbatches a step) with --redundancy 1: kill -9 of rank 0, then rank 2 hung (SIGSTOP).
     Each lost rank's shards come from its buddy's copy of the last step boundary (survivors
     go back one boundary when the newest copy had not arrived); the job ends bitwise equal to
     torchrun's run with no failure. `auto`: the buddies, on this machine, map their wards'
@@ -175,6 +177,8 @@ def test_lost_fsdp_ranks_are_rebuilt_from_their_buddies_copies_bitwise(tmp_path,
     mapped = "rank 0's shard snapshots are mapped from its shared memory" in log
     assert mapped == (transport == "auto"), log[-3000:]
     assert "rebuilding rank=0" in log and "rebuilding rank=2" in log, log[-3000:]
+    # Joiners adopt the shards that arrived (no DCP load, no state-creating step).
+    assert log.count("shards loaded: ['model', 'optimizer'] in place") >= 2, log[-3000:]
     # A rank lost before its newest copy arrived costs the survivors one boundary: re-run, counted.
     assert all(e["steps_lost"] <= 1 and e["steps_rerun"] <= 2 for e in events), events
 

@@ -141,6 +141,9 @@ class Formed(_Msg):
     pos: Pos
     bytes: NonNegativeInt = 0
     seconds: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
+    # A joiner: its script's own time from the rank's assignment to its step loop (building
+    # the model, sharding it), part of the downtime when it was assigned at a failure.
+    setup_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
 
 
 class Verified(_Msg):

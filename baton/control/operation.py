@@ -59,6 +59,7 @@ class Operation:
     deadline: float = float("inf")  # when the current phase has run out of time
     transfer_bytes: int = 0
     transfer_s: float = 0.0
+    joiner_setup_s: float = 0.0  # the slowest joiner's script setup after its assignment
     waiting_message: str | None = None
     rerun: bool = False  # some survivor discarded a partial step and re-runs it
     target: tuple[int, int] | None = None  # the position the new generation forms at

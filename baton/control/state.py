@@ -100,6 +100,7 @@ class Event:
     resolved_without_rollback: bool | None = None
     state_bytes: int | None = None
     transfer_s: float | None = None
+    joiner_setup_s: float | None = None  # the joiner's script from its assignment to its step loop
     step: int | None = None
     status: str = "in-progress"  # in-progress | resolved | failed
     note: str = ""

@@ -2,7 +2,8 @@
 
 RMSNorm, rotary attention and SwiGLU blocks; each block is sharded with `fully_shard` on
 the job's mesh, then the root; AdamW with warm-up and cosine decay (LambdaLR), gradient
-clipping, an evaluation every few steps. Tokens come from a stream it makes itself (a
+clipping, an evaluation every few steps; optionally residual dropout and gradient
+accumulation over microbatches (FSDP2 reduce-scatters only the last one's gradients). Tokens come from a stream it makes itself (a
 noisy repeating grammar), so it runs anywhere on CPU.
 
     baton run --nproc 4 --spares 1 --redundancy 1 baton/examples/llama.py --steps 40 --out final.pt
@@ -43,6 +44,7 @@ class ModelArgs:
     ffn_multiple_of: int = 32
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    dropout: float = 0.0
 
 
 class RMSNorm(nn.Module):
@@ -109,10 +111,15 @@ class TransformerBlock(nn.Module):
         self.attention = Attention(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args)
+        self.dropout = args.dropout
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin)
-        return x + self.feed_forward(self.ffn_norm(x))
+        x = x + self._drop(self.attention(self.attention_norm(x), cos, sin))
+        return x + self._drop(self.feed_forward(self.ffn_norm(x)))
+
+    def _drop(self, x: torch.Tensor) -> torch.Tensor:
+        """Residual dropout (draws from the rank's random stream in training only)."""
+        return F.dropout(x, self.dropout, self.training) if self.dropout else x
 
 
 class Transformer(nn.Module):
@@ -167,7 +174,9 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--plain", action="store_true", help="plain torchrun + FSDP2 (run under torchrun)")
     p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per microbatch")
+    p.add_argument("--grad-accum", type=int, default=1, help="microbatches per step")
+    p.add_argument("--dropout", type=float, default=0.0)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup-steps", type=int, default=5)
     p.add_argument("--max-norm", type=float, default=1.0)
@@ -199,7 +208,7 @@ def main() -> None:
         else:
             mesh = job.mesh()
 
-    cfg = ModelArgs(dim=args.dim, n_layers=args.layers)
+    cfg = ModelArgs(dim=args.dim, n_layers=args.layers, dropout=args.dropout)
     progress = open(args.progress, "a", buffering=1) if args.progress and rank == 0 else None
     tokens = make_tokens(20000, cfg.vocab_size, seed=11)
     train_tokens, val_tokens = tokens[:18000], tokens[18000:]
@@ -226,9 +235,14 @@ def main() -> None:
         return x, y
 
     def train_step() -> torch.Tensor:
-        x, y = batch(train_tokens)
-        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-        loss.backward()
+        loss = torch.zeros(())
+        for micro in range(args.grad_accum):
+            if args.grad_accum > 1:  # accumulate unsharded gradients; reduce-scatter on the last
+                model.set_requires_gradient_sync(micro == args.grad_accum - 1)
+            x, y = batch(train_tokens)
+            micro_loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten()) / args.grad_accum
+            micro_loss.backward()
+            loss += micro_loss.detach()
         nn.utils.clip_grad_norm_(model.parameters(), args.max_norm)  # a DTensor all_reduce of the norm
         optimizer.step()
         scheduler.step()

@@ -103,6 +103,8 @@ class Runtime:
                  world_size: int, joiner: bool, config: m.Registered, token: str):
         self.rank, self.world_size, self.joiner = rank, world_size, joiner
         self.ctl, self.server, self.store, self.token = ctl, server, store, token
+        self.assigned_at = time.perf_counter()  # made right after the rank's assignment
+        self.setup_s = 0.0
         self.op_timeout = float(config.op_timeout_s)
         self.formation_timeout = float(config.formation_timeout_s)
         self.verify_every = int(config.verify_every)
@@ -784,6 +786,8 @@ class Runtime:
 
     # ================================================================ joining
     def _join(self) -> None:
+        self.setup_s = time.perf_counter() - self.assigned_at
+        log.info("the script's setup took %.3fs from this rank's assignment to its step loop", self.setup_s)
         if self.tracked.sharded:
             t0 = time.perf_counter()
             self.loading = True
@@ -835,7 +839,8 @@ class Runtime:
             log.info("joined generation %s at %s: fetch %.3fs (%d bytes), load %.3fs, form %.3fs, verify %.3fs",
                      gen, self.pos, t_fetched - t0, stats.bytes, t_loaded - t_fetched, t_formed - t_loaded,
                      t_verified - t_formed)
-            self.ctl.report(m.Formed(generation=gen, pos=self.pos, bytes=stats.bytes, seconds=round(stats.seconds, 4)))
+            self.ctl.report(m.Formed(generation=gen, pos=self.pos, bytes=stats.bytes, seconds=round(stats.seconds, 4),
+                                     setup_s=round(self.setup_s, 4)))
             self.joiner = False
             return
 
