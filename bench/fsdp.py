@@ -21,6 +21,9 @@ straight to the joiner) and then kill -9 of rank 1 (rebuilt from its buddy's cop
 event's downtime against the raw loopback copy time of the same bytes (bench/rawcopy.py).
 
     python bench/fsdp.py --replicas 2 --nproc 4   # HSDP 2x2: writes hsdp-<ts>.json, bench:hsdp
+    python bench/fsdp.py --downtime-dims 256,512,768 --downtime-repeats 3 --downtime-only
+        # downtime at three sizes, fitted against the raw copy time (fsdp-downtime-<ts>.json),
+        # with and without the new rank's own script setup (the ledger's joiner_setup_s)
 
 HSDP: the same with `--replicas` replica groups (`job.mesh(("replicate", "shard"), ...)`);
 there `--redundancy 1` buddies copy only each other's rank-local state, and a killed rank's
@@ -220,12 +223,13 @@ def fit(points: list[tuple[float, float]]) -> dict | None:
 def sweep(tmp: Path, a: argparse.Namespace, dims: list[int]) -> dict:
     """Downtime at several model sizes, to tell the constant from what grows with the bytes."""
     runs = []
-    for dim in dims:
-        print(f"downtime run, dim {dim}:", flush=True)
-        d = tmp / f"downtime-{dim}"
-        d.mkdir(parents=True, exist_ok=True)
-        model = ["--dim", str(dim), "--layers", str(a.layers), "--replicas", str(a.replicas)]
-        runs.append({"dim": dim, **downtime(d, a, model)})
+    for i in range(a.downtime_repeats):
+        for dim in dims:  # sizes interleaved, so a drift of the machine's speed is spread over them
+            print(f"downtime run {i + 1}/{a.downtime_repeats}, dim {dim}:", flush=True)
+            d = tmp / f"downtime-{dim}-{i}"
+            d.mkdir(parents=True, exist_ok=True)
+            model = ["--dim", str(dim), "--layers", str(a.layers), "--replicas", str(a.replicas)]
+            runs.append({"dim": dim, **downtime(d, a, model)})
     fits = {}
     for kind in ("planned", "unplanned"):
         pts = [(e["raw_tcp_copy_s"], e["downtime_s"]) for r in runs for e in r["events"]
@@ -240,17 +244,31 @@ def sweep(tmp: Path, a: argparse.Namespace, dims: list[int]) -> dict:
 
 
 def sweep_sentence(r: dict) -> str:
-    f = r["fit"]
-    runs = "; ".join(
-        f"{e['state_bytes'] / 1e6:.0f} MB per rank: " + ", ".join(
-            f"{x['kind']} {x['downtime_s']:.2f} s (raw {x['raw_tcp_copy_s'] * 1e3:.0f} ms"
-            + (f"; the new rank's script setup {x['joiner_setup_s']:.2f} s" if x["kind"] == "unplanned"
-               and x.get("joiner_setup_s") is not None else "") + ")" for x in run["events"])
-        for run in r["runs"] for e in run["events"][:1])
-    fitted = "; ".join(f"{k} {v['constant_s']:.2f} s + {v['times_raw']:.1f}× the raw copy" for k, v in f.items() if v)
+    def mr(xs: list) -> str:
+        x = median_range(xs)
+        return f"{x['median']:.2f} s" + (f" ({x['min']:.2f}–{x['max']:.2f})" if x["n"] > 1 else "")
+
+    sizes = []
+    for dim in dict.fromkeys(run["dim"] for run in r["runs"]):
+        events = [e for run in r["runs"] if run["dim"] == dim for e in run["events"]]
+        parts = []
+        for kind in ("planned", "unplanned"):
+            mine = [e for e in events if e["kind"] == kind]
+            if not mine:
+                continue
+            raw = median_range(e["raw_tcp_copy_s"] for e in mine)["median"]
+            setup = [e["joiner_setup_s"] for e in mine if e.get("joiner_setup_s") is not None]
+            parts.append(f"{kind} {mr([e['downtime_s'] for e in mine])} (raw {raw * 1e3:.0f} ms"
+                         + (f"; the new rank's script setup {mr(setup)}" if kind == "unplanned" and setup else "")
+                         + ")")
+        sizes.append(f"{events[0]['state_bytes'] / 1e6:.0f} MB per rank: " + ", ".join(parts))
+    fitted = "; ".join(f"{k} {v['constant_s']:.2f} s + {v['times_raw']:.1f}× the raw copy"
+                       for k, v in r["fit"].items() if v)
+    n = len(r["runs"]) // max(1, len(sizes))
     return (f"Downtime against the bytes moved ({r['what']}, `--redundancy 1`, one planned move and one kill -9 "
-            f"of rank 1 per size): {runs}. Least squares over the sizes: {fitted} (`bench/fsdp.py "
-            f"--downtime-dims`, {r['machine']}, {r['when']}, one run per size).")
+            f"of rank 1 per run): {'; '.join(sizes)}. Least squares over every run: {fitted} (`bench/fsdp.py "
+            f"--downtime-dims`, {r['machine']}, {r['when']}, {n} run{'s' if n > 1 else ''} per size"
+            f"{', medians (min–max)' if n > 1 else ''}).")
 
 
 def sentence(r: dict) -> str:
@@ -305,6 +323,7 @@ def main() -> None:
     p.add_argument("--downtime-dims", default="",
                    help="also measure downtime at these model widths (comma-separated) and fit it against the "
                         "raw copy time")
+    p.add_argument("--downtime-repeats", type=int, default=1, help="with --downtime-dims: runs per size")
     p.add_argument("--downtime-only", action="store_true",
                    help="with --downtime-dims: only the sweep (writes <name>-downtime-<ts>.json)")
     p.add_argument("--no-readme", action="store_true")
