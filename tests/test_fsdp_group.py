@@ -91,7 +91,7 @@ def _torchrun_llama(tmp: Path, nproc: int, args: list[str]) -> list[dict[str, to
 
 # Residual dropout (random draws inside the step) and gradient accumulation over two microbatches
 # (FSDP2 keeps unsharded gradients between them: what a failure mid-step must discard).
-FOUR_ARGS = ["--steps", "70", "--eval-every", "10", "--dropout", "0.1", "--grad-accum", "2", "--batch-size", "4"]
+FOUR_ARGS = ["--steps", "50", "--eval-every", "10", "--dropout", "0.1", "--grad-accum", "2", "--batch-size", "4"]
 
 
 def _shared_reference(tmp_path_factory, name: str, nproc: int, args: list[str]) -> list[dict[str, torch.Tensor]]:
