@@ -3,8 +3,9 @@
 RMSNorm, rotary attention and SwiGLU blocks; each block is sharded with `fully_shard` on
 the job's mesh, then the root; AdamW with warm-up and cosine decay (LambdaLR), gradient
 clipping, an evaluation every few steps; optionally residual dropout and gradient
-accumulation over microbatches (FSDP2 reduce-scatters only the last one's gradients). Tokens come from a stream it makes itself (a
-noisy repeating grammar), so it runs anywhere on CPU.
+accumulation over microbatches (FSDP2 reduce-scatters only the last one's gradients).
+Tokens come from a stream it makes itself (a noisy repeating grammar), so it runs
+anywhere on CPU.
 
     baton run --nproc 4 --spares 1 --redundancy 1 baton/examples/llama.py --steps 40 --out final.pt
     torchrun --nproc_per_node 4 baton/examples/llama.py --plain --steps 40 --out plain.pt

@@ -10,7 +10,6 @@ a single byte of it is used.
 from __future__ import annotations
 
 import functools
-
 import hashlib
 import json
 import socket

@@ -788,13 +788,9 @@ class Runtime:
     def _join(self) -> None:
         self.setup_s = time.perf_counter() - self.assigned_at
         log.info("the script's setup took %.3fs from this rank's assignment to its step loop", self.setup_s)
-        if self.tracked.sharded:
+        if self.tracked.sharded:  # learns the capture only: no optimizer step, nothing to guard
             t0 = time.perf_counter()
-            self.loading = True
-            try:
-                shards.prepare(self.tracked)
-            finally:
-                self.loading = False
+            shards.prepare(self.tracked)
             log.info("shards prepared to be loaded in place in %.3fs", time.perf_counter() - t0)
         log.info("joiner ready for state")
         while True:

@@ -43,11 +43,17 @@ def capture(tracked: Tracked, encoded: bool = False) -> dict[str, Any]:
         if not isinstance(obj, torch.nn.Module) and not obj.state:
             out[name] = _to_local(obj.state_dict())  # never stepped: nothing to shard (the helper would step it)
             continue
-        capturer = tracked.shard_capture.get(name)
-        if capturer is None:
-            capturer = tracked.shard_capture[name] = _capturer(tracked, name, obj)
+        capturer = _capturer_of(tracked, name, obj)
         out[name] = capturer.encoded() if encoded else capturer()
     return out
+
+
+def _capturer_of(tracked: Tracked, name: str, obj: Any) -> shard_capture.ShardCapture:
+    """The object's capture, made at its first use (what it learns lives as long as it does)."""
+    capturer = tracked.shard_capture.get(name)
+    if capturer is None:
+        capturer = tracked.shard_capture[name] = _capturer(tracked, name, obj)
+    return capturer
 
 
 def _capturer(tracked: Tracked, name: str, obj: Any) -> shard_capture.ShardCapture:
@@ -104,10 +110,7 @@ def prepare(tracked: Tracked) -> None:
         obj = tracked.objects[name]
         if not isinstance(obj, torch.nn.Module) and not obj.state:
             continue
-        capturer = tracked.shard_capture.get(name)
-        if capturer is None:
-            capturer = tracked.shard_capture[name] = _capturer(tracked, name, obj)
-        capturer.live()
+        _capturer_of(tracked, name, obj).live()
 
 
 def _adopt(tracked: Tracked, optimizer: torch.optim.Optimizer, incoming: Any) -> bool:
@@ -138,12 +141,9 @@ def _adopt(tracked: Tracked, optimizer: torch.optim.Optimizer, incoming: Any) ->
         native_state[i] = {}
         for key, value in entry.items():
             if isinstance(value, dict) and set(value) == {LOCAL}:
-                local = value[LOCAL]
-                mine = param._local_tensor if isinstance(param, DTensor) else None  # noqa: SLF001
-                if mine is None or local.shape != mine.shape or local.dtype != mine.dtype:
+                value = _shard_like(value[LOCAL], param)
+                if value is None:
                     return False
-                value = DTensor.from_local(local.to(mine.device), param.device_mesh, param.placements,
-                                           run_check=False, shape=param.shape, stride=param.stride())
             elif isinstance(value, (dict, list)):
                 return False
             native_state[i][key] = value
@@ -174,10 +174,7 @@ def _load_in_place(tracked: Tracked, name: str, obj: Any, incoming: Any) -> bool
             return False  # nothing to shard yet: the plain load_state_dict is cheap
         if not obj.state and not _init_optimizer(obj):  # the state tensors to copy into
             return False
-    capturer = tracked.shard_capture.get(name)
-    if capturer is None:
-        capturer = tracked.shard_capture[name] = _capturer(tracked, name, obj)
-    ours = capturer.live()
+    ours = _capturer_of(tracked, name, obj).live()
     if ours is None:
         return False
     pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -324,18 +321,30 @@ def _to_local(obj: Any) -> Any:
     return obj
 
 
+def _shard_like(local: torch.Tensor, here: Any) -> DTensor | None:
+    """An arrived local shard as a DTensor laid out as `here` (this rank's own), or None where
+    `here` is no DTensor or holds a shard of another shape or dtype."""
+    if not isinstance(here, DTensor):
+        return None
+    mine = here._local_tensor  # noqa: SLF001 - to_local() without the autograd call
+    if local.shape != mine.shape or local.dtype != mine.dtype:
+        return None
+    return DTensor.from_local(local.to(mine.device), here.device_mesh, here.placements,
+                              run_check=False, shape=here.shape, stride=here.stride())
+
+
 def _rebuild(incoming: Any, here: Any, path: str) -> Any:
     """`incoming` with each `$dtensor` local tensor made a DTensor laid out as `here`'s."""
     if isinstance(incoming, dict) and set(incoming) == {LOCAL}:
         local = incoming[LOCAL]
         if not isinstance(here, DTensor):
             raise UsageError(f"{path}: a shard arrived where this rank holds no DTensor")
-        mine = here.to_local()
-        if local.shape != mine.shape or local.dtype != mine.dtype:
+        shard = _shard_like(local, here)
+        if shard is None:
+            mine = here.to_local()
             raise UsageError(f"{path}: the shard that arrived is {tuple(local.shape)} {local.dtype}, this rank's "
                              f"is {tuple(mine.shape)} {mine.dtype}: the ranks build different models or meshes")
-        return DTensor.from_local(local.to(mine.device), here.device_mesh, here.placements,
-                                  run_check=False, shape=here.shape, stride=here.stride())
+        return shard
     if isinstance(incoming, dict):
         if not isinstance(here, dict):
             raise UsageError(f"{path}: structure differs from this rank's state")
