@@ -19,7 +19,7 @@ from tests.served import Server, run_args
 EPOCHS = Path(__file__).resolve().parent.parent / "baton" / "examples" / "epochs.py"
 NPROC = 3
 STEPS_PER_EPOCH = 16  # 384 samples / 3 ranks / batch 8
-ARGS = ["--epochs", "3", "--step-sleep", "0.04", "--val-sleep", "0.4"]
+ARGS = ["--epochs", "3", "--augment", "--step-sleep", "0.04", "--val-sleep", "0.4"]  # flips drawn in-process
 
 
 INJECT = str(Path(__file__).resolve().parent / "inject")  # see its sitecustomize.py

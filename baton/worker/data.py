@@ -102,6 +102,11 @@ class DataFeed:
         self.record = position.get("record")
         self._iter, self._pending, self._has_pending = None, None, False
 
+    @property
+    def has_pending(self) -> bool:
+        """A batch was taken for the step about to run (a re-run of that step takes it again)."""
+        return self._has_pending
+
     def batch(self) -> Any:
         """The batch(es) of the step about to run; the same object again if that step re-runs."""
         if self.data is None:

@@ -79,36 +79,39 @@ class _Done(dist.Work):
 
 
 class _FailureNotingWork(dist.Work):
-    """A collective's work whose failure marks the live group failed when it is waited on.
+    """A collective's work (one or several, waited on as one) whose failure marks the live
+    group failed when it is waited on.
 
     gloo's works for FSDP2's flat-shard collectives carry no future to watch, so without
     this a dead peer would surface in the script as a bare RuntimeError (a script bug)
     instead of a lost generation the runtime recovers from.
     """
 
-    def __init__(self, inner: dist.Work, on_failure: Callable[[BaseException], None]):
+    def __init__(self, inner: dist.Work | list[dist.Work], on_failure: Callable[[BaseException], None]):
         super().__init__()
-        self._inner = inner
+        self._inner = inner if isinstance(inner, list) else [inner]
         self._on_failure = on_failure
 
     def wait(self, timeout=None) -> bool:  # type: ignore[override]  # noqa: ANN001
         try:
-            return self._inner.wait() if timeout is None else self._inner.wait(timeout)
+            return all([w.wait() if timeout is None else w.wait(timeout) for w in self._inner])
         except Exception as exc:
             self._on_failure(exc)
             raise
 
     def is_completed(self) -> bool:
-        return self._inner.is_completed()
+        return all(w.is_completed() for w in self._inner)
 
     def is_success(self) -> bool:
-        return self._inner.is_success()
+        return all(w.is_success() for w in self._inner)
 
     def exception(self):  # noqa: ANN201
-        return self._inner.exception()
+        return next((e for e in (w.exception() for w in self._inner) if e is not None), None)
 
     def get_future(self) -> torch.futures.Future:
-        return self._inner.get_future()
+        if len(self._inner) == 1:
+            return self._inner[0].get_future()
+        return torch.futures.collect_all([w.get_future() for w in self._inner])
 
 
 class IdleGroup(dist.ProcessGroup):
@@ -432,6 +435,20 @@ class LiveGroup(dist.ProcessGroup):
         opts = opts if opts is not None else dist.ReduceScatterOptions()
         work = self._backend("reduce_scatter_single")._reduce_scatter_base(output, input, opts)
         return _FailureNotingWork(work, self.note_failure)
+
+    # DTensor's redistributions (`full_tensor()`, full state dicts) go through the functional
+    # collectives, which call these coalesced forms; gloo has them as one collective per tensor.
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):  # type: ignore[override]
+        opts = opts if opts is not None else _c10d.AllgatherOptions()
+        backend = self._backend("allgather_into_tensor_coalesced")
+        works = [backend._allgather_base(out, inp, opts) for out, inp in zip(outputs, inputs)]  # noqa: SLF001
+        return _FailureNotingWork(works, self.note_failure)
+
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):  # type: ignore[override]
+        opts = opts if opts is not None else dist.ReduceScatterOptions()
+        backend = self._backend("reduce_scatter_tensor_coalesced")
+        works = [backend._reduce_scatter_base(out, inp, opts) for out, inp in zip(outputs, inputs)]  # noqa: SLF001
+        return _FailureNotingWork(works, self.note_failure)
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):  # type: ignore[override]
         opts = opts if opts is not None else dist.ReduceScatterOptions()

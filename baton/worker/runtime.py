@@ -121,6 +121,7 @@ class Runtime:
         self.at_pos_rng: dict[str, Any] | None = None
         self.capture: StepCapture | None = None  # latest capture in the current step
         self.small: Any = None  # small state at the current step's start (restored for a re-run)
+        self.drawn_with_batch: dict[str, Any] | None = None  # the streams right after the pending batch was drawn
         self.verified_at: Pos | None = None  # where --verify-every last checked
         self.scope: str | None = None  # "step" | "boundary" | None
         self.committed = False
@@ -277,13 +278,28 @@ class Runtime:
             self._snapshot()
         k = self.pos[0]
         epoch = k // self.spe if self.spe else self.feed.epoch
-        batch = self.feed.batch()
+        batch = self._take_batch()
         self.scope, self.committed, self.seq, self.capture = "step", False, 0, None
         self.backward_captured, self.backward_token = False, None
         self.tracked.scope = "step"
         self._step_t0 = time.perf_counter()
         self._busy_s = None
         return step_cls(self, k, batch, epoch)
+
+    def _take_batch(self) -> Any:
+        """The step's batch. Drawing it can draw random numbers in this process (a loader
+        without workers: random flips in __getitem__, the iterator's seed); a re-run takes the
+        batch its first attempt drew, so the streams go to where drawing it left them."""
+        if self.feed.data is None:
+            return None
+        if self.feed.has_pending:
+            batch = self.feed.batch()
+            if self.drawn_with_batch is not None:
+                rng.restore(self.drawn_with_batch, self.tracked.generators)
+            return batch
+        batch = self.feed.batch()
+        self.drawn_with_batch = rng.capture(self.tracked.generators)
+        return batch
 
     def _end_step(self, step: Any) -> None:
         self.scope = None
@@ -853,8 +869,9 @@ class Runtime:
             except (OSError, TransferError) as exc:
                 errors.append(f"rank {peer}: {exc}")
                 continue
-            state["sharded"] = peer_state["sharded"]
-            log.info("rank %d's shards from rank %d (another replica group)", self.rank, peer)
+            state["sharded"] = shards.with_rank_local(peer_state["sharded"], state["bundle"]["buffers"], self.rank)
+            log.info("rank %d's shards from rank %d (another replica group), its own buffers from its buddy",
+                     self.rank, peer)
             return state, FetchStats(bytes=stats.bytes + peer_stats.bytes, seconds=stats.seconds + peer_stats.seconds)
         raise TransferError(f"no replica of rank {self.rank}'s shards could be fetched: {'; '.join(errors)}")
 
@@ -937,8 +954,10 @@ class Runtime:
         """Replicas agree on replicated state; a joiner holds exactly what it was sent."""
         digests = self._replicated_digests(self.tracked.replicated())
         mine = verify.combined(digests)
-        # HSDP: every replica group holds the same shards, so those must agree too.
-        shard_digests = shards.digests(shards.capture(self.tracked)) if self.replicas else {}
+        # HSDP: every replica group holds the same shards, so those must agree too (not the
+        # sharded models' buffers: each rank's are its own).
+        shard_digests = shards.digests(shards.without_rank_local(self.tracked, shards.capture(self.tracked))) \
+            if self.replicas else {}
         t = torch.tensor([verify.to_signed(mine), verify.to_signed(verify.combined(shard_digests))], dtype=torch.int64)
         out = [torch.zeros(2, dtype=torch.int64) for _ in range(self.world_size)]
         with self.group.internal():

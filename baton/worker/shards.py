@@ -282,8 +282,7 @@ def _drop_pending_gathers(module: Any) -> None:
             except Exception:  # noqa: BLE001 - the generation is already known to be broken
                 pass
             group._all_gather_result = None
-    ag_state = state._comm_ctx.all_gather_state
-    if ag_state is not None:
+    if getattr(state._comm_ctx, "all_gather_state", None) is not None:  # absent before a first forward
         state._comm_ctx.all_gather_state = None
 
 
@@ -304,6 +303,31 @@ def replica_peers(tracked: Tracked) -> list[int]:
                 me = int(layout[tuple(coords)])
                 return sorted(int(r) for r in layout[index].flatten().tolist() if int(r) != me)
     return []
+
+
+def without_rank_local(tracked: Tracked, state: dict[str, Any]) -> dict[str, Any]:
+    """`capture`'s output less the sharded models' buffers (each rank's own, see
+    `Tracked.local_buffers`): what HSDP replica groups share."""
+    return {name: {k: v for k, v in value.items() if not isinstance(v, torch.Tensor)}
+            if isinstance(tracked.objects[name], torch.nn.Module) and isinstance(value, dict) else value
+            for name, value in state.items()}
+
+
+def with_rank_local(state: dict[str, Any], buffers: dict[str, torch.Tensor], rank: int) -> dict[str, Any]:
+    """Shards from another HSDP replica group with `rank`'s own buffers (its bundle's, named
+    as `Tracked.local_buffers` names them) in place of that group's: FSDP2 shards parameters
+    only and never syncs buffers, so BatchNorm statistics differ between replica groups."""
+    for name, value in state.items():
+        if not isinstance(value, dict):
+            continue
+        for key, theirs in value.items():
+            if isinstance(theirs, torch.Tensor):
+                mine = buffers.get(f"{name}.{key}")
+                if mine is None:
+                    raise UsageError(f"{name}.{key}: rank {rank}'s own state holds no such buffer, which the "
+                                     "replica its shards came from has: the ranks build different models")
+                value[key] = mine
+    return state
 
 
 def digests(state: dict[str, Any]) -> dict[str, int]:

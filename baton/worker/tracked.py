@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
@@ -189,14 +190,18 @@ class Tracked:
 
     # ---------------------------------------------------------------- rank-local per step
     def local_buffers(self) -> dict[str, torch.Tensor]:
-        """Persistent buffers of wrapped models: each rank updates them with its own batch.
-        Where they live is found once per wrapped model (as DDP itself does); each call reads
-        the owner's current tensor, so a buffer the script reassigns is still the one captured."""
+        """Persistent buffers of wrapped and of sharded models: each rank updates them with its
+        own batch (DDP broadcasts them before a forward, FSDP2 never syncs them), so a step
+        abandoned after its forward must give them back. Where they live is found once per
+        model (as DDP itself does); each call reads the owner's current tensor, so a buffer
+        the script reassigns is still the one captured."""
         out: dict[str, torch.Tensor] = {}
-        for i, module in enumerate(self.wrapped):
+        models = [(m, self._name_of(m, i)) for i, m in enumerate(self.wrapped)]
+        models += [(self.objects[n], n) for n in sorted(self.sharded) if isinstance(self.objects[n], torch.nn.Module)]
+        for module, prefix in models:
             places = self._buffer_places.get(id(module))
             if places is None:
-                places = self._buffer_places[id(module)] = _buffer_places(module, self._name_of(module, i))
+                places = self._buffer_places[id(module)] = _buffer_places(module, prefix)
             for name, owner, attr in places:
                 buf = owner._buffers.get(attr)
                 if buf is not None:
@@ -225,6 +230,10 @@ class Tracked:
                                    for k, v in obj.__dict__.items() if k != "_per_optimizer_states"}))
         if self.local is not None:
             snap.append((self.local, self.local.as_dict()))
+        # Train/eval modes: a boundary function interrupted between model.eval() and
+        # model.train() must not leave the step that re-runs before it in eval mode.
+        for module in [*self.ddps, *(o for o in self.objects.values() if isinstance(o, torch.nn.Module))]:
+            snap.append((_Modes(module), [m.training for m in module.modules()]))
         return snap
 
     def restore_small(self, snap: list[tuple[Any, Any]]) -> None:
@@ -244,9 +253,19 @@ class Tracked:
                 reset_scaler_stage(obj)
             elif isinstance(obj, LocalValues):
                 obj.load(copy.deepcopy(saved))
+            elif isinstance(obj, _Modes):
+                for module, training in zip(obj.module.modules(), saved):
+                    module.training = training
 
     def scalers(self) -> Iterator[torch.amp.GradScaler]:
         return (o for o in self.objects.values() if isinstance(o, torch.amp.GradScaler))
+
+
+@dataclass(frozen=True)
+class _Modes:
+    """A module's train/eval modes (its own and its submodules') in a small-state snapshot."""
+
+    module: torch.nn.Module
 
 
 def reset_scaler_stage(scaler: torch.amp.GradScaler) -> None:
