@@ -77,12 +77,17 @@ def test_taint_moves_rank_off_slot(tmp_path, reference):
 
 @pytest.mark.parametrize("rank", [1])  # rank 0 inside a step: test_gpt_loop, test_real_loops
 def test_kill_9_recovers_from_replicas(tmp_path, reference, rank):
-    job = Job(tmp_path, nproc=NPROC, spares=1, steps=STEPS, script_args=ARGS)
+    # The replica check at every boundary: the joiner's check as it joins stands for the
+    # periodic one at its first boundary, on every rank (run by it alone, it would hang).
+    job = Job(tmp_path, nproc=NPROC, spares=1, steps=STEPS, script_args=ARGS, run_args=["--verify-every", "1"])
     try:
         job.wait_step(8)
         job.signal_rank(rank, signal.SIGKILL)
         events = _check(job, reference, "unplanned", rerun_max=1)
         assert events[0]["rank"] == rank
+        log = [json.loads(line) for line in (job.run_dir / "events.jsonl").read_text().splitlines()]
+        recoveries = [e["data"] for e in log if e["event"] == "recovery"]
+        assert len(recoveries) == 1, recoveries  # the loss, and nothing after it
     finally:
         job.kill()
 

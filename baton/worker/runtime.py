@@ -951,7 +951,11 @@ class Runtime:
 
     def verify_state(self, generation: int, expected: int | None, periodic: bool = False,
                      bundle_state: dict[str, Any] | None = None, sharded_expected: int | None = None) -> None:
-        """Replicas agree on replicated state; a joiner holds exactly what it was sent."""
+        """Replicas agree on replicated state; a joiner holds exactly what it was sent.
+        Every rank of a new generation runs it at the same boundary (a joiner as it joins), so
+        it stands for the periodic check there: a rank that ran it again alone would wait
+        in a collective the others never enter."""
+        self.verified_at = self.pos
         digests = self._replicated_digests(self.tracked.replicated())
         mine = verify.combined(digests)
         # HSDP: every replica group holds the same shards, so those must agree too (not the
