@@ -24,7 +24,8 @@ from tests.served import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 RESNET = REPO / "baton" / "examples" / "resnet.py"
-COMMON = ["--epochs", "4", "--train-samples", "768"]  # 24 steps an epoch on 4 ranks
+COMMON = ["--epochs", "4", "--train-samples", "1024"]
+STEPS_PER_EPOCH = 32  # 1024 samples / 4 ranks / batch 8; a resumed job starts at step 64 (epoch 2)
 
 
 def _torchrun(where: Path, args: list[str]) -> None:
@@ -95,7 +96,7 @@ def test_hsdp_with_batchnorm_moves_and_rebuilds_each_ranks_own_statistics(tmp_pa
                            "--checkpoint", str(tmp_path / "ckpt"), "--export", "best.pt"],
               run_args=["--redundancy", "1", "--verify-every", "10"], env={"BATON_LOG": "INFO"})
     try:
-        job.wait_step(52, timeout=120)
+        job.wait_step(2 * STEPS_PER_EPOCH + 4, timeout=120)
         job.client.migrate(0)
         job.wait_until(lambda s: _resolved(job, 0), timeout=90, what="rank 0's planned move")
         slot = next(r["slot"] for r in job.status()["ranks"] if r["rank"] == 3)
@@ -126,7 +127,7 @@ def test_fsdp_loses_rank_0_in_validation_and_another_rank_in_training(tmp_path, 
                            str(tmp_path / "ckpt"), "--export", "best.pt", "--val-sleep", "1.5"],
               run_args=["--redundancy", "1"], env={"BATON_LOG": "INFO"})
     try:
-        job.wait_step(72, timeout=120)  # the last step of epoch 2: its validation follows
+        job.wait_step(3 * STEPS_PER_EPOCH, timeout=120)  # epoch 2 done: its validation follows
         job.signal_rank(0, signal.SIGKILL)
         job.wait_until(lambda s: _resolved(job, 0), timeout=90, what="rank 0 rebuilt")
         job.wait_step(job.status()["ranks"][0]["step"] + 4, timeout=60)
