@@ -16,7 +16,7 @@ import socket
 import threading
 import time
 from datetime import timedelta
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -424,30 +424,31 @@ class LiveGroup(dist.ProcessGroup):
         opts = opts if opts is not None else _c10d.AllgatherOptions()
         return self._watch(self._backend("allgather_base")._allgather_base(output, input, opts))
 
-    # FSDP2 (torch 2.13) gathers and reduce-scatters flat shards through these two. gloo's
-    # works for them carry no future: a failure is noted when the work is waited on.
+    # FSDP2 (torch 2.13) gathers and reduce-scatters flat shards through the two single forms;
+    # DTensor's redistributions (`full_tensor()`, full state dicts) go through the functional
+    # collectives, which call the coalesced forms, one gloo collective per tensor here.
     def all_gather_single(self, output, input, opts=None):  # type: ignore[override]  # noqa: A002
-        opts = opts if opts is not None else _c10d.AllgatherOptions()
-        work = self._backend("all_gather_single")._allgather_base(output, input, opts)
-        return _FailureNotingWork(work, self.note_failure)
+        return self._per_tensor("all_gather_single", "_allgather_base", [output], [input],
+                                opts if opts is not None else _c10d.AllgatherOptions())
 
     def reduce_scatter_single(self, output, input, opts=None):  # type: ignore[override]  # noqa: A002
-        opts = opts if opts is not None else dist.ReduceScatterOptions()
-        work = self._backend("reduce_scatter_single")._reduce_scatter_base(output, input, opts)
-        return _FailureNotingWork(work, self.note_failure)
+        return self._per_tensor("reduce_scatter_single", "_reduce_scatter_base", [output], [input],
+                                opts if opts is not None else dist.ReduceScatterOptions())
 
-    # DTensor's redistributions (`full_tensor()`, full state dicts) go through the functional
-    # collectives, which call these coalesced forms; gloo has them as one collective per tensor.
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):  # type: ignore[override]
-        opts = opts if opts is not None else _c10d.AllgatherOptions()
-        backend = self._backend("allgather_into_tensor_coalesced")
-        works = [backend._allgather_base(out, inp, opts) for out, inp in zip(outputs, inputs)]  # noqa: SLF001
-        return _FailureNotingWork(works, self.note_failure)
+        return self._per_tensor("allgather_into_tensor_coalesced", "_allgather_base", outputs, inputs,
+                                opts if opts is not None else _c10d.AllgatherOptions())
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):  # type: ignore[override]
-        opts = opts if opts is not None else dist.ReduceScatterOptions()
-        backend = self._backend("reduce_scatter_tensor_coalesced")
-        works = [backend._reduce_scatter_base(out, inp, opts) for out, inp in zip(outputs, inputs)]  # noqa: SLF001
+        return self._per_tensor("reduce_scatter_tensor_coalesced", "_reduce_scatter_base", outputs, inputs,
+                                opts if opts is not None else dist.ReduceScatterOptions())
+
+    def _per_tensor(self, op: str, method: str, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                    opts: Any) -> dist.Work:
+        """One backend collective per (output, input) pair, waited on as one. gloo's works for
+        these carry no future: a failure is noted when the work is waited on."""
+        backend = self._backend(op)
+        works = [getattr(backend, method)(out, inp, opts) for out, inp in zip(outputs, inputs)]
         return _FailureNotingWork(works, self.note_failure)
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):  # type: ignore[override]

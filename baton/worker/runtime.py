@@ -245,7 +245,6 @@ class Runtime:
         if proceed:
             if self.verify_every and self.pos[0] > 0 and self.pos[0] % self.verify_every == 0 and \
                     self.pos != self.verified_at:
-                self.verified_at = self.pos
                 return self._checked(lambda: self.verify_state(self.group.generation, None, periodic=True))
             return True
         with ctl.lock:
@@ -292,13 +291,12 @@ class Runtime:
         batch its first attempt drew, so the streams go to where drawing it left them."""
         if self.feed.data is None:
             return None
-        if self.feed.has_pending:
-            batch = self.feed.batch()
-            if self.drawn_with_batch is not None:
-                rng.restore(self.drawn_with_batch, self.tracked.generators)
-            return batch
+        again = self.feed.has_pending
         batch = self.feed.batch()
-        self.drawn_with_batch = rng.capture(self.tracked.generators)
+        if not again:
+            self.drawn_with_batch = rng.capture(self.tracked.generators)
+        elif self.drawn_with_batch is not None:
+            rng.restore(self.drawn_with_batch, self.tracked.generators)
         return batch
 
     def _end_step(self, step: Any) -> None:

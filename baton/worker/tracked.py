@@ -196,12 +196,11 @@ class Tracked:
         model (as DDP itself does); each call reads the owner's current tensor, so a buffer
         the script reassigns is still the one captured."""
         out: dict[str, torch.Tensor] = {}
-        models = [(m, self._name_of(m, i)) for i, m in enumerate(self.wrapped)]
-        models += [(self.objects[n], n) for n in sorted(self.sharded) if isinstance(self.objects[n], torch.nn.Module)]
-        for module, prefix in models:
+        sharded = (self.objects[n] for n in sorted(self.sharded) if isinstance(self.objects[n], torch.nn.Module))
+        for i, module in enumerate([*self.wrapped, *sharded]):
             places = self._buffer_places.get(id(module))
             if places is None:
-                places = self._buffer_places[id(module)] = _buffer_places(module, prefix)
+                places = self._buffer_places[id(module)] = _buffer_places(module, self._name_of(module, i))
             for name, owner, attr in places:
                 buf = owner._buffers.get(attr)
                 if buf is not None:
@@ -232,7 +231,9 @@ class Tracked:
             snap.append((self.local, self.local.as_dict()))
         # Train/eval modes: a boundary function interrupted between model.eval() and
         # model.train() must not leave the step that re-runs before it in eval mode.
-        for module in [*self.ddps, *(o for o in self.objects.values() if isinstance(o, torch.nn.Module))]:
+        inside = {id(m) for m in self.wrapped}  # a DDP's modules() holds its module's
+        for module in [*self.ddps, *(o for o in self.objects.values()
+                                     if isinstance(o, torch.nn.Module) and id(o) not in inside)]:
             snap.append((_Modes(module), [m.training for m in module.modules()]))
         return snap
 
