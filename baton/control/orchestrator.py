@@ -393,6 +393,7 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing):
         if rep.bytes and op:
             op.transfer_bytes = max(op.transfer_bytes, rep.bytes)
             op.transfer_s = max(op.transfer_s, rep.seconds)
+            op.transfer_wait_s = max(op.transfer_wait_s, rep.fetch_wait_s)
         if rep.setup_s and op:
             op.joiner_setup_s = max(op.joiner_setup_s, rep.setup_s)
         if op is None or rep.generation != op.generation:
@@ -736,6 +737,7 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing):
             ev.state_bytes = op.transfer_bytes or None
             ev.transfer_s = round(op.transfer_s, 4) if op.transfer_s else None
             ev.joiner_setup_s = round(op.joiner_setup_s, 4) if op.joiner_setup_s else None
+            ev.transfer_wait_s = round(op.transfer_wait_s, 4) if op.transfer_bytes else None
             # From what the ranks reported: a step every rank had completed that must run again
             # is lost progress; a step some rank abandoned half way is the in-flight step re-run.
             resumed = op.target_step or 0

@@ -101,6 +101,7 @@ class Event:
     state_bytes: int | None = None
     transfer_s: float | None = None
     joiner_setup_s: float | None = None  # the joiner's script from its assignment to its step loop
+    transfer_wait_s: float | None = None  # the part of transfer_s the joiner waited for after its setup
     step: int | None = None
     status: str = "in-progress"  # in-progress | resolved | failed
     note: str = ""

@@ -135,6 +135,12 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
+    def init_buffers(self) -> None:
+        """The rotary tables again, after a build on the meta device (they are not in the
+        state dict, so nothing loaded brings them)."""
+        self.rope_cos, self.rope_sin = rotary_tables(self.args.dim // self.args.n_heads, self.args.seq_len,
+                                                     self.args.rope_theta)
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(tokens)
         for layer in self.layers.values():
@@ -195,7 +201,7 @@ def main() -> None:
         from torch.distributed.device_mesh import init_device_mesh
 
         dist.init_process_group("gloo")
-        rank, world_size = dist.get_rank(), dist.get_world_size()
+        rank, world_size, joined = dist.get_rank(), dist.get_world_size(), False
         if args.replicas > 1:
             mesh = init_device_mesh("cpu", (args.replicas, world_size // args.replicas),
                                     mesh_dim_names=("replicate", "shard"))
@@ -203,7 +209,7 @@ def main() -> None:
             mesh = init_device_mesh("cpu", (world_size,))
     else:
         job = baton.init()
-        rank, world_size = job.rank, job.world_size
+        rank, world_size, joined = job.rank, job.world_size, job.joined
         if args.replicas > 1:
             mesh = job.mesh(("replicate", "shard"), (args.replicas, world_size // args.replicas))
         else:
@@ -214,10 +220,16 @@ def main() -> None:
     tokens = make_tokens(20000, cfg.vocab_size, seed=11)
     train_tokens, val_tokens = tokens[:18000], tokens[18000:]
     torch.manual_seed(0)  # the same initial weights on every rank before sharding
-    model = Transformer(cfg)
+    # A rank taking over from a lost one gets its weights from its peers: it builds on the
+    # meta device, as TorchTitan does, and allocates only its shards, uninitialised.
+    with torch.device("meta" if joined else "cpu"):
+        model = Transformer(cfg)
     for block in model.layers.values():
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    if joined:
+        model.to_empty(device="cpu")
+        model.init_buffers()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
 
     def warmup_cosine(step: int) -> float:

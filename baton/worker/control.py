@@ -66,6 +66,7 @@ class ControlChannel:
         self.heartbeat_timeout_s = 3.0  # the orchestrator's, from register()
         self.beat_every = self.heartbeat_timeout_s / RANK_BEATS_PER_TIMEOUT
         self.on_abort: Callable[[], None] | None = None
+        self._on_form: Callable[[m.Form], None] | None = None
 
     # ------------------------------------------------------------------ requests
     def _post(self, path: str, body: dict[str, Any], client: httpx.Client | None = None) -> dict[str, Any]:
@@ -165,6 +166,9 @@ class ControlChannel:
                 self.attention = True
             if self.on_abort is not None:
                 self.on_abort()
+        on_form = self._on_form
+        if isinstance(cmd, m.Form) and on_form is not None:
+            on_form(cmd)
         self.commands.put(cmd)
 
     def _report_loop(self) -> None:
@@ -201,6 +205,17 @@ class ControlChannel:
         self._post(f"/v1/workers/{self.worker_id}/reports", beat.model_dump(mode="json"))
 
     # ------------------------------------------------------------------ main-thread helpers
+    def watch_forms(self, fn: Callable[[m.Form], None] | None) -> None:
+        """Show each Form to `fn` as it arrives (on the poll thread), and now those already
+        queued; they stay queued for the step loop. None stops it."""
+        self._on_form = fn
+        if fn is None:
+            return
+        with self.commands.mutex:
+            queued = [c for c in self.commands.queue if isinstance(c, m.Form)]
+        for form in queued:
+            fn(form)
+
     def wait_command(self, timeout: float | None = None) -> BaseModel | None:
         try:
             return self.commands.get(timeout=timeout)

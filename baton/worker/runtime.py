@@ -43,6 +43,7 @@ from baton.worker import rng, shards, verify
 from baton.worker.bundle import BundlePushers, StepCapture, fetch_ward_bundle
 from baton.worker.control import ControlChannel, cpu_report
 from baton.worker.data import DataFeed
+from baton.worker.prefetch import Prefetch
 from baton.worker.group import CollectiveFailure, LiveGroup, install_as_world, solo_group
 from baton.worker.snapshots import Snapshots, position_of
 from baton.worker.tracked import Tracked, UsageError, reset_scaler_stage
@@ -138,6 +139,10 @@ class Runtime:
         self.metrics: dict[str, float] = {}
         self._busy_s: float | None = None  # this step's own work, until its last gradient bucket
         self.warned_no_capture = False
+        self.prefetch: Prefetch | None = None
+        if joiner:  # a joiner's state can be on its way while the script builds its model
+            self.prefetch = Prefetch(self._fetch_for)
+            ctl.watch_forms(self.prefetch.offer)
         self.backward_captured = False  # the syncing backward's start captured this step's bundle
         self.backward_token: object | None = None  # identifies the latest syncing forward
         self.pusher = BundlePushers(lambda addr: connect(addr, token, PUSH, timeout=self.op_timeout))
@@ -807,18 +812,16 @@ class Runtime:
             shards.prepare(self.tracked)
             log.info("shards prepared to be loaded in place in %.3fs", time.perf_counter() - t0)
         log.info("joiner ready for state")
+        if self.prefetch is not None:
+            self.prefetch.close()
+            self.ctl.watch_forms(None)
         while True:
             cmd = self.wait_for(m.Form)
             gen, target = cmd.generation, tuple(cmd.pos)
             try:
                 t0 = time.perf_counter()
-                if cmd.snapshot and cmd.shards_from:  # HSDP: the shards from another replica group
-                    state, stats = self._fetch_from_replica(cmd, target)
-                elif cmd.snapshot:  # a lost sharded rank: its buddy's copy of its whole state
-                    state, stats = self._fetch_state(cmd.fetch_from, snapshot_key(self.rank, target[0]), target,
-                                                     cmd.formation_timeout_s, kind=SNAPSHOT)
-                else:
-                    state, stats = self._fetch_state(cmd.fetch_from, gen, target, cmd.formation_timeout_s)
+                fetched = self.prefetch.take(cmd) if self.prefetch is not None else None
+                state, stats = fetched if fetched is not None else self._fetch_for(cmd)
                 t_fetched = time.perf_counter()
                 self._load_replicated(state)
                 sharded_expected = state.get("sharded_digest")
@@ -850,9 +853,19 @@ class Runtime:
                      gen, self.pos, t_fetched - t0, stats.bytes, t_loaded - t_fetched, t_formed - t_loaded,
                      t_verified - t_formed)
             self.ctl.report(m.Formed(generation=gen, pos=self.pos, bytes=stats.bytes, seconds=round(stats.seconds, 4),
-                                     setup_s=round(self.setup_s, 4)))
+                                     setup_s=round(self.setup_s, 4), fetch_wait_s=round(t_fetched - t0, 4)))
             self.joiner = False
             return
+
+    def _fetch_for(self, cmd: m.Form) -> tuple[dict[str, Any], FetchStats]:
+        """The state a joiner's Form says to fetch, from where it says."""
+        target = tuple(cmd.pos)
+        if cmd.snapshot and cmd.shards_from:  # HSDP: the shards from another replica group
+            return self._fetch_from_replica(cmd, target)  # type: ignore[arg-type]
+        if cmd.snapshot:  # a lost sharded rank: its buddy's copy of its whole state
+            return self._fetch_state(cmd.fetch_from, snapshot_key(self.rank, target[0]), target,  # type: ignore[arg-type]
+                                     cmd.formation_timeout_s, kind=SNAPSHOT)
+        return self._fetch_state(cmd.fetch_from, cmd.generation, target, cmd.formation_timeout_s)  # type: ignore[arg-type]
 
     def _fetch_from_replica(self, cmd: m.Form, target: Pos) -> tuple[dict[str, Any], FetchStats]:
         """A lost HSDP rank: its own state from its buddy's copy, its shards from the own
