@@ -104,13 +104,34 @@ def load(tracked: Tracked, state: dict[str, Any], owned: bool = True) -> list[st
 
 
 def prepare(tracked: Tracked) -> None:
-    """Make a spare ready to take shards in place before it is needed: the capture of its
-    models learned (a fresh optimizer takes the arrived state as its own: see _adopt)."""
+    """Make a joiner ready to take shards in place before it is needed: the capture of its
+    models learned (a fresh optimizer takes the arrived state as its own: see _adopt), and
+    their shards' pages mapped. A model built on the meta device and materialised with
+    `to_empty` holds memory never written: the copy into it faulted every page in, which
+    took 0.04-0.2 s instead of 0.02 s for a 57 MB shard (bench machine), in a planned
+    move's pause. The values are zeros until the predecessor's arrive."""
     for name in sorted(tracked.sharded):
         obj = tracked.objects[name]
         if not isinstance(obj, torch.nn.Module) and not obj.state:
             continue
-        _capturer_of(tracked, name, obj).live()
+        live = _capturer_of(tracked, name, obj).live()
+        if isinstance(obj, torch.nn.Module) and live is not None:
+            with torch.no_grad():
+                for t in _tensors(live):
+                    t.zero_()
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    """The local tensors in a (nested) state dict."""
+    if isinstance(obj, DTensor):
+        return [obj._local_tensor]
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _tensors(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _tensors(v)]
+    return []
 
 
 def _adopt(tracked: Tracked, optimizer: torch.optim.Optimizer, incoming: Any) -> bool:
