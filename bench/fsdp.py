@@ -201,6 +201,7 @@ def downtime(run: Path, a: argparse.Namespace, model: list[str] | None = None) -
         raw = sorted(tcp_copy_s(ev["state_bytes"]) for _ in range(5))[2] if ev.get("state_bytes") else None
         out.append({"kind": ev["kind"], "downtime_s": ev["downtime_s"], "state_bytes": ev["state_bytes"],
                     "transfer_s": ev["transfer_s"], "joiner_setup_s": ev.get("joiner_setup_s"),
+                    "transfer_wait_s": ev.get("transfer_wait_s"),
                     "steps_lost": ev["steps_lost"], "steps_rerun": ev["steps_rerun"],
                     "raw_tcp_copy_s": raw})
         print(f"  {ev['kind']}: downtime {ev['downtime_s']:.3f} s, {ev['state_bytes'] / 1e6:.1f} MB "
