@@ -43,8 +43,8 @@ from baton.worker import rng, shards, verify
 from baton.worker.bundle import BundlePushers, StepCapture, fetch_ward_bundle
 from baton.worker.control import ControlChannel, cpu_report
 from baton.worker.data import DataFeed
-from baton.worker.prefetch import Prefetch
 from baton.worker.group import CollectiveFailure, LiveGroup, install_as_world, solo_group
+from baton.worker.prefetch import Prefetch
 from baton.worker.snapshots import Snapshots, position_of
 from baton.worker.tracked import Tracked, UsageError, reset_scaler_stage
 
@@ -139,10 +139,6 @@ class Runtime:
         self.metrics: dict[str, float] = {}
         self._busy_s: float | None = None  # this step's own work, until its last gradient bucket
         self.warned_no_capture = False
-        self.prefetch: Prefetch | None = None
-        if joiner:  # a joiner's state can be on its way while the script builds its model
-            self.prefetch = Prefetch(self._fetch_for)
-            ctl.watch_forms(self.prefetch.offer)
         self.backward_captured = False  # the syncing backward's start captured this step's bundle
         self.backward_token: object | None = None  # identifies the latest syncing forward
         self.pusher = BundlePushers(lambda addr: connect(addr, token, PUSH, timeout=self.op_timeout))
@@ -156,6 +152,10 @@ class Runtime:
                                                        os.environ.get("BATON_STORE", "")))
         install_as_world(self.group, store.store)
         ctl.on_abort = lambda: self.group.note_failure("a peer was lost (orchestrator abort)")
+        self.prefetch: Prefetch | None = None
+        if joiner:  # a joiner's state can be on its way while the script builds its model
+            self.prefetch = Prefetch(self._fetch_for)
+            ctl.watch_forms(self.prefetch.offer)
         if not joiner:
             cmd = self.wait_for(m.Form)
             self.form(cmd)
