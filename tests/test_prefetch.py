@@ -53,6 +53,7 @@ def test_nothing_starts_after_close_or_without_sources():
     calls: list[int] = []
     pre = Prefetch(lambda form: calls.append(form.generation))  # type: ignore[func-returns-value]
     pre.offer(m.Form(generation=1, pos=(0, 0)))  # a survivor's Form: nothing to fetch
+    pre.offer(m.Form(generation=1, pos=(0, 0), fetch_from=[("127.0.0.1", 9000)]))  # DDP: in the step loop
     pre.close()
     pre.offer(_form(2))
     assert pre.take(_form(2)) is None and calls == []

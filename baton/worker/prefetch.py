@@ -1,7 +1,7 @@
 """A joiner's state, pulled while its script is still building the model.
 
 At a failure the orchestrator sends a joiner its Form right after its Assign, so the Form
-names where the lost rank's state is while the script is still constructing and sharding
+names where the lost (sharded) rank's state is while the script is still constructing and sharding
 its model (half a second and more for a real one, and it grows with the model). Fetching
 then, on a thread, takes the transfer off the recovery's critical path: the step loop
 finds the bytes in memory, checked chunk by chunk as always, and only loads them.
@@ -53,8 +53,11 @@ class Prefetch:
         self._closed = False
 
     def offer(self, form: m.Form) -> None:
-        """Start fetching what `form` names (called on the control thread, once or more per Form)."""
-        if not form.fetch_from:
+        """Start fetching what `form` names (called on the control thread, once or more per Form).
+        Only a sharded rank's rebuild: its sources (a buddy's copy, another replica group's own
+        snapshot) hold the state already. DDP survivors publish theirs only as they form, so a
+        DDP joiner fetches in its step loop, as before."""
+        if not form.fetch_from or not form.snapshot:
             return
         with self._lock:
             if self._closed or form.generation in self._by_generation:
