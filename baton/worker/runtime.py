@@ -156,7 +156,7 @@ class Runtime:
         if joiner:  # a joiner's state can be on its way while the script builds its model
             self.prefetch = Prefetch(self._fetch_for)
             ctl.watch_forms(self.prefetch.offer)
-        if not joiner:
+        else:
             cmd = self.wait_for(m.Form)
             self.form(cmd)
             self.ctl.report(m.Formed(generation=cmd.generation, pos=(0, 0)))

@@ -122,9 +122,7 @@ def prepare(tracked: Tracked) -> None:
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
-    """The local tensors in a (nested) state dict."""
-    if isinstance(obj, DTensor):
-        return [obj._local_tensor]
+    """The tensors in a learned capture's answer (its DTensors already made local)."""
     if isinstance(obj, torch.Tensor):
         return [obj]
     if isinstance(obj, dict):
