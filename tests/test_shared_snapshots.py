@@ -141,7 +141,7 @@ def test_a_layout_that_changes_gets_a_new_block_and_the_tcp_transport_uses_none(
 
 
 def test_a_buddy_asks_over_one_connection_and_a_timed_out_answer_is_never_taken_for_the_next():
-    from baton.transfer.client import SnapshotRefs
+    from baton.transfer.client import SnapshotLink
     from baton.transfer.server import snapshot_key
 
     server = TransferServer("tok")
@@ -149,7 +149,7 @@ def test_a_buddy_asks_over_one_connection_and_a_timed_out_answer_is_never_taken_
         snaps = Snapshots(server, "tok", rank=0, timeout_s=5)
         first = snaps.fill((1, 0), b"{}", [torch.ones(4)], None)
         server.put_snapshot(0, 1, first)
-        refs = SnapshotRefs(server.address, "tok", timeout=0.5)
+        refs = SnapshotLink(server.address, "tok", timeout=0.5)
         assert SharedRef.from_json(refs.ref(snapshot_key(0, 1))) == first.shared.ref
         sock = refs._sock
         assert SharedRef.from_json(refs.ref(snapshot_key(0, 1))) == first.shared.ref and refs._sock is sock

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -85,6 +86,59 @@ def test_persistently_corrupt_chunk_is_never_loaded(monkeypatch):
     with pytest.raises(TransferError, match="checksum"):
         fetch_state([server.address], 1, "secret")
     server.close()
+
+
+def test_a_buddy_link_fetches_snapshot_after_snapshot_over_one_connection(monkeypatch):
+    """A buddy's pulls, one per boundary, share one connection: each chunk checked, a corrupt
+    one asked for again on it, one that stays corrupt never returned, and a refusal (a
+    snapshot the ward does not hold) closes the link so no late answer is read as the next."""
+    from baton.transfer.client import SnapshotLink
+    from baton.transfer.server import snapshot_key
+
+    monkeypatch.setenv("BATON_FAULT_CORRUPT_CHUNKS", "1")
+    server = TransferServer("secret", chunk_bytes=64 << 10, publish_wait_s=0.3)
+    monkeypatch.delenv("BATON_FAULT_CORRUPT_CHUNKS")
+    try:
+        state = _state()
+        server.put_snapshot(3, 7, state)
+        link = SnapshotLink(server.address, "secret", timeout=5)
+        out, nbytes = link.fetch(snapshot_key(3, 7))
+        assert out.meta == state.meta and all(torch.equal(a, b) for a, b in zip(state.tensors, out.tensors))
+        assert nbytes == len(state.meta) + sum(t.numel() * t.element_size() for t in state.tensors)
+        sock = link._sock
+        server.put_snapshot(3, 8, FlatState(meta=b"next", tensors=[t + 1 for t in state.tensors[:3]]))
+        again, _ = link.fetch(snapshot_key(3, 8), into=[torch.empty_like(t) for t in state.tensors[:3]])
+        assert link._sock is sock and again.meta == b"next"  # the same connection
+        assert torch.equal(again.tensors[0], state.tensors[0] + 1)
+        with pytest.raises(TransferError, match="no snapshot of rank 3 at step 9"):
+            link.fetch(snapshot_key(3, 9))
+        assert link._sock is None
+        original = server._send_chunk
+
+        def always_corrupt(conn, index, chunks, views):
+            server._corrupt_once.add(0)
+            return original(conn, index, chunks, views)
+
+        server._send_chunk = always_corrupt
+        with pytest.raises(TransferError, match="checksum"):
+            link.fetch(snapshot_key(3, 7))
+        assert link._sock is None
+        with pytest.raises(TransferError, match="authentication failed"):
+            SnapshotLink(server.address, "not-the-token", timeout=5).fetch(snapshot_key(3, 7))
+        link.close()
+    finally:
+        server.close()
+
+
+def test_a_skeleton_part_dumped_once_encodes_as_the_walk_does():
+    """A learned capture's fixed skeleton is serialized once (codec.Dumped): what encode makes
+    of it is byte for byte what walking the state makes, wherever it sits and however many."""
+    parts = [{"w": {"$t": i}, "k": [1, "x\x00", None]} for i in range(12)]
+    plain = {"a": [dict(p) for p in parts], "b": {"$at": 0, "$enc": parts[3]}}
+    dumped = {"a": [codec.Dumped(p) for p in parts], "b": {"$at": 0, "$enc": codec.Dumped(parts[3])}}
+    assert codec._dumps(dumped) == codec._dumps(plain) == json.dumps(plain, separators=(",", ":")).encode()
+    assert codec.Dumped(parts[0]) == parts[0] and parts[0] == codec.Dumped(parts[0]) != parts[1]
+    assert dumped == plain  # a learned encoding is still checked against the codec's own walk
 
 
 def test_nested_state_round_trips_bitwise():

@@ -40,9 +40,14 @@ log = logging.getLogger("baton.transfer")
 
 # Request kinds, sent right after the nonce: fetch a published state, push bundles to
 # this process as a buddy, read one ward bundle back, fetch a shard snapshot (whose key,
-# `snapshot_key(rank, step)`, goes where the others send a generation), or only where a
-# shard snapshot lies in shared memory (a buddy on the same machine maps it; see shared.py).
-FETCH, PUSH, WARD, SNAPSHOT, SNAPSHOT_REF = b"F", b"P", b"W", b"S", b"R"
+# `snapshot_key(rank, step)`, goes where the others send a generation), or open a buddy's
+# link: one connection kept from boundary to boundary, over which it asks where each
+# snapshot lies in shared memory (a buddy on the same machine maps it; see shared.py) or
+# fetches it.
+FETCH, PUSH, WARD, SNAPSHOT, SNAPSHOT_LINK = b"F", b"P", b"W", b"S", b"R"
+# A link's requests: an op, then the snapshot key.
+LINK_REQUEST = struct.Struct("!cQ")
+LINK_REF, LINK_FETCH = b"R", b"S"
 
 
 SMALL = 1 << 22  # marks the snapshot id of a rank's state without its shards (see small_id)
@@ -218,7 +223,7 @@ class TransferServer:
                 kind = recv_exact(conn, 1)
                 (generation,) = struct.unpack("!Q", recv_exact(conn, 8))
                 digest = recv_exact(conn, 32)
-                if kind not in (FETCH, PUSH, WARD, SNAPSHOT, SNAPSHOT_REF) or \
+                if kind not in (FETCH, PUSH, WARD, SNAPSHOT, SNAPSHOT_LINK) or \
                         not hmac.compare_digest(digest, auth_digest(self.token, nonce, generation, kind)):
                     send_json(conn, {"error": "authentication failed: wrong job token"})
                     return
@@ -229,8 +234,8 @@ class TransferServer:
                 if kind == WARD:
                     self._serve_ward(conn)
                     return
-                if kind == SNAPSHOT_REF:
-                    self._serve_refs(conn)
+                if kind == SNAPSHOT_LINK:
+                    self._serve_link(conn)
                     return
                 if kind == SNAPSHOT:
                     found = self._wait_snapshot(generation)
@@ -266,24 +271,32 @@ class TransferServer:
             for index in wanted:
                 self._send_chunk(conn, index, chunks, views)
 
-    def _serve_refs(self, conn: socket.socket) -> None:
-        """A buddy's questions, one snapshot key at a time for as long as it keeps the
-        connection: where that snapshot lies in this process's shared memory (None: it
-        does not; it must be fetched)."""
+    def _serve_link(self, conn: socket.socket) -> None:
+        """A buddy's requests, one snapshot at a time for as long as it keeps the connection:
+        where that snapshot lies in this process's shared memory (None: it does not, fetch
+        it), or the snapshot itself, sent as a fetch is. A buddy pulls its ward's snapshot
+        at every boundary: a new connection for each cost an accept, a thread and a
+        handshake on both sides (~1 ms of CPU, more than a light snapshot's bytes)."""
         conn.settimeout(None)
         while True:
             try:
-                (key,) = struct.unpack("!Q", recv_exact(conn, 8))
+                op, key = LINK_REQUEST.unpack(recv_exact(conn, LINK_REQUEST.size))
             except TransferError:
                 return  # the buddy closed the connection
-            found = self._wait_snapshot(key, plan=False)
+            if op not in (LINK_REF, LINK_FETCH):
+                send_json(conn, {"error": f"unknown request {op!r}"})
+                return
+            found = self._wait_snapshot(key, plan=op == LINK_FETCH)
             if found is None:
                 send_json(conn, {"error": f"no snapshot of rank {(key >> 40) & (SMALL - 1)} at step "
                                           f"{key & ((1 << 40) - 1)} here"})
                 return
             try:
-                block = found[0].shared
-                send_json(conn, {"ref": block.ref.to_json() if block is not None and block.owner else None})
+                if op == LINK_FETCH:
+                    self._send_state(conn, *found)
+                else:
+                    block = found[0].shared
+                    send_json(conn, {"ref": block.ref.to_json() if block is not None and block.owner else None})
             finally:
                 self._done_reading(found[0])
 

@@ -39,7 +39,7 @@ from baton.transfer import FetchStats, TransferError, codec, fetch_state
 from baton.transfer.bundles import Bundle, Frame, Pos, encode_frame, newest
 from baton.transfer.protocol import FlatState
 from baton.transfer.server import PUSH, SNAPSHOT, TransferServer, connect, small_id, snapshot_key
-from baton.worker import rng, shards, verify
+from baton.worker import module_state, rng, shards, verify
 from baton.worker.bundle import BundlePushers, StepCapture, fetch_ward_bundle
 from baton.worker.control import ControlChannel, cpu_report
 from baton.worker.data import DataFeed
@@ -403,6 +403,8 @@ class Runtime:
             "buffers": {name: b.detach().clone() for name, b in buffers.items()} if clone else buffers,
             "local": self.tracked.local.as_dict() if self.tracked.local is not None else {},
             "data": self.feed.position_at(pos[0]),
+            "modes": self.tracked.modes(),
+            "volatile": self.tracked.volatile_buffers(),
         }
 
     def _capture_at(self, pos: Pos, seq: int = 0) -> tuple[Bundle, dict[str, Any]]:
@@ -764,6 +766,8 @@ class Runtime:
                     buffers[name].copy_(value)
         if self.tracked.local is not None and state.get("local"):
             self.tracked.local.load(state["local"])
+        if "modes" in state:
+            self.tracked.set_modes(state["modes"])
         if data and state.get("data") is not None:
             self.feed.seek(state["data"])
 
@@ -1007,7 +1011,10 @@ class Runtime:
                 diff = verify.differing(self._local_digests(live), self._local_digests(bundle_state))
                 if diff:
                     differing += diff
-                    detail += ("; " if detail else "") + "the joiner's own state differs from its record"
+                    volatile = [d.removeprefix("rank-local.volatile.") for d in diff
+                                if d.startswith("rank-local.volatile.")]
+                    detail += ("; " if detail else "") + (module_state.differing_volatile(volatile) if volatile else
+                                                          "the joiner's own state differs from its record")
         if sharded_expected is not None and \
                 verify.combined(shards.digests(shards.capture(self.tracked))) != sharded_expected:
             differing.append("sharded")

@@ -203,7 +203,7 @@ def for_model(name: str, model: torch.nn.Module, ask: Callable[[], Any],
         def rebuild() -> dict[str, Any]:
             return to_local({k: t.detach() if not isinstance(t, DTensor) else t for k, t in zip(keys, sources)})
 
-        skeleton = codec.encoded(rebuild()).skeleton
+        skeleton = codec.Dumped(codec.encoded(rebuild()).skeleton)
 
         def encode() -> codec.Encoded:
             tensors = [_plain(t) for t in sources]
@@ -246,7 +246,7 @@ def for_optimizer(name: str, optimizer: torch.optim.Optimizer, ask: Callable[[],
 
         # The state's skeleton is fixed while the fingerprint (each parameter's state keys) is;
         # param_groups (the LR changes every step) are encoded at every boundary.
-        state_skeleton = codec.encoded(rebuild()["state"]).skeleton
+        state_skeleton = codec.Dumped(codec.encoded(rebuild()["state"]).skeleton)
         slots = [(p, list(optimizer.state[p])) for p in params]
 
         def encode() -> codec.Encoded:

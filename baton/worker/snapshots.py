@@ -35,13 +35,13 @@ from typing import Callable
 import torch
 
 from baton import selfcost
-from baton.transfer import TransferError, fetch_state
-from baton.transfer.client import SnapshotRefs
+from baton.transfer import TransferError
+from baton.transfer.client import SnapshotLink
 from baton.transfer.shared import SharedBlock, SharedRef
 from baton.transfer.shared import available as shared_memory_available
 from baton.transfer.bundles import Pos
 from baton.transfer.protocol import FlatState
-from baton.transfer.server import SNAPSHOT, TransferServer, small_id, snapshot_key
+from baton.transfer.server import TransferServer, small_id, snapshot_key
 
 log = logging.getLogger("baton.worker")
 
@@ -169,13 +169,13 @@ class Snapshots:
         with self._cond:
             if self._epoch != epoch or ward not in self._addrs:
                 return
-            refs = SnapshotRefs(self._addrs[ward], self.token, timeout=self.timeout_s)
+            link = SnapshotLink(self._addrs[ward], self.token, timeout=self.timeout_s)
         try:
-            self._pull_from(ward, epoch, refs)
+            self._pull_from(ward, epoch, link)
         finally:
-            refs.close()
+            link.close()
 
-    def _pull_from(self, ward: int, epoch: int, refs: SnapshotRefs) -> None:
+    def _pull_from(self, ward: int, epoch: int, link: SnapshotLink) -> None:
         done = -1
         spare: FlatState | None = None  # the buffers of the copy dropped last: the next pull lands there
         while True:
@@ -183,16 +183,15 @@ class Snapshots:
                 self._cond.wait_for(lambda: self._epoch != epoch or self._wanted.get(ward, -1) > done)
                 if self._epoch != epoch:
                     return
-                step, addr = self._wanted[ward], self._addrs[ward]
+                step = self._wanted[ward]
             t0 = time.perf_counter()
             try:
-                mapped = self._map(ward, addr, step, refs)
+                mapped = self._map(ward, step, link)
                 if mapped is None:
-                    state, stats = fetch_state([addr], snapshot_key(self._id(ward), step), self.token,
-                                               timeout=self.timeout_s, kind=SNAPSHOT,
+                    state, pulled = link.fetch(snapshot_key(self._id(ward), step),
                                                into=spare.tensors if spare is not None else None)
                     spare = None
-                    pulled, pos = stats.bytes, position_of(state)
+                    pos = position_of(state)
                 else:
                     (pos, state), pulled = mapped, 0
             except (OSError, TransferError) as exc:
@@ -223,14 +222,12 @@ class Snapshots:
                 self._cond.notify_all()
             done = step
 
-    def _map(self, ward: int, addr: tuple[str, int], step: int, refs: SnapshotRefs) -> tuple[Pos, FlatState] | None:
+    def _map(self, ward: int, step: int, link: SnapshotLink) -> tuple[Pos, FlatState] | None:
         """The ward's snapshot of `step` mapped from its shared memory, or None where it must be
         pulled (another machine, private memory, `tcp` transport, a light pull)."""
         if not self.shared or self.light or ward in self._pulled:
             return None
-        if refs.addr != tuple(addr):
-            raise TransferError(f"rank {ward} moved to {addr} during a pull")  # set_wards starts a new puller
-        raw = refs.ref(snapshot_key(ward, step))
+        raw = link.ref(snapshot_key(ward, step))
         if raw is None:
             return None
         ref = SharedRef.from_json(raw)

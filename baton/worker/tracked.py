@@ -28,6 +28,7 @@ import torch
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
 from baton.worker import discover, rng
+from baton.worker.module_state import ModuleState
 
 
 class UsageError(RuntimeError):
@@ -103,6 +104,7 @@ class Tracked:
         self.sharded: set[str] = set()  # objects holding DTensor shards (see sharded_names)
         self.shard_capture: dict[str, Any] = {}  # name -> its learned state dict (shard_capture.py)
         self._buffer_places: dict[int, list[tuple[str, torch.nn.Module, str]]] = {}
+        self._module_state = ModuleState()
 
     # ---------------------------------------------------------------- registration
     @property
@@ -206,6 +208,29 @@ class Tracked:
                 if buf is not None:
                     out[name] = buf
         return out
+
+    def models(self) -> dict[str, torch.nn.Module]:
+        return {name: obj for name, obj in self.objects.items() if isinstance(obj, torch.nn.Module)}
+
+    def modes(self) -> dict[str, str]:
+        """Every tracked model's train/eval flags (module by module), and the DDP wrappers'."""
+        out = self._module_state.modes(self.models())
+        if self.ddps:
+            out["$ddp"] = "".join("1" if d.training else "0" for d in self.ddps)
+        return out
+
+    def set_modes(self, modes: dict[str, str]) -> None:
+        flags = modes.get("$ddp", "")
+        if len(flags) != len(self.ddps):
+            raise UsageError(f"{len(self.ddps)} models wrapped here, {len(flags)} in the rank this one replaces: "
+                             "every rank must call job.wrap alike")
+        for d, flag in zip(self.ddps, flags):
+            d.training = flag == "1"
+        self._module_state.set_modes(self.models(), {k: v for k, v in modes.items() if k != "$ddp"})
+
+    def volatile_buffers(self) -> dict[str, str]:
+        """Digests of the tracked models' non-persistent buffers (see module_state)."""
+        return self._module_state.volatile(self.models())
 
     def _name_of(self, module: torch.nn.Module, index: int) -> str:
         for name, obj in self.objects.items():

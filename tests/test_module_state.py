@@ -1,0 +1,86 @@
+"""A joiner takes what its model holds outside any state_dict from its predecessor: each
+module's train/eval flag (a script that froze BatchNorm inside its step loop), and a check
+of its non-persistent buffers (a joiner whose buffers differ stops the job, naming them,
+instead of training on to exit code 0 with other weights)."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from baton.worker.module_state import ModuleState
+from baton.worker.tracked import UsageError
+from tests.jobs import Job, check_resolved_exact
+
+SCRIPT = Path(__file__).resolve().parent / "modes_job.py"
+NPROC = 2
+
+
+class _Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3), torch.nn.Dropout())
+        self.register_buffer("table", torch.arange(6.0), persistent=False)
+
+
+def test_flags_travel_module_by_module_and_buffer_digests_follow_every_change():
+    state = ModuleState()
+    src, dst = _Net(), _Net()
+    src.body[1].eval()
+    modes = state.modes({"model": src})
+    assert modes == {"model": "11101"}  # the model, its Sequential, Linear, BatchNorm (frozen), Dropout
+    state.set_modes({"model": dst}, modes)
+    assert [m.training for m in dst.modules()] == [m.training for m in src.modules()]
+    assert dst.training and not dst.body[1].training  # set one by one: eval() on the parent was not called
+
+    first = state.volatile({"model": src})
+    assert list(first) == ["model.table"] and first == ModuleState().volatile({"model": dst})
+    src.table.add_(1)  # in place: the version counter moves
+    assert state.volatile({"model": src}) != first
+    src.table = torch.arange(6.0)  # reassigned, same values: the same digest again
+    assert state.volatile({"model": src}) == first
+
+    with pytest.raises(UsageError, match="different models"):
+        state.set_modes({"model": torch.nn.Linear(2, 2)}, modes)
+    with pytest.raises(UsageError, match="has none"):
+        state.set_modes({"other": dst}, modes)
+
+
+def _job(tmp: Path, name: str, spares: int = 1, args: list[str] | None = None) -> Job:
+    return Job(tmp, nproc=NPROC, spares=spares, steps=0, script=SCRIPT, name=name, script_args=args)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    job = _job(tmp_path_factory.mktemp("ref"), "ref", spares=0)
+    assert job.wait(timeout=120) == 0, job.log()
+    states = job.all_rank_params(NPROC)
+    assert all(not bool(s["bn_training"]) for s in states)
+    return states
+
+
+def test_a_rank_lost_after_the_script_froze_batchnorm_is_rebuilt_with_it_frozen(tmp_path, reference):
+    job = _job(tmp_path, "kill")
+    try:
+        job.wait_step(14)
+        job.signal_rank(1, signal.SIGKILL)
+        events = check_resolved_exact(job, reference, timeout=120)
+        assert [e["kind"] for e in events] == ["unplanned"]
+    finally:
+        job.kill()
+
+
+def test_a_joiner_whose_non_persistent_buffer_differs_stops_the_job_naming_it(tmp_path):
+    job = _job(tmp_path, "skips", args=["--joiner-skips-buffer"])
+    try:
+        job.wait_step(5)
+        job.client.migrate(1)
+        code = job.wait(timeout=120)
+        log = job.log(tail=None)
+        assert code != 0, log
+        assert "non-persistent buffers differ" in log and "model.scale" in log, log
+    finally:
+        job.kill()
