@@ -217,6 +217,28 @@ def test_a_shard_lost_with_its_only_copy_ends_the_job_clearly(tmp_path):
         job.kill()
 
 
+def test_a_survivor_whose_shards_differ_from_its_buddys_copy_stops_the_job(tmp_path):
+    """Pure FSDP: no replica holds a rank's shards, so after a recovery each rank's shards are
+    compared with the copy its buddy holds of its snapshot at that boundary. Rank 0's shard
+    changed by one ulp during the recovery from rank 2's kill (as a memory fault, or a bug
+    in going back to the boundary, would leave it): the job ends non-zero naming the rank
+    and the copy, never with exit code 0."""
+    env = {"PYTHONPATH": str(Path(__file__).resolve().parent / "inject"), "BATON_TEST_CORRUPT_IN_RECOVERY": "0"}
+    job = Job(tmp_path, nproc=3, spares=1, steps=0, script=LLAMA, name="copy", env=env,
+              script_args=["--steps", "2000", "--eval-every", "50"], run_args=["--redundancy", "1"])
+    try:
+        job.wait_step(5, timeout=120)
+        job.signal_rank(2, signal.SIGKILL)
+        code = job.wait(timeout=120)
+        log = job.log()
+        assert "injected: rank 0 corrupted one value of its shards in a recovery" in log, log
+        assert code != 0 and "rank 0's FSDP2 shards differ from the copy of its snapshot" in log \
+            and "that rank(s) [1] hold" in log, log
+        assert any(e["kind"] == "divergence" and e["status"] == "failed" for e in job.events()), job.events()
+    finally:
+        job.kill()
+
+
 def test_a_lost_fsdp_rank_without_redundancy_stops_the_job_loudly(tmp_path):
     """--redundancy 0: no copy of a rank's shards exists, so a killed FSDP2 rank ends the job
     at once with a non-zero exit, the reason, and a failed event in the ledger; never a job

@@ -109,6 +109,7 @@ class Runtime:
         self.op_timeout = float(config.op_timeout_s)
         self.formation_timeout = float(config.formation_timeout_s)
         self.verify_every = int(config.verify_every)
+        self.redundancy = int(config.redundancy)
         self.group = LiveGroup(rank, world_size)
         self.group.guard = self._guard
         self.tracked = Tracked()
@@ -964,6 +965,25 @@ class Runtime:
         """Digests of a rank's own state (the data position is a function of the step)."""
         return verify.entries({k: v for k, v in bundle_state.items() if k != "data"}, "rank-local")
 
+    def _copy_slots(self) -> int:
+        """How many (ward, digest) pairs each rank sends in the state check: the same on every
+        rank (an allgather's tensors must agree), two per buddy a rank is meant to have."""
+        return 2 * self.redundancy if self.tracked.sharded and not self.replicas else 0
+
+    def _copy_digests(self) -> list[tuple[int, int]]:
+        """(ward, digest of its shards) for each copy of a ward's snapshot held here at this
+        very boundary: after a recovery, every rank's shards can be compared with a copy that
+        another process made of them (shards differ across FSDP ranks, so no replica can)."""
+        if not self._snapshotting() or self.replicas:
+            return []
+        out = []
+        for ward in sorted(self.wards)[:self._copy_slots()]:
+            flat = self.snapshots.copy_at(ward, self.pos)
+            if flat is not None:
+                state = codec.decode(flat.meta, list(flat.tensors))
+                out.append((ward, verify.combined(shards.digests(state["sharded"]))))
+        return out
+
     def verify_state(self, generation: int, expected: int | None, periodic: bool = False,
                      bundle_state: dict[str, Any] | None = None, sharded_expected: int | None = None) -> None:
         """Replicas agree on replicated state; a joiner holds exactly what it was sent.
@@ -977,15 +997,27 @@ class Runtime:
         # sharded models' buffers: each rank's are its own).
         shard_digests = shards.digests(shards.without_rank_local(self.tracked, shards.capture(self.tracked))) \
             if self.replicas else {}
-        t = torch.tensor([verify.to_signed(mine), verify.to_signed(verify.combined(shard_digests))], dtype=torch.int64)
-        out = [torch.zeros(2, dtype=torch.int64) for _ in range(self.world_size)]
+        copies = self._copy_digests() if not periodic else []
+        t = torch.tensor([verify.to_signed(mine), verify.to_signed(verify.combined(shard_digests)),
+                          *[x for ward, digest in copies for x in (ward, verify.to_signed(digest))]]
+                         + [-1, 0] * (self._copy_slots() - len(copies)), dtype=torch.int64)
+        out = [torch.zeros_like(t) for _ in range(self.world_size)]
         with self.group.internal():
             self._wait_internal(self.group.allgather([out], [t]), "the state check")
-        values = [int(x[0].item()) for x in out]
+        rows = [x.tolist() for x in out]
+        values = [row[0] for row in rows]
         differing: list[str] = []
         detail = ""
+        holders = [(q, row[i + 1]) for q, row in enumerate(rows) for i in range(2, len(row), 2) if row[i] == self.rank]
+        if holders:  # pure FSDP: this rank's shards against its buddies' copies of its snapshot here
+            live = verify.to_signed(verify.combined(shards.digests(shards.capture(self.tracked))))
+            apart = [q for q, digest in holders if digest != live]
+            if apart:
+                differing.append("sharded (buddy copies)")
+                detail = (f"rank {self.rank}'s FSDP2 shards differ from the copy of its snapshot at step {self.pos[0]} "
+                          f"that rank(s) {apart} hold")
         if self.replicas:
-            sharded = [int(x[1].item()) for x in out]
+            sharded = [row[1] for row in rows]
             apart = [p for p in self.replicas if sharded[p] != sharded[self.rank]]
             if apart:
                 differing.append("sharded (replica groups)")

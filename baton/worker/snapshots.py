@@ -305,5 +305,17 @@ class Snapshots:
                 out[ward] = ok
         return own, out
 
+    def copy_at(self, ward: int, pos: Pos) -> FlatState | None:
+        """The copy of `ward`'s whole snapshot held here at exactly `pos` (never a light one,
+        nor a mapped one its ward has overwritten since), or None."""
+        if self.light:
+            return None
+        st = self.server.get_snapshot(ward, pos[0])
+        if st is None or position_of(st) != tuple(pos):
+            return None
+        if st.shared is not None and not st.shared.owner and not st.shared.holds(pos[0], check=True):
+            return None
+        return st
+
     def held_bytes(self) -> int:
         return self.server.snapshot_bytes()

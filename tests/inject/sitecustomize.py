@@ -31,6 +31,12 @@ BATON_TEST_SLOW_SLOT="slot:seconds:step": the process on that slot (the machine,
 rank: a replacement elsewhere is fast) spends that many more seconds in every forward of a
 wrapped model from that step on, as a throttling GPU would.
 
+BATON_TEST_CORRUPT_IN_RECOVERY="rank": the first time that rank checks its state after a
+recovery (a survivor, not a joiner), one float of its first parameter's shard changes by one
+ulp just before the check, as a corruption of memory, or a bug in going back to a boundary,
+would leave it. In pure FSDP no other rank holds those shards; the check must compare them
+with the buddy's copy of the rank's snapshot and stop the job.
+
 BATON_TEST_STEP_COUNT_SKEW="rank:step": after that rank's optimizer step at that step, baton's
 count of the steps its parameters hold is one too many, as a bug that applied a step twice
 would leave it. baton's own check must stop the job loudly (never exit 0).
@@ -105,6 +111,27 @@ if _corrupt:
               file=sys.stderr, flush=True)
 
     register_optimizer_step_post_hook(_flip)
+
+_corrupt_in_recovery = os.environ.get("BATON_TEST_CORRUPT_IN_RECOVERY")
+if _corrupt_in_recovery:
+    import torch
+    from baton.worker import runtime as _runtime
+
+    _original_verify = _runtime.Runtime.verify_state
+    _corrupted = [False]
+
+    def _verify_corrupted(self, generation, expected, periodic=False, **kw):  # noqa: ANN001, ANN202
+        if not _corrupted[0] and not periodic and self.rank == int(_corrupt_in_recovery) and not self.joiner:
+            _corrupted[0] = True
+            with torch.no_grad():
+                first = self.tracked.optimizers()[0].param_groups[0]["params"][0]
+                flat = (first.to_local() if hasattr(first, "to_local") else first).view(-1)
+                flat[0] = torch.nextafter(flat[0], torch.tensor(float("inf"), dtype=flat.dtype))
+            print(f"injected: rank {self.rank} corrupted one value of its shards in a recovery at {self.pos}",
+                  file=sys.stderr, flush=True)
+        return _original_verify(self, generation, expected, periodic=periodic, **kw)
+
+    _runtime.Runtime.verify_state = _verify_corrupted
 
 _escape = os.environ.get("BATON_TEST_PEER_LOST_AFTER_COMMIT")
 if _escape:
