@@ -5,8 +5,8 @@ Neither is in a checkpoint, and a joiner builds its model afresh: every module i
 mode, non-persistent buffers as its own construction made them. Both can differ from its
 predecessor's: a script that switches a module to eval inside its step loop (BatchNorm
 statistics frozen from some step on), or a model built on the meta device whose rotary
-tables the script did not recompute after `to_empty`. A joiner trained on with either and
-ended its run with exit code 0 and different weights. So the flags travel in the rank's
+tables the script did not recompute after `to_empty`. With either, a joiner trained on and
+the run ended with exit code 0 and different weights. So the flags travel in the rank's
 bundle and are applied where a bundle is; the buffers' digests travel there too, and a
 joiner whose buffers differ fails its state check, naming them.
 """
@@ -23,7 +23,8 @@ class ModuleState:
     """Reads and sets the flags, and digests the buffers, of named models. Each model's module
     list is found once (walking a large model's modules at every step's capture costs more
     than the capture's other parts), and a buffer is hashed again only when it changed: its
-    storage, shape or in-place version counter moved."""
+    storage, shape or in-place version counter moved (a write through `.data` does not move
+    the counter: such a buffer keeps the digest of its value before)."""
 
     def __init__(self) -> None:
         self._modules: dict[int, tuple[torch.nn.Module, list[torch.nn.Module]]] = {}
