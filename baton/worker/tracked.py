@@ -21,7 +21,6 @@ from __future__ import annotations
 import copy
 import json
 import math
-from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
@@ -256,10 +255,7 @@ class Tracked:
             snap.append((self.local, self.local.as_dict()))
         # Train/eval modes: a boundary function interrupted between model.eval() and
         # model.train() must not leave the step that re-runs before it in eval mode.
-        inside = {id(m) for m in self.wrapped}  # a DDP's modules() holds its module's
-        for module in [*self.ddps, *(o for o in self.objects.values()
-                                     if isinstance(o, torch.nn.Module) and id(o) not in inside)]:
-            snap.append((_Modes(module), [m.training for m in module.modules()]))
+        snap.append((_MODES, self.modes()))
         return snap
 
     def restore_small(self, snap: list[tuple[Any, Any]]) -> None:
@@ -279,19 +275,18 @@ class Tracked:
                 reset_scaler_stage(obj)
             elif isinstance(obj, LocalValues):
                 obj.load(copy.deepcopy(saved))
-            elif isinstance(obj, _Modes):
-                for module, training in zip(obj.module.modules(), saved):
-                    module.training = training
+            elif obj is _MODES:
+                self.set_modes(saved)
 
     def scalers(self) -> Iterator[torch.amp.GradScaler]:
         return (o for o in self.objects.values() if isinstance(o, torch.amp.GradScaler))
 
 
-@dataclass(frozen=True)
 class _Modes:
-    """A module's train/eval modes (its own and its submodules') in a small-state snapshot."""
+    """Marks the tracked models' train/eval modes (`Tracked.modes`) in a small-state snapshot."""
 
-    module: torch.nn.Module
+
+_MODES = _Modes()
 
 
 def reset_scaler_stage(scaler: torch.amp.GradScaler) -> None:
