@@ -56,16 +56,23 @@ class FetchStats:
     per_source: dict[str, int] = field(default_factory=dict)
 
 
+def _read_manifest(sock: socket.socket, addr: tuple[str, int]) -> tuple[dict, bytes]:
+    """What a source sends before the chunks: the manifest (or its refusal) and the state's
+    skeleton, checked against the manifest's digest."""
+    manifest = recv_json(sock)
+    if "error" in manifest:
+        raise TransferError(f"source {addr[0]}:{addr[1]} refused: {manifest['error']}")
+    meta = recv_exact(sock, int(manifest["meta_len"]))
+    if hashlib.sha256(meta).hexdigest() != manifest.get("meta_sha256"):
+        raise TransferError(f"source {addr[0]}:{addr[1]}: state skeleton failed its checksum")
+    return manifest, meta
+
+
 class _Source:
     def __init__(self, addr: tuple[str, int], generation: int, token: str, timeout: float, kind: bytes = FETCH):
         self.addr = addr
         self.sock = connect(addr, token, kind, generation, timeout)
-        self.manifest = recv_json(self.sock)
-        if "error" in self.manifest:
-            raise TransferError(f"source {addr[0]}:{addr[1]} refused: {self.manifest['error']}")
-        self.meta = recv_exact(self.sock, int(self.manifest["meta_len"]))
-        if hashlib.sha256(self.meta).hexdigest() != self.manifest.get("meta_sha256"):
-            raise TransferError(f"source {addr[0]}:{addr[1]}: state skeleton failed its checksum")
+        self.manifest, self.meta = _read_manifest(self.sock, addr)
 
     def close(self) -> None:
         try:
@@ -105,15 +112,12 @@ class SnapshotLink:
         again."""
         try:
             sock = self._ask(LINK_FETCH, key)
-            manifest = recv_json(sock)
-            if "error" in manifest:
-                raise TransferError(f"source {self.addr[0]}:{self.addr[1]} refused: {manifest['error']}")
-            meta = recv_exact(sock, int(manifest["meta_len"]))
-            if hashlib.sha256(meta).hexdigest() != manifest.get("meta_sha256"):
-                raise TransferError(f"source {self.addr[0]}:{self.addr[1]}: state skeleton failed its checksum")
+            manifest, meta = _read_manifest(sock, self.addr)
             tensors = alloc_tensors(manifest, into)
             views = [byte_view(t) for t in tensors]
             chunks = plan_chunks(sizes_of(manifest), int(manifest["chunk_bytes"]))
+            if len(chunks) != int(manifest["chunks"]):
+                raise TransferError("chunk plan mismatch between source and receiver")
             attempts = [0] * len(chunks)
             wanted = list(range(len(chunks)))
             while wanted:

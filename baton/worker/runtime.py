@@ -1009,9 +1009,11 @@ class Runtime:
         differing: list[str] = []
         detail = ""
         holders = [(q, row[i + 1]) for q, row in enumerate(rows) for i in range(2, len(row), 2) if row[i] == self.rank]
+        # This rank's shards, digested once for the checks below that need them (a pass over them all).
+        live_shards = verify.combined(shards.digests(shards.capture(self.tracked))) \
+            if holders or sharded_expected is not None else None
         if holders:  # pure FSDP: this rank's shards against its buddies' copies of its snapshot here
-            live = verify.to_signed(verify.combined(shards.digests(shards.capture(self.tracked))))
-            apart = [q for q, digest in holders if digest != live]
+            apart = [q for q, digest in holders if digest != verify.to_signed(live_shards)]
             if apart:
                 differing.append("sharded (buddy copies)")
                 detail = (f"rank {self.rank}'s FSDP2 shards differ from the copy of its snapshot at step {self.pos[0]} "
@@ -1047,8 +1049,7 @@ class Runtime:
                                 if d.startswith("rank-local.volatile.")]
                     detail += ("; " if detail else "") + (module_state.differing_volatile(volatile) if volatile else
                                                           "the joiner's own state differs from its record")
-        if sharded_expected is not None and \
-                verify.combined(shards.digests(shards.capture(self.tracked))) != sharded_expected:
+        if sharded_expected is not None and live_shards != sharded_expected:
             differing.append("sharded")
             detail += ("; " if detail else "") + "the joiner's FSDP2 shards differ from what its predecessor sent"
         ok = not differing

@@ -64,6 +64,13 @@ def position_of(state: FlatState) -> Pos:
     return int(k), int(sub)
 
 
+def _intact(state: FlatState, step: int) -> bool:
+    """A copy held here is whole: a ward's block mapped here must still hold that step, with
+    the bytes the ward's digest names (the ward may have died overwriting it)."""
+    block = state.shared
+    return block is None or block.owner or block.holds(step, check=True)
+
+
 class Snapshots:
     KEEP_OWN = 2
 
@@ -295,8 +302,7 @@ class Snapshots:
             ok = []
             for step, pos in sorted(steps.items()):
                 st = self.server.get_snapshot(self._id(ward), step)
-                if st is not None and st.shared is not None and not st.shared.owner \
-                        and not st.shared.holds(step, check=True):
+                if st is not None and not _intact(st, step):
                     log.warning("rank %d's snapshot of step %d in its shared memory is no longer whole: not used",
                                 ward, step)
                     continue
@@ -311,9 +317,7 @@ class Snapshots:
         if self.light:
             return None
         st = self.server.get_snapshot(ward, pos[0])
-        if st is None or position_of(st) != tuple(pos):
-            return None
-        if st.shared is not None and not st.shared.owner and not st.shared.holds(pos[0], check=True):
+        if st is None or position_of(st) != tuple(pos) or not _intact(st, pos[0]):
             return None
         return st
 
