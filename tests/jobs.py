@@ -63,18 +63,22 @@ class Job:
 
     def wait_until(self, predicate, timeout: float = 60.0, what: str = "condition") -> dict[str, Any]:
         deadline = time.time() + timeout
+        last = "none yet"  # the last status read, or why it failed: said when the wait fails
         while time.time() < deadline:
             if self.proc.poll() is not None:
-                raise AssertionError(f"job exited ({self.proc.returncode}) while waiting for {what}:\n{self.log()}")
+                raise AssertionError(f"job exited ({self.proc.returncode}) while waiting for {what} "
+                                     f"(last status: {last}):\n{self.log()}")
             try:
                 st = self.status()
-            except Exception:  # noqa: BLE001 - the API may be momentarily busy
+            except Exception as exc:  # noqa: BLE001 - the API may be momentarily busy
+                last = f"{type(exc).__name__}: {exc}"[:500]
                 time.sleep(0.1)
                 continue
+            last = json.dumps({k: st.get(k) for k in ("state", "ranks")}, default=str)[:500]
             if predicate(st):
                 return st
             time.sleep(0.05)
-        raise AssertionError(f"timed out waiting for {what}:\n{self.log()}")
+        raise AssertionError(f"timed out waiting for {what} (last status: {last}):\n{self.log()}")
 
     def wait_step(self, step: int, timeout: float = 60.0) -> dict[str, Any]:
         return self.wait_until(lambda st: st["state"] == "running" and min(r["step"] for r in st["ranks"]) >= step,

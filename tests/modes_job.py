@@ -1,6 +1,7 @@
 """A fine-tuning script in the shape that trips a fresh joiner: BatchNorm statistics frozen
 from one step on (the switch runs once, inside the step loop), and a non-persistent buffer
-(a fixed feature scale, which no state_dict holds). `--joiner-skips-buffer` makes a joiner
+(a fixed feature scale, which no state_dict holds), and one made on the first forward
+(which a joiner that has not run a step does not hold yet). `--joiner-skips-buffer` makes a joiner
 leave the buffer as a model built on the meta device would if the script forgot to compute
 it after to_empty()."""
 
@@ -25,7 +26,9 @@ class Net(torch.nn.Module):
         self.register_buffer("scale", torch.linspace(0.5, 1.5, width), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.drop(F.gelu(self.bn(self.fc1(x)) * self.scale)))
+        if "gain" not in self._buffers:  # made on the first forward, as lazily built rotary tables are
+            self.register_buffer("gain", torch.tensor([0.9]), persistent=False)
+        return self.fc2(self.drop(F.gelu(self.bn(self.fc1(x)) * self.scale))) * self.gain
 
 
 def main() -> None:

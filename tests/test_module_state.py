@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from baton.worker import module_state
 from baton.worker.module_state import ModuleState
 from baton.worker.tracked import UsageError
 from tests.jobs import Job, check_resolved_exact
@@ -42,6 +43,14 @@ def test_flags_travel_module_by_module_and_buffer_digests_follow_every_change():
     assert state.volatile({"model": src}) != first
     src.table = torch.arange(6.0)  # reassigned, same values: the same digest again
     assert state.volatile({"model": src}) == first
+    src.body[0].register_buffer("cache", torch.ones(2), persistent=False)  # made later (a first forward)
+    later = state.volatile({"model": src})
+    assert list(later) == ["model.table", "model.body.0.cache"]
+    src.body.append(torch.nn.Dropout())  # a module added: its flag is found too
+    assert state.modes({"model": src}) == {"model": "111011"}
+    # A buffer only one side holds yet is not compared; one both hold is, by value.
+    assert module_state.differing_buffers(later, first) == []
+    assert module_state.differing_buffers(later, {**first, "model.table": "other"}) == ["model.table"]
 
     with pytest.raises(UsageError, match="different models"):
         state.set_modes({"model": torch.nn.Linear(2, 2)}, modes)

@@ -17,25 +17,30 @@ import torch
 import xxhash
 
 from baton.transfer.protocol import byte_view
+from baton.worker import registrations
 
 
 class ModuleState:
     """Reads and sets the flags, and digests the buffers, of named models. Each model's module
-    list is found once (walking a large model's modules at every step's capture costs more
-    than the capture's other parts), and a buffer is hashed again only when it changed: its
+    list is found again only after a registration (walking a large model's modules at every
+    step's capture costs more than the capture's other parts; a buffer registered later, a
+    rotary table made on the first forward, is found), and a buffer is hashed again only
+    when it changed: its
     storage, shape or in-place version counter moved (a write through `.data` does not move
     the counter: such a buffer keeps the digest of its value before)."""
 
     def __init__(self) -> None:
-        self._modules: dict[int, tuple[torch.nn.Module, list[torch.nn.Module]]] = {}
-        self._places: dict[int, tuple[torch.nn.Module, list[tuple[str, torch.nn.Module, str]]]] = {}
+        # id(model) -> (model, registration count when walked, what the walk found)
+        self._modules: dict[int, tuple[torch.nn.Module, int, list[torch.nn.Module]]] = {}
+        self._places: dict[int, tuple[torch.nn.Module, int, list[tuple[str, torch.nn.Module, str]]]] = {}
         self._digests: dict[str, tuple[tuple, str]] = {}
 
     def modules(self, model: torch.nn.Module) -> list[torch.nn.Module]:
+        now = registrations.count()
         found = self._modules.get(id(model))
-        if found is None or found[0] is not model:
-            found = self._modules[id(model)] = (model, list(model.modules()))
-        return found[1]
+        if found is None or found[0] is not model or found[1] != now:
+            found = self._modules[id(model)] = (model, now, list(model.modules()))
+        return found[2]
 
     def modes(self, models: dict[str, torch.nn.Module]) -> dict[str, str]:
         """Each model's flags, one character per module in `modules()` order ('1': training)."""
@@ -68,13 +73,14 @@ class ModuleState:
         return out
 
     def _volatile_places(self, name: str, model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, str]]:
+        now = registrations.count()
         found = self._places.get(id(model))
-        if found is None or found[0] is not model:
+        if found is None or found[0] is not model or found[1] != now:
             places = [(f"{name}.{mod_name}.{attr}" if mod_name else f"{name}.{attr}", module, attr)
                       for mod_name, module in model.named_modules()
                       for attr in sorted(module._non_persistent_buffers_set)]  # noqa: SLF001 - no public listing
-            found = self._places[id(model)] = (model, places)
-        return found[1]
+            found = self._places[id(model)] = (model, now, places)
+        return found[2]
 
     def _digest(self, key: str, buf: torch.Tensor) -> str:
         stamp = (buf.data_ptr(), buf._version, tuple(buf.shape), buf.stride(), buf.dtype, buf.device)
@@ -89,6 +95,14 @@ class ModuleState:
         digest = f"{t.dtype}{tuple(t.shape)}:{h.hexdigest()}"
         self._digests[key] = (stamp, digest)
         return digest
+
+
+def differing_buffers(mine: dict[str, str], theirs: dict[str, str]) -> list[str]:
+    """The non-persistent buffers both sides hold whose digests differ. One that only one
+    side holds is not compared: a buffer a script makes on its first forward (a lazily
+    built rotary table) exists on the predecessor and not yet on a joiner that has not run
+    a step, and the joiner's forward makes it the same way."""
+    return sorted(k for k in set(mine) & set(theirs) if mine[k] != theirs[k])
 
 
 def differing_volatile(names: list[str]) -> str:

@@ -215,6 +215,7 @@ class Runtime:
         self.tracked.sharded = set(sharded)
         self.replicas = shards.replica_peers(self.tracked)
         if self._snapshotting():
+            self.snapshots.light = bool(self.replicas)  # before the first boundary, a joiner's too
             for opt in self.tracked.optimizers():
                 opt.register_step_pre_hook(self._before_optimizer_step)
             if not self.joiner:  # a joiner starts pulling when it forms its first generation
@@ -962,8 +963,10 @@ class Runtime:
 
     @staticmethod
     def _local_digests(bundle_state: dict[str, Any]) -> dict[str, int]:
-        """Digests of a rank's own state (the data position is a function of the step)."""
-        return verify.entries({k: v for k, v in bundle_state.items() if k != "data"}, "rank-local")
+        """Digests of a rank's own state (the data position is a function of the step; the
+        non-persistent buffers' digests are compared on their own, see module_state)."""
+        return verify.entries({k: v for k, v in bundle_state.items() if k not in ("data", "volatile")},
+                              "rank-local")
 
     def _copy_slots(self) -> int:
         """How many (ward, digest) pairs each rank sends in the state check: the same on every
@@ -1045,10 +1048,12 @@ class Runtime:
                 diff = verify.differing(self._local_digests(live), self._local_digests(bundle_state))
                 if diff:
                     differing += diff
-                    volatile = [d.removeprefix("rank-local.volatile.") for d in diff
-                                if d.startswith("rank-local.volatile.")]
-                    detail += ("; " if detail else "") + (module_state.differing_volatile(volatile) if volatile else
-                                                          "the joiner's own state differs from its record")
+                    detail += ("; " if detail else "") + "the joiner's own state differs from its record"
+            if bundle_state is not None:
+                volatile = module_state.differing_buffers(live["volatile"], bundle_state.get("volatile", {}))
+                if volatile:
+                    differing += [f"rank-local.volatile.{name}" for name in volatile]
+                    detail += ("; " if detail else "") + module_state.differing_volatile(volatile)
         if sharded_expected is not None and live_shards != sharded_expected:
             differing.append("sharded")
             detail += ("; " if detail else "") + "the joiner's FSDP2 shards differ from what its predecessor sent"

@@ -25,6 +25,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from baton.transfer import codec
+from baton.worker import registrations
 
 log = logging.getLogger("baton.worker")
 
@@ -52,28 +53,6 @@ def same(a: Any, b: Any) -> bool:
     if isinstance(a, (list, tuple)):
         return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
     return type(a) is type(b) and a == b
-
-
-_registrations = 0  # parameters, buffers and modules registered anywhere (torch's global hooks)
-_hooked = False
-
-
-def _count_registration(*_: Any) -> None:
-    global _registrations
-    _registrations += 1
-
-
-def _watch_registrations() -> None:
-    """Count registrations from now on: a model's parameters and buffers are then found again
-    only when one happened (the walk costs ~0.4 ms per boundary), and checked in place."""
-    global _hooked
-    if not _hooked:
-        from torch.nn.modules import module
-
-        module.register_module_parameter_registration_hook(_count_registration)
-        module.register_module_buffer_registration_hook(_count_registration)
-        module.register_module_module_registration_hook(_count_registration)
-        _hooked = True
 
 
 class _Learned:
@@ -183,12 +162,12 @@ def _plain(t: torch.Tensor) -> torch.Tensor | None:
 def for_model(name: str, model: torch.nn.Module, ask: Callable[[], Any],
               to_local: Callable[[Any], Any]) -> ShardCapture:
     """`ask`: the helpers' answer with DTensors made local by `to_local` (shards.py's form)."""
-    _watch_registrations()
     found: list = [-1, []]  # the registration count when the places were found, and the places
 
     def fingerprint() -> tuple:
-        if found[0] != _registrations:
-            found[:] = [_registrations, _places(model)]
+        now = registrations.count()
+        if found[0] != now:
+            found[:] = [now, _places(model)]
         live = [d.get(n) for d, n in found[1]]
         return (found[0], tuple(id(t) for t in live), tuple(id(t._local_tensor) for t in live  # noqa: SLF001
                                                                if isinstance(t, DTensor)))

@@ -19,7 +19,9 @@ rank holding the same shards in another replica group.
 
 A rank's own snapshots lie in shared memory (baton.transfer.shared) where the machine
 allows it, and a buddy on the same machine maps its ward's instead of pulling a copy: the
-copy would die with the machine just as the ward's does. BATON_SNAPSHOT_TRANSPORT=tcp
+copy would die with the machine just as the ward's does. Under HSDP no buddy maps a
+snapshot (light pulls), so there they stay in private memory: the digest a mapped block
+needs would be a pass over every shard byte at each boundary for no reader. BATON_SNAPSHOT_TRANSPORT=tcp
 (`baton run --snapshot-transport tcp`) makes every buddy pull, as one on another node does.
 """
 
@@ -117,7 +119,7 @@ class Snapshots:
     def fill(self, pos: Pos, meta: bytes, tensors: list[torch.Tensor], old: FlatState | None) -> FlatState:
         """This rank's snapshot at `pos`: a copy of `tensors`, into `old`'s buffers where they fit,
         in shared memory where this machine gives it."""
-        if self.shared:
+        if self.shared and not self.light:
             block = old.shared if old is not None and old.shared is not None and old.shared.fits(tensors, meta) \
                 else None
             if block is None:
