@@ -93,3 +93,20 @@ def test_a_joiner_whose_non_persistent_buffer_differs_stops_the_job_naming_it(tm
         assert "non-persistent buffers differ" in log and "model.scale" in log, log
     finally:
         job.kill()
+
+
+def test_a_rank_whose_every_new_process_dies_at_once_ends_the_job_instead_of_respawning(tmp_path):
+    """Each spare taking rank 1 over aborts in its first step: after the third loss with the
+    job standing at one step, the job ends non-zero saying why, with no fourth spare."""
+    job = _job(tmp_path, "aborts", args=["--joiner-aborts"])
+    try:
+        job.wait_step(5)
+        job.signal_rank(1, signal.SIGKILL)
+        code = job.wait(timeout=150)
+        log = job.log(tail=None)
+        assert code == 1, log
+        assert "rank 1 was lost 3 times in a row while the job stood at step" in log, log
+        assert "signal 6" in log, log
+        assert log.count("spare-starting") <= 4, log
+    finally:
+        job.kill()

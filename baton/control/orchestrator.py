@@ -37,7 +37,7 @@ from baton.control.mailbox import Mailboxes
 from baton.control.nodes import Node, NodeHealth, node_of
 from baton.control.operation import Operation, RetryMove
 from baton.control.planned import PlannedMoves
-from baton.control.recovery import Recovery
+from baton.control.recovery import LossStreak, Recovery
 from baton.control.spares import SparePool
 from baton.control.state import (
     Event,
@@ -101,6 +101,7 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing):
         self._lock = DecisionLock(self._apply)
         self._last_tick = 0.0
         self._retry_moves: list[RetryMove] = []  # interrupted planned moves, run again after a recovery
+        self._losses_in_place: dict[int, LossStreak] = {}  # rank -> its losses since the job last advanced
         self.slots: dict[str, Slot] = {}
         self.nodes: dict[str, Node] = {}
         self.home: dict[int, str] = {}  # rank -> the slot it started on
@@ -640,6 +641,8 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing):
                             "nothing to migrate yet: start the job again")
             self._emit("fatal", {"message": self.failure})
             self._end(1)
+            return
+        if self._lost_in_place(rank, cause):
             return
         self._open_recovery(cause=cause, dead_rank=rank, dead_worker=w,
                             failed_at=failed_at if failed_at is not None else w.last_seen)

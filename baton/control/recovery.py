@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, field
 
 from baton.control import messages as m
 from baton.control.buddies import buddies_of
@@ -19,6 +20,18 @@ from baton.control.operation import Move, Operation, RetryMove
 from baton.control.state import EventKind, RankState, Worker, WorkerRole
 
 log = logging.getLogger("baton.orchestrator")
+
+# A rank lost this many times while the job stood at one step ends the job: each new process
+# died where its predecessor did, which another spare will not change.
+LOSSES_IN_PLACE = 3
+
+
+@dataclass
+class LossStreak:
+    """A rank's losses (its processes, and spares taking it over) since the job last advanced."""
+
+    step: int  # the newest boundary every rank had reached at the first of them
+    causes: list[str] = field(default_factory=list)
 
 
 class Recovery:
@@ -93,6 +106,8 @@ class Recovery:
 
     def _open_recovery(self, cause: str, dead_rank: int | None = None, dead_worker: Worker | None = None,
                        failed_at: float | None = None) -> None:
+        if self.exit_code is not None:
+            return  # the job has ended: its ranks' failing collectives are its own end
         block = self._sharded_block()
         # Only a rank known lost ends the job: a survivor's failed collective often arrives
         # before its peer's death is seen, and may be a glitch that lost no rank (then every
@@ -221,9 +236,19 @@ class Recovery:
         move = op.moves.get(rank) if op is not None else None
         if op is None or move is None or move.to_worker != w.id:
             return  # a joiner from a move that is already over
+        planned = op.kind != EventKind.UNPLANNED
+        if self._lost_in_place(rank, f"the spare taking it over was lost: {cause}", planned=planned):
+            if not planned:
+                return
+            # The leaver still holds the rank: the move is given up, the job goes on where it stands.
+            self._emit("note", {"message": f"the move of rank {rank} is given up: {LOSSES_IN_PLACE} spares were "
+                                           f"lost taking it over at step {self._losses_in_place[rank].step}"})
+            self._losses_in_place.pop(rank, None)
+            self._open_recovery(cause=f"the spare taking over rank {rank} was lost: {cause}")
+            return
         self._emit("note", {"message": f"the spare taking over rank {rank} ({w.id} on {w.slot}) was lost "
                                        f"({cause}); another spare takes its place"})
-        if op.kind == EventKind.UNPLANNED:
+        if not planned:
             move.to_worker = None
             self._restart_collect(op)
             self._advance_collect()
@@ -233,6 +258,28 @@ class Recovery:
         ev = self.events[move.event_id - 1]
         self._retry_moves.append(RetryMove(rank, ev.id, move.from_worker))
         self._open_recovery(cause=f"the spare taking over rank {rank} was lost: {cause}")
+
+    def _lost_in_place(self, rank: int, cause: str, planned: bool = False) -> bool:
+        """Count a loss of `rank`; True at the LOSSES_IN_PLACE-th while the job has not advanced
+        a step, when an unplanned loss ends the job (a respawn loop helps no one: a crash in
+        native code at the same point, a collective whose sizes differ because the ranks'
+        models do) and a planned move is given up (the caller says so)."""
+        step = min(i.reached for i in self.ranks.values())
+        streak = self._losses_in_place.get(rank)
+        if streak is None or streak.step != step:
+            streak = self._losses_in_place[rank] = LossStreak(step)
+        streak.causes.append(cause[:300])
+        if len(streak.causes) < LOSSES_IN_PLACE:
+            return False
+        if not planned:
+            causes = "; ".join(f"{i + 1}. {c}" for i, c in enumerate(streak.causes))
+            self._fail(f"rank {rank} was lost {len(streak.causes)} times in a row while the job stood at step "
+                       f"{step} ({causes}): each new process failed where the one before it did, which "
+                       "another spare will not change. This is the script or its state, not the machine: a "
+                       "crash in native code at that point, or a collective whose sizes differ across ranks "
+                       "(e.g. a buffer the model registers on its first forward, which a joiner lacks when "
+                       "DDP broadcasts buffers: register it in __init__). The rank's output is above.")
+        return True
 
     def _advance_collect(self) -> None:
         op = self.op

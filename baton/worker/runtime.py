@@ -206,6 +206,7 @@ class Runtime:
         self.loop_started = True
         self.total = total
         self.tracked.add_discovered()
+        self.tracked.note_loop_start()
         if not self.tracked.optimizers():
             raise UsageError("no optimizer found: baton needs the optimizer whose step() commits each "
                              "step (create it after baton.init(), or pass it to job.track)")
@@ -656,6 +657,8 @@ class Runtime:
         state: dict[str, Any] = {"replicated": self.tracked.replicated(), "pos": list(self.pos),
                                  "ddp": [export_state(d) for d in self.tracked.ddps],
                                  "loop_start": self.loop.start_step}
+        if not encoded:  # (a snapshot's: FSDP2, whose buffers nothing broadcasts)
+            state["late_buffers"] = self.tracked.late_buffers()
         if full:
             assert self.at_pos is not None
             bundle_state = self.at_pos.state()
@@ -784,6 +787,10 @@ class Runtime:
         return state, stats
 
     def _load_replicated(self, state: dict[str, Any]) -> None:
+        added = self.tracked.adopt_late_buffers(state.get("late_buffers", {}))
+        if added:
+            log.info("registered the buffers the source's forward made, which this rank's model lacked: %s",
+                     ", ".join(added[:10]))
         self.tracked.load_replicated(state["replicated"])
         self.params_step = int(state["pos"][0])
         # DDP's "broadcast buffers before the next forward" flag as the step left it on the

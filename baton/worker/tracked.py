@@ -26,7 +26,7 @@ from typing import Any, Iterator
 import torch
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
-from baton.worker import discover, rng
+from baton.worker import discover, registrations, rng
 from baton.worker.module_state import ModuleState
 
 
@@ -102,8 +102,10 @@ class Tracked:
         self.discovered: list[str] = []
         self.sharded: set[str] = set()  # objects holding DTensor shards (see sharded_names)
         self.shard_capture: dict[str, Any] = {}  # name -> its learned state dict (shard_capture.py)
-        self._buffer_places: dict[int, list[tuple[str, torch.nn.Module, str]]] = {}
+        # id(module) -> (registration count when walked, its persistent buffers' places)
+        self._buffer_places: dict[int, tuple[int, list[tuple[str, torch.nn.Module, str]]]] = {}
         self._module_state = ModuleState()
+        self._loop_buffers: list[set[str]] = []  # each wrapped model's buffer names as its step loop began
 
     # ---------------------------------------------------------------- registration
     @property
@@ -193,20 +195,65 @@ class Tracked:
     def local_buffers(self) -> dict[str, torch.Tensor]:
         """Persistent buffers of wrapped and of sharded models: each rank updates them with its
         own batch (DDP broadcasts them before a forward, FSDP2 never syncs them), so a step
-        abandoned after its forward must give them back. Where they live is found once per
-        model (as DDP itself does); each call reads the owner's current tensor, so a buffer
-        the script reassigns is still the one captured."""
+        abandoned after its forward must give them back. Where they live is found again only
+        after a registration; each call reads the owner's current tensor, so a buffer the
+        script reassigns is still the one captured."""
         out: dict[str, torch.Tensor] = {}
         sharded = (self.objects[n] for n in sorted(self.sharded) if isinstance(self.objects[n], torch.nn.Module))
+        now = registrations.count()
         for i, module in enumerate([*self.wrapped, *sharded]):
-            places = self._buffer_places.get(id(module))
-            if places is None:
-                places = self._buffer_places[id(module)] = _buffer_places(module, self._name_of(module, i))
-            for name, owner, attr in places:
+            found = self._buffer_places.get(id(module))
+            if found is None or found[0] != now:  # new: or a buffer registered since (a first forward's)
+                found = self._buffer_places[id(module)] = (now, _buffer_places(module, self._name_of(module, i)))
+            for name, owner, attr in found[1]:
                 buf = owner._buffers.get(attr)
                 if buf is not None:
                     out[name] = buf
         return out
+
+    # ---------------------------------------------------------------- buffers made in the loop
+    def note_loop_start(self) -> None:
+        """Remember each wrapped model's buffers as its step loop begins: a joiner builds the
+        model afresh, so it holds exactly these, and not those its predecessor's forward made."""
+        self._loop_buffers = [{name for name, _ in m.named_buffers()} for m in self.wrapped]
+
+    def late_buffers(self) -> dict[str, Any]:
+        """The wrapped models' buffers registered since their step loop began (a mask or a
+        rotary table a forward builds on first use), with their values: DDP broadcasts every
+        buffer before each forward, so a joiner without them would send fewer bytes than its
+        peers and every joiner would die in its first step (gloo: "Received data size doesn't
+        match expected size"). Persistent ones are named too: load_state_dict needs them."""
+        values: dict[str, torch.Tensor] = {}
+        persistent: list[str] = []
+        for i, (module, initial) in enumerate(zip(self.wrapped, self._loop_buffers)):
+            for mod_name, mod in module.named_modules():
+                for attr, buf in mod._buffers.items():  # noqa: SLF001 - registration order, as DDP's
+                    name = f"{mod_name}.{attr}" if mod_name else attr
+                    if buf is None or name in initial:
+                        continue
+                    values[f"{i}/{name}"] = buf.detach().clone()
+                    if attr not in mod._non_persistent_buffers_set:  # noqa: SLF001
+                        persistent.append(f"{i}/{name}")
+        return {"values": values, "persistent": persistent}
+
+    def adopt_late_buffers(self, late: dict[str, Any]) -> list[str]:
+        """Register the buffers a source's forward made that this rank's model lacks (a
+        joiner's, before its first forward), in the source's order; the names registered."""
+        added = []
+        persistent = set(late.get("persistent", []))
+        for key, value in late.get("values", {}).items():
+            index, name = key.split("/", 1)
+            if int(index) >= len(self.wrapped):
+                raise UsageError(f"the source wraps more models than this rank ({key}): every rank must "
+                                 "job.wrap the same models")
+            module = self.wrapped[int(index)]
+            owner_name, _, attr = name.rpartition(".")
+            owner = module.get_submodule(owner_name)
+            if attr in owner._buffers and owner._buffers[attr] is not None:  # noqa: SLF001
+                continue  # made here too (its value is compared: module_state)
+            owner.register_buffer(attr, value.clone(), persistent=key in persistent)
+            added.append(name)
+        return added
 
     def models(self) -> dict[str, torch.nn.Module]:
         return {name: obj for name, obj in self.objects.items() if isinstance(obj, torch.nn.Module)}
