@@ -110,3 +110,33 @@ def test_a_rank_whose_every_new_process_dies_at_once_ends_the_job_instead_of_res
         assert log.count("spare-starting") <= 4, log
     finally:
         job.kill()
+
+
+def test_buffers_a_forward_registered_reach_a_fresh_model_in_the_order_ddp_lists_them():
+    """What a joiner gets: the buffers registered since the loop began, persistent or not, with
+    their values and in registration order (DDP broadcasts `named_buffers()` as one list)."""
+    from types import SimpleNamespace
+
+    from baton.worker.tracked import Tracked
+
+    def tracked_with(net: torch.nn.Module) -> Tracked:
+        t = Tracked()
+        t.ddps = [SimpleNamespace(module=net)]  # what job.wrap records: the DDP around the model
+        t.note_loop_start()
+        return t
+
+    src, dst = _Net(), _Net()
+    source = tracked_with(src)
+    src.body[0].register_buffer("mask", torch.tensor([1.0, 0.0, 1.0]), persistent=False)  # a first forward's
+    src.register_buffer("count", torch.tensor(7))  # persistent: in state_dict from now on
+    late = source.late_buffers()
+    assert sorted(late["values"]) == ["0/body.0.mask", "0/count"] and late["persistent"] == ["0/count"]
+
+    joiner = tracked_with(dst)
+    assert joiner.adopt_late_buffers(late) == ["count", "body.0.mask"]  # module by module, as named_buffers()
+    assert [n for n, _ in dst.named_buffers()] == [n for n, _ in src.named_buffers()]
+    assert torch.equal(dst.body[0].mask, src.body[0].mask)
+    dst.load_state_dict(src.state_dict())  # strict: the persistent one is a key here too
+    assert joiner.adopt_late_buffers(late) == []  # held already: left as it is
+    with pytest.raises(UsageError, match="wraps more models"):
+        Tracked().adopt_late_buffers(late)
