@@ -3,8 +3,8 @@ from one step on (the switch runs once, inside the step loop), and a non-persist
 (a fixed feature scale, which no state_dict holds), and one made on the first forward
 (which a joiner that has not run a step does not hold yet). `--joiner-skips-buffer` makes a joiner
 leave the buffer as a model built on the meta device would if the script forgot to compute
-it after to_empty(); `--joiner-aborts` makes every joiner die in its first step, as a crash
-in native code at one point of the run would."""
+it after to_empty(); `--joiner-aborts` makes every joiner die as it sets up or in its first step, as
+a crash in native code at one point of the run would."""
 
 import argparse
 import os
@@ -38,11 +38,14 @@ def main() -> None:
     p.add_argument("--freeze-bn-at", type=int, default=10)
     p.add_argument("--step-sleep", type=float, default=0.05)
     p.add_argument("--joiner-skips-buffer", action="store_true")
-    p.add_argument("--joiner-aborts", action="store_true", help="a joiner aborts in its first step (native crash)")
+    p.add_argument("--joiner-aborts", choices=["setup", "step"],
+                   help="a joiner aborts (a native crash) as it builds its model, or in its first step")
     p.add_argument("--out", required=True)
     args = p.parse_args()
 
     job = baton.init()
+    if job.joined and args.joiner_aborts == "setup":
+        os.abort()  # before it could take its rank over
     torch.manual_seed(0)
     net = Net()
     if job.joined and args.joiner_skips_buffer:
@@ -59,7 +62,7 @@ def main() -> None:
 
     for step in job.steps(args.steps):
         with step:
-            if job.joined and args.joiner_aborts:
+            if job.joined and args.joiner_aborts == "step":
                 os.abort()  # as a crash in native code would, before any traceback
             if step.index == args.freeze_bn_at:  # fine-tuning: BatchNorm statistics frozen from here on
                 net.bn.eval()

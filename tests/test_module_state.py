@@ -14,7 +14,7 @@ import torch
 from baton.worker import module_state
 from baton.worker.module_state import ModuleState
 from baton.worker.tracked import UsageError
-from tests.jobs import Job, check_resolved_exact
+from tests.jobs import Job, assert_ranks_equal, check_resolved_exact
 
 SCRIPT = Path(__file__).resolve().parent / "modes_job.py"
 NPROC = 2
@@ -98,7 +98,7 @@ def test_a_joiner_whose_non_persistent_buffer_differs_stops_the_job_naming_it(tm
 def test_a_rank_whose_every_new_process_dies_at_once_ends_the_job_instead_of_respawning(tmp_path):
     """Each spare taking rank 1 over aborts in its first step: after the third loss with the
     job standing at one step, the job ends non-zero saying why, with no fourth spare."""
-    job = _job(tmp_path, "aborts", args=["--joiner-aborts"])
+    job = _job(tmp_path, "aborts", args=["--joiner-aborts", "step"])
     try:
         job.wait_step(5)
         job.signal_rank(1, signal.SIGKILL)
@@ -108,6 +108,25 @@ def test_a_rank_whose_every_new_process_dies_at_once_ends_the_job_instead_of_res
         assert "rank 1 was lost 3 times in a row while the job stood at step" in log, log
         assert "signal 6" in log, log
         assert log.count("spare-starting") <= 4, log
+    finally:
+        job.kill()
+
+
+def test_a_planned_move_whose_every_spare_dies_is_given_up_and_the_job_ends_as_without_it(tmp_path, reference):
+    """Each spare taking rank 1 over aborts while it sets up: after the third, the move is
+    given up, rank 1 stays where it is, and the run ends bitwise equal to the failure-free one."""
+    # Slower steps (the sleep changes no state): three spares must start and die within the run.
+    job = _job(tmp_path, "gives-up", args=["--joiner-aborts", "setup", "--step-sleep", "0.6"])
+    try:
+        job.wait_step(2)
+        job.client.migrate(1)
+        assert job.wait(timeout=150) == 0, job.log()
+        log = job.log(tail=None)
+        assert "the move of rank 1 is given up: 3 spares in a row were lost" in log, log
+        assert_ranks_equal(job, reference)
+        planned = [e for e in job.events() if e["kind"] == "planned"]
+        assert planned and all(e["status"] == "failed" for e in planned), planned
+        assert "given up: 3 spares in a row" in planned[-1]["note"], planned
     finally:
         job.kill()
 

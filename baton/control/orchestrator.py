@@ -102,6 +102,7 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing):
         self._last_tick = 0.0
         self._retry_moves: list[RetryMove] = []  # interrupted planned moves, run again after a recovery
         self._losses_in_place: dict[int, LossStreak] = {}  # rank -> its losses since the job last advanced
+        self._spares_lost_moving: dict[int, int] = {}  # rank -> spares lost in a row taking it over in planned moves
         self.slots: dict[str, Slot] = {}
         self.nodes: dict[str, Node] = {}
         self.home: dict[int, str] = {}  # rank -> the slot it started on
@@ -642,7 +643,9 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing):
             self._emit("fatal", {"message": self.failure})
             self._end(1)
             return
-        if self._lost_in_place(rank, cause):
+        streak = self._lost_in_place(rank, cause)
+        if streak is not None:
+            self._end_respawns(rank, streak)
             return
         self._open_recovery(cause=cause, dead_rank=rank, dead_worker=w,
                             failed_at=failed_at if failed_at is not None else w.last_seen)
@@ -749,6 +752,7 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing):
             ev.steps_rerun = 1 if op.rerun else 0
             ev.resolved_without_rollback = ev.steps_lost == 0
             ev.status = "resolved"
+            self._spares_lost_moving.pop(rank, None)
             self._lock.add(fx.WriteEvent(ev.id, ev.to_json()))
             self._emit("resolved", ev.to_json())
         self.op = None

@@ -22,7 +22,8 @@ from baton.control.state import EventKind, RankState, Worker, WorkerRole
 log = logging.getLogger("baton.orchestrator")
 
 # A rank lost this many times while the job stood at one step ends the job: each new process
-# died where its predecessor did, which another spare will not change.
+# died where its predecessor did, which another spare will not change. A planned move whose
+# spares are lost this many times in a row is given up (its leaver still holds the rank).
 LOSSES_IN_PLACE = 3
 
 
@@ -237,15 +238,24 @@ class Recovery:
         if op is None or move is None or move.to_worker != w.id:
             return  # a joiner from a move that is already over
         planned = op.kind != EventKind.UNPLANNED
-        if self._lost_in_place(rank, f"the spare taking it over was lost: {cause}", planned=planned):
-            if not planned:
+        if not planned:
+            streak = self._lost_in_place(rank, f"the spare taking it over was lost: {cause}")
+            if streak is not None:
+                self._end_respawns(rank, streak)
                 return
-            # The leaver still holds the rank: the move is given up, the job goes on where it stands.
-            self._emit("note", {"message": f"the move of rank {rank} is given up: {LOSSES_IN_PLACE} spares were "
-                                           f"lost taking it over at step {self._losses_in_place[rank].step}"})
-            self._losses_in_place.pop(rank, None)
-            self._open_recovery(cause=f"the spare taking over rank {rank} was lost: {cause}")
-            return
+        else:
+            tries = self._spares_lost_moving[rank] = self._spares_lost_moving.get(rank, 0) + 1
+            if tries >= LOSSES_IN_PLACE:
+                # The leaver still holds the rank: the move is given up (taken out of the op, so
+                # the recovery below does not queue it again) and the job goes on where it stands.
+                del op.moves[rank]
+                self._spares_lost_moving.pop(rank)
+                self._emit("note", {"message": f"the move of rank {rank} is given up: {tries} spares in a row were "
+                                               f"lost taking it over (the last: {cause}); the rank stays where it is"})
+                self._close(self.events[move.event_id - 1], "failed",
+                            f"given up: {tries} spares in a row were lost taking the rank over")
+                self._open_recovery(cause=f"the spare taking over rank {rank} was lost: {cause}")
+                return
         self._emit("note", {"message": f"the spare taking over rank {rank} ({w.id} on {w.slot}) was lost "
                                        f"({cause}); another spare takes its place"})
         if not planned:
@@ -259,27 +269,25 @@ class Recovery:
         self._retry_moves.append(RetryMove(rank, ev.id, move.from_worker))
         self._open_recovery(cause=f"the spare taking over rank {rank} was lost: {cause}")
 
-    def _lost_in_place(self, rank: int, cause: str, planned: bool = False) -> bool:
-        """Count a loss of `rank`; True at the LOSSES_IN_PLACE-th while the job has not advanced
-        a step, when an unplanned loss ends the job (a respawn loop helps no one: a crash in
-        native code at the same point, a collective whose sizes differ because the ranks'
-        models do) and a planned move is given up (the caller says so)."""
+    def _lost_in_place(self, rank: int, cause: str) -> LossStreak | None:
+        """Count a loss of `rank`; its streak once it has LOSSES_IN_PLACE losses while the job
+        has not advanced a step (a respawn loop helps no one: a crash in native code at the
+        same point, a collective whose sizes differ because the ranks' models do), else None."""
         step = min(i.reached for i in self.ranks.values())
         streak = self._losses_in_place.get(rank)
         if streak is None or streak.step != step:
             streak = self._losses_in_place[rank] = LossStreak(step)
         streak.causes.append(cause[:300])
-        if len(streak.causes) < LOSSES_IN_PLACE:
-            return False
-        if not planned:
-            causes = "; ".join(f"{i + 1}. {c}" for i, c in enumerate(streak.causes))
-            self._fail(f"rank {rank} was lost {len(streak.causes)} times in a row while the job stood at step "
-                       f"{step} ({causes}): each new process failed where the one before it did, which "
-                       "another spare will not change. This is the script or its state, not the machine: a "
-                       "crash in native code at that point, or a collective whose sizes differ across ranks "
-                       "(e.g. a buffer the model registers on its first forward, which a joiner lacks when "
-                       "DDP broadcasts buffers: register it in __init__). The rank's output is above.")
-        return True
+        return streak if len(streak.causes) >= LOSSES_IN_PLACE else None
+
+    def _end_respawns(self, rank: int, streak: LossStreak) -> None:
+        causes = "; ".join(f"{i + 1}. {c}" for i, c in enumerate(streak.causes))
+        self._fail(f"rank {rank} was lost {len(streak.causes)} times in a row while the job stood at step "
+                   f"{streak.step} ({causes}): each new process failed where the one before it did, which "
+                   "another spare will not change. This is the script or its state, not the machine: a "
+                   "crash in native code at that point, or a collective whose sizes differ across ranks "
+                   "(e.g. a buffer the model registers on its first forward, which a joiner lacks when "
+                   "DDP broadcasts buffers: register it in __init__). The rank's output is above.")
 
     def _advance_collect(self) -> None:
         op = self.op

@@ -226,14 +226,13 @@ class Tracked:
         values: dict[str, torch.Tensor] = {}
         persistent: list[str] = []
         for i, (module, initial) in enumerate(zip(self.wrapped, self._loop_buffers)):
-            for mod_name, mod in module.named_modules():
-                for attr, buf in mod._buffers.items():  # noqa: SLF001 - registration order, as DDP's
-                    name = f"{mod_name}.{attr}" if mod_name else attr
-                    if buf is None or name in initial:
-                        continue
-                    values[f"{i}/{name}"] = buf.detach().clone()
-                    if attr not in mod._non_persistent_buffers_set:  # noqa: SLF001
-                        persistent.append(f"{i}/{name}")
+            for name, buf in module.named_buffers():  # the list, and its order, DDP broadcasts
+                if name in initial:
+                    continue
+                values[f"{i}/{name}"] = buf.detach().clone()
+                owner_name, _, attr = name.rpartition(".")
+                if attr not in module.get_submodule(owner_name)._non_persistent_buffers_set:  # noqa: SLF001
+                    persistent.append(f"{i}/{name}")
         return {"values": values, "persistent": persistent}
 
     def adopt_late_buffers(self, late: dict[str, Any]) -> list[str]:
