@@ -79,11 +79,11 @@ def test_the_llama_example_under_baton_run_matches_torchrun_bitwise(tmp_path):
         assert not state_diff(got[rank], want), f"rank {rank}: {state_diff(got[rank], want)}"
 
 
-def _torchrun_llama(tmp: Path, nproc: int, args: list[str]) -> list[dict[str, torch.Tensor]]:
+def _torchrun_llama(tmp: Path, nproc: int, args: list[str], script: Path = LLAMA) -> list[dict[str, torch.Tensor]]:
     torchrun = Path(sys.executable).with_name("torchrun")
     out = tmp / "plain.pt"
     plain = subprocess.run([str(torchrun), "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
-                            "--master_port", str(free_port()), str(LLAMA), "--plain", *args, "--out", str(out)],
+                            "--master_port", str(free_port()), str(script), "--plain", *args, "--out", str(out)],
                            cwd=tmp, capture_output=True, text=True, timeout=300)
     assert plain.returncode == 0, plain.stdout[-3000:] + plain.stderr[-3000:]
     return [torch.load(f"{out}.rank{r}") for r in range(nproc)]
@@ -276,3 +276,42 @@ def test_hsdp_replica_groups_that_disagree_stop_the_job(tmp_path):
         assert events and all(e["status"] == "failed" and e["step"] == 10 for e in events), events
     finally:
         job.kill()
+
+
+LAZY_STATS = HELPER.parent / "llama_lazy_stats.py"
+
+
+@pytest.mark.parametrize("replicas, nproc, titan", [(1, 2, []), (2, 4, ["--mixed-precision", "--activation-checkpoint"])],
+                         ids=["fsdp", "hsdp-bf16-ac"])
+def test_buffers_a_first_forward_registers_reach_each_joiner_with_their_values(tmp_path, replicas, nproc, titan):
+    """The llama with running statistics each RMSNorm registers on its first training forward
+    (persistent, each rank's own: FSDP2 syncs no buffer). A planned move of rank 0 (its
+    leaver's state), then kill -9 of the last rank: under FSDP its buddy's copy, under 2x2
+    HSDP its shards from the other replica group and its own statistics from its buddy. Each
+    joiner registers the statistics it lacks with its predecessor's values before it loads;
+    without, the load refused their keys and the job ended on its first joiner. The HSDP run
+    is in TorchTitan's shape too: bf16 parameters with fp32 reductions (MixedPrecisionPolicy),
+    each block's activations recomputed (checkpoint_wrapper), residual dropout. Every rank's
+    shards and statistics end bitwise equal to torchrun's run with no failure."""
+    args = ["--steps", "60", "--eval-every", "10", "--dropout", "0.1", "--replicas", str(replicas), *titan]
+    reference = _torchrun_llama(tmp_path, nproc, args, script=LAZY_STATS)
+    assert sum("running_mean" in k for k in reference[0]) == 7, sorted(reference[0])  # 3 blocks x 2, and the last
+    job = Job(tmp_path, nproc=nproc, spares=2, steps=0, script=LAZY_STATS, name="stats", script_args=args,
+              run_args=["--redundancy", "1"], env={"BATON_LOG": "INFO"})
+    try:
+        job.wait_step(4, timeout=120)
+        job.client.migrate(0)
+        job.wait_until(lambda s: _resolved(job, 0), timeout=90, what="rank 0's planned move")
+        job.wait_step(job.status()["ranks"][0]["step"] + 2, timeout=60)
+        job.signal_rank(nproc - 1, signal.SIGKILL)
+        job.wait_until(lambda s: _resolved(job, nproc - 1), timeout=90, what=f"rank {nproc - 1} rebuilt")
+        assert job.wait(timeout=240) == 0, job.log()
+        assert_ranks_equal(job, reference)
+        events = job.events()
+        log = job.log(tail=None)
+    finally:
+        job.kill()
+    assert [(e["kind"], e["status"], e["rank"]) for e in events] == \
+        [("planned", "resolved", 0), ("unplanned", "resolved", nproc - 1)], events
+    assert events[0]["steps_lost"] == 0 and events[1]["steps_lost"] <= 1, events  # (a copy one boundary old)
+    assert log.count("registered the buffers the source's forward made") == 2, log[-3000:]

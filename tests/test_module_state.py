@@ -149,7 +149,8 @@ def test_buffers_a_forward_registered_reach_a_fresh_model_in_the_order_ddp_lists
     src.body[0].register_buffer("mask", torch.tensor([1.0, 0.0, 1.0]), persistent=False)  # a first forward's
     src.register_buffer("count", torch.tensor(7))  # persistent: in state_dict from now on
     late = source.late_buffers()
-    assert sorted(late["values"]) == ["0/body.0.mask", "0/count"] and late["persistent"] == ["0/count"]
+    assert sorted(late["values"]) == ["wrapped0/body.0.mask", "wrapped0/count"]  # (an untracked model's name)
+    assert late["persistent"] == ["wrapped0/count"]
 
     joiner = tracked_with(dst)
     assert joiner.adopt_late_buffers(late) == ["count", "body.0.mask"]  # module by module, as named_buffers()
@@ -157,5 +158,13 @@ def test_buffers_a_forward_registered_reach_a_fresh_model_in_the_order_ddp_lists
     assert torch.equal(dst.body[0].mask, src.body[0].mask)
     dst.load_state_dict(src.state_dict())  # strict: the persistent one is a key here too
     assert joiner.adopt_late_buffers(late) == []  # held already: left as it is
-    with pytest.raises(UsageError, match="wraps more models"):
+    with pytest.raises(UsageError, match="neither wraps nor shards"):
         Tracked().adopt_late_buffers(late)
+
+    # A sharded (FSDP2) model's are carried too, under the name it is tracked by.
+    fsdp = Tracked()
+    fsdp.objects["model"], fsdp.sharded = _Net(), {"model"}
+    fsdp.note_loop_start()
+    fsdp.objects["model"].register_buffer("seen", torch.zeros(2))
+    late = fsdp.late_buffers()
+    assert list(late["values"]) == ["model/seen"] and late["persistent"] == ["model/seen"], late

@@ -3,7 +3,9 @@
 RMSNorm, rotary attention and SwiGLU blocks; each block is sharded with `fully_shard` on
 the job's mesh, then the root; AdamW with warm-up and cosine decay (LambdaLR), gradient
 clipping, an evaluation every few steps; optionally residual dropout and gradient
-accumulation over microbatches (FSDP2 reduce-scatters only the last one's gradients).
+accumulation over microbatches (FSDP2 reduce-scatters only the last one's gradients),
+TorchTitan's mixed precision (bf16 parameters, fp32 reductions) and full activation
+checkpointing.
 Tokens come from a stream it makes itself (a noisy repeating grammar), so it runs
 anywhere on CPU.
 
@@ -30,7 +32,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_state_dict
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import baton
 
@@ -167,11 +170,13 @@ def save_state(path: str, rank: int, model: nn.Module, optimizer: torch.optim.Op
                scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
     """This rank's shards of every parameter and optimizer state (the DCP helpers' sharded
     state dict), the LR and the random stream, for a bitwise comparison."""
+    def local(v: torch.Tensor) -> torch.Tensor:  # a shard's local part; a buffer is each rank's own
+        return (v.to_local() if hasattr(v, "to_local") else v).clone()
+
     msd, osd = get_state_dict(model, optimizer)
-    state = {f"model.{k}": v.to_local().clone() for k, v in msd.items()}
+    state = {f"model.{k}": local(v) for k, v in msd.items()}
     for key, s in osd["state"].items():
-        state.update({f"opt.{key}.{k}": (v.to_local() if hasattr(v, "to_local") else v).clone()
-                      for k, v in s.items()})
+        state.update({f"opt.{key}.{k}": local(v) for k, v in s.items()})
     state["lr"] = torch.tensor(scheduler.get_last_lr(), dtype=torch.float64)
     state["rng"] = torch.get_rng_state()
     torch.save(state, f"{path}.rank{rank}")
@@ -192,6 +197,10 @@ def main() -> None:
     p.add_argument("--dim", type=int, default=64, help="model width (the benchmark makes it bigger)")
     p.add_argument("--layers", type=int, default=3)
     p.add_argument("--progress", default=None, help="rank 0 appends `step wall-time` per step to this file")
+    p.add_argument("--mixed-precision", action="store_true",
+                   help="FSDP2's MixedPrecisionPolicy: bf16 parameters in forward/backward, fp32 gradient reduction")
+    p.add_argument("--activation-checkpoint", action="store_true",
+                   help="recompute each block's activations in the backward (checkpoint_wrapper, RNG preserved)")
     p.add_argument("--replicas", type=int, default=1,
                    help="HSDP: this many replica groups, each sharding the model over world/replicas ranks")
     args = p.parse_args()
@@ -224,9 +233,14 @@ def main() -> None:
     # meta device, as TorchTitan does, and allocates only its shards, uninitialised.
     with torch.device("meta" if joined else "cpu"):
         model = Transformer(cfg)
+    if args.activation_checkpoint:  # as TorchTitan's full AC: each block recomputed in the backward
+        for name, block in list(model.layers.items()):
+            model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=True)  # dropout draws again alike
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.mixed_precision \
+        else MixedPrecisionPolicy()
     for block in model.layers.values():
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
     if joined:
         model.to_empty(device="cpu")
         model.init_buffers()

@@ -206,7 +206,6 @@ class Runtime:
         self.loop_started = True
         self.total = total
         self.tracked.add_discovered()
-        self.tracked.note_loop_start()
         if not self.tracked.optimizers():
             raise UsageError("no optimizer found: baton needs the optimizer whose step() commits each "
                              "step (create it after baton.init(), or pass it to job.track)")
@@ -214,6 +213,7 @@ class Runtime:
             opt.register_step_post_hook(self._on_optimizer_step)
         sharded = self.tracked.sharded_names()
         self.tracked.sharded = set(sharded)
+        self.tracked.note_loop_start()
         self.replicas = shards.replica_peers(self.tracked)
         if self._snapshotting():
             self.snapshots.light = bool(self.replicas)  # before the first boundary, a joiner's too
@@ -656,9 +656,8 @@ class Runtime:
         assert self.loop is not None
         state: dict[str, Any] = {"replicated": self.tracked.replicated(), "pos": list(self.pos),
                                  "ddp": [export_state(d) for d in self.tracked.ddps],
-                                 "loop_start": self.loop.start_step}
-        if not encoded:  # (a snapshot's: FSDP2, whose buffers nothing broadcasts)
-            state["late_buffers"] = self.tracked.late_buffers()
+                                 "loop_start": self.loop.start_step,
+                                 "late_buffers": self.tracked.late_buffers()}
         if full:
             assert self.at_pos is not None
             bundle_state = self.at_pos.state()

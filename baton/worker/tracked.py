@@ -105,7 +105,7 @@ class Tracked:
         # id(module) -> (registration count when walked, its persistent buffers' places)
         self._buffer_places: dict[int, tuple[int, list[tuple[str, torch.nn.Module, str]]]] = {}
         self._module_state = ModuleState()
-        self._loop_buffers: list[set[str]] = []  # each wrapped model's buffer names as its step loop began
+        self._loop_buffers: dict[str, set[str]] = {}  # each model's buffer names as its step loop began
 
     # ---------------------------------------------------------------- registration
     @property
@@ -199,40 +199,55 @@ class Tracked:
         after a registration; each call reads the owner's current tensor, so a buffer the
         script reassigns is still the one captured."""
         out: dict[str, torch.Tensor] = {}
-        sharded = (self.objects[n] for n in sorted(self.sharded) if isinstance(self.objects[n], torch.nn.Module))
         now = registrations.count()
-        for i, module in enumerate([*self.wrapped, *sharded]):
+        for key, module in self._buffered_models():
             found = self._buffer_places.get(id(module))
             if found is None or found[0] != now:  # new: or a buffer registered since (a first forward's)
-                found = self._buffer_places[id(module)] = (now, _buffer_places(module, self._name_of(module, i)))
+                found = self._buffer_places[id(module)] = (now, _buffer_places(module, key))
             for name, owner, attr in found[1]:
                 buf = owner._buffers.get(attr)
                 if buf is not None:
                     out[name] = buf
         return out
 
+    def _buffered_models(self) -> list[tuple[str, torch.nn.Module]]:
+        """The models whose buffers are rank state, by the name every rank gives them: those
+        job.wrap wrapped (DDP) and the sharded ones (FSDP2)."""
+        out = [(self._name_of(module, i), module) for i, module in enumerate(self.wrapped)]
+        seen = {id(module) for _, module in out}
+        out += [(name, self.objects[name]) for name in sorted(self.sharded)
+                if isinstance(self.objects[name], torch.nn.Module) and id(self.objects[name]) not in seen]
+        return out
+
     # ---------------------------------------------------------------- buffers made in the loop
     def note_loop_start(self) -> None:
-        """Remember each wrapped model's buffers as its step loop begins: a joiner builds the
-        model afresh, so it holds exactly these, and not those its predecessor's forward made."""
-        self._loop_buffers = [{name for name, _ in m.named_buffers()} for m in self.wrapped]
+        """Remember each model's buffers as its step loop begins (call it once `sharded` is
+        set): a joiner builds the model afresh, so it holds exactly these, and not those its
+        predecessor's forward made."""
+        self._loop_buffers = {key: {name for name, _ in m.named_buffers()} for key, m in self._buffered_models()}
 
     def late_buffers(self) -> dict[str, Any]:
-        """The wrapped models' buffers registered since their step loop began (a mask or a
-        rotary table a forward builds on first use), with their values: DDP broadcasts every
-        buffer before each forward, so a joiner without them would send fewer bytes than its
-        peers and every joiner would die in its first step (gloo: "Received data size doesn't
-        match expected size"). Persistent ones are named too: load_state_dict needs them."""
+        """The models' buffers registered since their step loop began (a mask, a rotary table
+        or running statistics a forward builds on first use), with their values. A joiner
+        needs them before it loads or steps: DDP broadcasts every buffer before each forward,
+        so a joiner without them sends fewer bytes than its peers and dies in its first step
+        (gloo: "Received data size doesn't match expected size"); a sharded model's state dict
+        names its persistent ones, which a fresh model refuses ("Unexpected key(s)"); and a
+        value nothing broadcasts (FSDP2's buffers are each rank's own) exists only here.
+        Persistent ones are named too: load_state_dict needs them."""
         values: dict[str, torch.Tensor] = {}
         persistent: list[str] = []
-        for i, (module, initial) in enumerate(zip(self.wrapped, self._loop_buffers)):
+        for key, module in self._buffered_models():
+            initial = self._loop_buffers.get(key)
+            if initial is None:
+                continue
             for name, buf in module.named_buffers():  # the list, and its order, DDP broadcasts
                 if name in initial:
                     continue
-                values[f"{i}/{name}"] = buf.detach().clone()
+                values[f"{key}/{name}"] = buf.detach().clone()
                 owner_name, _, attr = name.rpartition(".")
                 if attr not in module.get_submodule(owner_name)._non_persistent_buffers_set:  # noqa: SLF001
-                    persistent.append(f"{i}/{name}")
+                    persistent.append(f"{key}/{name}")
         return {"values": values, "persistent": persistent}
 
     def adopt_late_buffers(self, late: dict[str, Any]) -> list[str]:
@@ -240,14 +255,15 @@ class Tracked:
         joiner's, before its first forward), in the source's order; the names registered."""
         added = []
         persistent = set(late.get("persistent", []))
+        models = dict(self._buffered_models())
         for key, value in late.get("values", {}).items():
-            index, name = key.split("/", 1)
-            if int(index) >= len(self.wrapped):
-                raise UsageError(f"the source wraps more models than this rank ({key}): every rank must "
-                                 "job.wrap the same models")
-            module = self.wrapped[int(index)]
+            model, name = key.split("/", 1)
+            if model not in models:
+                raise UsageError(f"the source holds buffers of a model this rank neither wraps nor shards "
+                                 f"({key}; here: {sorted(models) or 'none'}): every rank must build, wrap and "
+                                 "track the same models")
             owner_name, _, attr = name.rpartition(".")
-            owner = module.get_submodule(owner_name)
+            owner = models[model].get_submodule(owner_name)
             if attr in owner._buffers and owner._buffers[attr] is not None:  # noqa: SLF001
                 continue  # made here too (its value is compared: module_state)
             owner.register_buffer(attr, value.clone(), persistent=key in persistent)
@@ -343,13 +359,20 @@ def reset_scaler_stage(scaler: torch.amp.GradScaler) -> None:
     scaler._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
 
 
+# Module names that wrappers add and state-dict keys leave out, as the DCP helpers do
+# (checkpoint_wrapper's, torch.compile's).
+_WRAPPER_NAMES = frozenset({"_checkpoint_wrapped_module", "_orig_mod"})
+
+
 def _buffer_places(module: torch.nn.Module, prefix: str) -> list[tuple[str, torch.nn.Module, str]]:
-    """(name, owning module, attribute) of each persistent buffer of `module`."""
+    """(name, owning module, attribute) of each persistent buffer of `module`, named by its
+    state-dict key (HSDP matches them against the keys of shards from another replica group)."""
     out = []
     for mod_name, mod in module.named_modules():
+        path = ".".join(part for part in mod_name.split(".") if part and part not in _WRAPPER_NAMES)
         for attr in mod._buffers:
             if attr not in mod._non_persistent_buffers_set:
-                out.append((f"{prefix}.{mod_name}.{attr}" if mod_name else f"{prefix}.{attr}", mod, attr))
+                out.append((f"{prefix}.{path}.{attr}" if path else f"{prefix}.{attr}", mod, attr))
     return out
 
 
