@@ -279,32 +279,23 @@ def test_hsdp_replica_groups_that_disagree_stop_the_job(tmp_path):
 
 
 LAZY_STATS = HELPER.parent / "llama_lazy_stats.py"
+TITAN = ["--mixed-precision", "--activation-checkpoint"]  # bf16 parameters, fp32 reductions; each block recomputed
 
 
-@pytest.mark.parametrize("replicas, nproc, titan", [(1, 2, []), (2, 4, ["--mixed-precision", "--activation-checkpoint"])],
-                         ids=["fsdp", "hsdp-bf16-ac"])
-def test_buffers_a_first_forward_registers_reach_each_joiner_with_their_values(tmp_path, replicas, nproc, titan):
-    """The llama with running statistics each RMSNorm registers on its first training forward
-    (persistent, each rank's own: FSDP2 syncs no buffer). A planned move of rank 0 (its
-    leaver's state), then kill -9 of the last rank: under FSDP its buddy's copy, under 2x2
-    HSDP its shards from the other replica group and its own statistics from its buddy. Each
-    joiner registers the statistics it lacks with its predecessor's values before it loads;
-    without, the load refused their keys and the job ended on its first joiner. The HSDP run
-    is in TorchTitan's shape too: bf16 parameters with fp32 reductions (MixedPrecisionPolicy),
-    each block's activations recomputed (checkpoint_wrapper), residual dropout. Every rank's
-    shards and statistics end bitwise equal to torchrun's run with no failure."""
-    args = ["--steps", "60", "--eval-every", "10", "--dropout", "0.1", "--replicas", str(replicas), *titan]
-    reference = _torchrun_llama(tmp_path, nproc, args, script=LAZY_STATS)
-    assert sum("running_mean" in k for k in reference[0]) == 7, sorted(reference[0])  # 3 blocks x 2, and the last
-    job = Job(tmp_path, nproc=nproc, spares=2, steps=0, script=LAZY_STATS, name="stats", script_args=args,
+def _move_then_kill(tmp_path: Path, script: Path, nproc: int, args: list[str]) -> tuple[list[dict], str]:
+    """torchrun's failure-free run, then baton's with a planned move of rank 0 and kill -9 of
+    the last rank (under FSDP rebuilt from its buddy's copy, under 2x2 HSDP its shards from the
+    other replica group and its own state from its buddy): every rank must end bitwise equal."""
+    reference = _torchrun_llama(tmp_path, nproc, args, script=script)
+    job = Job(tmp_path, nproc=nproc, spares=2, steps=0, script=script, name="baton", script_args=args,
               run_args=["--redundancy", "1"], env={"BATON_LOG": "INFO"})
     try:
-        job.wait_step(4, timeout=120)
+        job.wait_step(4, timeout=180)
         job.client.migrate(0)
         job.wait_until(lambda s: _resolved(job, 0), timeout=90, what="rank 0's planned move")
         job.wait_step(job.status()["ranks"][0]["step"] + 2, timeout=60)
         job.signal_rank(nproc - 1, signal.SIGKILL)
-        job.wait_until(lambda s: _resolved(job, nproc - 1), timeout=90, what=f"rank {nproc - 1} rebuilt")
+        job.wait_until(lambda s: _resolved(job, nproc - 1), timeout=120, what=f"rank {nproc - 1} rebuilt")
         assert job.wait(timeout=240) == 0, job.log()
         assert_ranks_equal(job, reference)
         events = job.events()
@@ -314,4 +305,29 @@ def test_buffers_a_first_forward_registers_reach_each_joiner_with_their_values(t
     assert [(e["kind"], e["status"], e["rank"]) for e in events] == \
         [("planned", "resolved", 0), ("unplanned", "resolved", nproc - 1)], events
     assert events[0]["steps_lost"] == 0 and events[1]["steps_lost"] <= 1, events  # (a copy one boundary old)
+    return reference, log
+
+
+@pytest.mark.parametrize("replicas, nproc, titan", [(1, 2, []), (2, 4, TITAN)], ids=["fsdp", "hsdp-bf16-ac"])
+def test_buffers_a_first_forward_registers_reach_each_joiner_with_their_values(tmp_path, replicas, nproc, titan):
+    """The llama with running statistics each RMSNorm registers on its first training forward
+    (persistent, each rank's own: FSDP2 syncs no buffer), through a planned move and a kill -9.
+    Each joiner registers the statistics it lacks with its predecessor's values before it
+    loads; without, the load refused their keys and the job ended on its first joiner. The
+    HSDP run adds mixed precision and activation checkpointing (under checkpoint_wrapper a
+    rank's own buffers were named by module path, not state-dict key, and its rebuild
+    failed), and residual dropout draws inside the recomputed blocks."""
+    args = ["--steps", "60", "--eval-every", "10", "--dropout", "0.1", "--replicas", str(replicas), *titan]
+    reference, log = _move_then_kill(tmp_path, LAZY_STATS, nproc, args)
+    assert sum("running_mean" in k for k in reference[0]) == 7, sorted(reference[0])  # 3 blocks x 2, and the last
     assert log.count("registered the buffers the source's forward made") == 2, log[-3000:]
+
+
+def test_hsdp_in_torchtitans_shape_moves_and_recovers_bitwise(tmp_path):
+    """2x2 HSDP as TorchTitan builds it: each block checkpoint-wrapped, then compiled
+    (torch.compile, inductor), then sharded with bf16 parameters and fp32 reductions; two
+    microbatches a step. A joiner compiles its blocks afresh in its first step and still ends
+    bitwise equal to the failure-free run."""
+    args = ["--steps", "60", "--eval-every", "10", "--grad-accum", "2", "--batch-size", "4", "--replicas", "2",
+            *TITAN, "--compile"]
+    _move_then_kill(tmp_path, LLAMA, 4, args)

@@ -4,8 +4,8 @@ RMSNorm, rotary attention and SwiGLU blocks; each block is sharded with `fully_s
 the job's mesh, then the root; AdamW with warm-up and cosine decay (LambdaLR), gradient
 clipping, an evaluation every few steps; optionally residual dropout and gradient
 accumulation over microbatches (FSDP2 reduce-scatters only the last one's gradients),
-TorchTitan's mixed precision (bf16 parameters, fp32 reductions) and full activation
-checkpointing.
+TorchTitan's mixed precision (bf16 parameters, fp32 reductions), full activation
+checkpointing and per-block torch.compile.
 Tokens come from a stream it makes itself (a noisy repeating grammar), so it runs
 anywhere on CPU.
 
@@ -201,6 +201,7 @@ def main() -> None:
                    help="FSDP2's MixedPrecisionPolicy: bf16 parameters in forward/backward, fp32 gradient reduction")
     p.add_argument("--activation-checkpoint", action="store_true",
                    help="recompute each block's activations in the backward (checkpoint_wrapper, RNG preserved)")
+    p.add_argument("--compile", action="store_true", help="torch.compile each block (inductor)")
     p.add_argument("--replicas", type=int, default=1,
                    help="HSDP: this many replica groups, each sharding the model over world/replicas ranks")
     args = p.parse_args()
@@ -236,6 +237,9 @@ def main() -> None:
     if args.activation_checkpoint:  # as TorchTitan's full AC: each block recomputed in the backward
         for name, block in list(model.layers.items()):
             model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=True)  # dropout draws again alike
+    if args.compile:  # as TorchTitan: each block compiled on its own, after AC and before sharding
+        for name, block in list(model.layers.items()):
+            model.layers[name] = torch.compile(block)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.mixed_precision \
         else MixedPrecisionPolicy()
     for block in model.layers.values():
