@@ -657,7 +657,7 @@ class Runtime:
         state: dict[str, Any] = {"replicated": self.tracked.replicated(), "pos": list(self.pos),
                                  "ddp": [export_state(d) for d in self.tracked.ddps],
                                  "loop_start": self.loop.start_step,
-                                 "late_buffers": self.tracked.late_buffers()}
+                                 "late_buffers": self.tracked.late_buffers(copy=not encoded)}
         if full:
             assert self.at_pos is not None
             bundle_state = self.at_pos.state()
@@ -993,6 +993,19 @@ class Runtime:
                 out.append((ward, verify.combined(shards.digests(state["sharded"]))))
         return out
 
+    def _own_snapshot_digest(self) -> int | None:
+        """The digest of this rank's shards in its own snapshot of this very boundary, where no
+        buddy's copy of it can be compared yet (pure FSDP: the buddy pulls it while the step
+        runs, and a failure can come first): after going back to the boundary, the live
+        shards must still be what was snapshotted there. None: no such snapshot (a joiner's,
+        HSDP's, none taken at this position)."""
+        if self.joiner or self.replicas or not self._snapshotting():
+            return None
+        flat = self.snapshots.own(self.pos[0])
+        if flat is None or position_of(flat) != tuple(self.pos):
+            return None
+        return verify.combined(shards.digests(codec.decode(flat.meta, list(flat.tensors))["sharded"]))
+
     def verify_state(self, generation: int, expected: int | None, periodic: bool = False,
                      bundle_state: dict[str, Any] | None = None, sharded_expected: int | None = None) -> None:
         """Replicas agree on replicated state; a joiner holds exactly what it was sent.
@@ -1018,9 +1031,14 @@ class Runtime:
         differing: list[str] = []
         detail = ""
         holders = [(q, row[i + 1]) for q, row in enumerate(rows) for i in range(2, len(row), 2) if row[i] == self.rank]
+        own_copy = None if holders or periodic else self._own_snapshot_digest()
         # This rank's shards, digested once for the checks below that need them (a pass over them all).
         live_shards = verify.combined(shards.digests(shards.capture(self.tracked))) \
-            if holders or sharded_expected is not None else None
+            if holders or sharded_expected is not None or own_copy is not None else None
+        if own_copy is not None and own_copy != live_shards:
+            differing.append("sharded (own snapshot)")
+            detail = (f"rank {self.rank}'s FSDP2 shards differ from its own snapshot of step {self.pos[0]}'s "
+                      "boundary, taken before the failure (no buddy held a copy of it yet)")
         if holders:  # pure FSDP: this rank's shards against its buddies' copies of its snapshot here
             apart = [q for q, digest in holders if digest != verify.to_signed(live_shards)]
             if apart:

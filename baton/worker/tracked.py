@@ -226,7 +226,7 @@ class Tracked:
         predecessor's forward made."""
         self._loop_buffers = {key: {name for name, _ in m.named_buffers()} for key, m in self._buffered_models()}
 
-    def late_buffers(self) -> dict[str, Any]:
+    def late_buffers(self, copy: bool = True) -> dict[str, Any]:
         """The models' buffers registered since their step loop began (a mask, a rotary table
         or running statistics a forward builds on first use), with their values. A joiner
         needs them before it loads or steps: DDP broadcasts every buffer before each forward,
@@ -234,7 +234,8 @@ class Tracked:
         (gloo: "Received data size doesn't match expected size"); a sharded model's state dict
         names its persistent ones, which a fresh model refuses ("Unexpected key(s)"); and a
         value nothing broadcasts (FSDP2's buffers are each rank's own) exists only here.
-        Persistent ones are named too: load_state_dict needs them."""
+        Persistent ones are named too: load_state_dict needs them. `copy=False`: the live
+        tensors, for a caller that copies them anyway (a shard snapshot)."""
         values: dict[str, torch.Tensor] = {}
         persistent: list[str] = []
         for key, module in self._buffered_models():
@@ -244,7 +245,7 @@ class Tracked:
             for name, buf in module.named_buffers():  # the list, and its order, DDP broadcasts
                 if name in initial:
                     continue
-                values[f"{key}/{name}"] = buf.detach().clone()
+                values[f"{key}/{name}"] = buf.detach().clone() if copy else buf.detach()
                 owner_name, _, attr = name.rpartition(".")
                 if attr not in module.get_submodule(owner_name)._non_persistent_buffers_set:  # noqa: SLF001
                     persistent.append(f"{key}/{name}")

@@ -37,6 +37,10 @@ ulp just before the check, as a corruption of memory, or a bug in going back to 
 would leave it. In pure FSDP no other rank holds those shards; the check must compare them
 with the buddy's copy of the rank's snapshot and stop the job.
 
+BATON_TEST_NO_BUDDY_COPY=1: no buddy offers its copy of a ward's snapshot to the state check
+after a recovery, as when the failure came before the buddy had pulled the newest: each
+rank must then compare its shards with its own snapshot of the boundary.
+
 BATON_TEST_STEP_COUNT_SKEW="rank:step": after that rank's optimizer step at that step, baton's
 count of the steps its parameters hold is one too many, as a bug that applied a step twice
 would leave it. baton's own check must stop the job loudly (never exit 0).
@@ -217,3 +221,8 @@ if _slow and os.environ.get("BATON_SLOT") == _slow.rsplit(":", 2)[0]:
             time.sleep(_slow_s)
 
     register_module_forward_pre_hook(_throttle)
+
+if os.environ.get("BATON_TEST_NO_BUDDY_COPY"):
+    from baton.worker import runtime as _runtime_no_copy
+
+    _runtime_no_copy.Runtime._copy_digests = lambda self: []
