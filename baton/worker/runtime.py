@@ -989,8 +989,7 @@ class Runtime:
         for ward in sorted(self.wards)[:self._copy_slots()]:
             flat = self.snapshots.copy_at(ward, self.pos)
             if flat is not None:
-                state = codec.decode(flat.meta, list(flat.tensors))
-                out.append((ward, verify.combined(shards.digests(state["sharded"]))))
+                out.append((ward, _shards_digest(flat)))
         return out
 
     def _own_snapshot_digest(self) -> int | None:
@@ -1004,7 +1003,7 @@ class Runtime:
         flat = self.snapshots.own(self.pos[0])
         if flat is None or position_of(flat) != tuple(self.pos):
             return None
-        return verify.combined(shards.digests(codec.decode(flat.meta, list(flat.tensors))["sharded"]))
+        return _shards_digest(flat)
 
     def verify_state(self, generation: int, expected: int | None, periodic: bool = False,
                      bundle_state: dict[str, Any] | None = None, sharded_expected: int | None = None) -> None:
@@ -1124,6 +1123,11 @@ class Runtime:
                 return cmd
             if isinstance(cmd, m.Stop):
                 exit_quietly(0)
+
+
+def _shards_digest(snapshot: FlatState) -> int:
+    """The digest of the FSDP2 shards a snapshot holds, comparable with the live shards'."""
+    return verify.combined(shards.digests(codec.decode(snapshot.meta, list(snapshot.tensors))["sharded"]))
 
 
 def _text(b: Bundle) -> m.BundleText:

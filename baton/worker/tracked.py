@@ -106,6 +106,8 @@ class Tracked:
         self._buffer_places: dict[int, tuple[int, list[tuple[str, torch.nn.Module, str]]]] = {}
         self._module_state = ModuleState()
         self._loop_buffers: dict[str, set[str]] = {}  # each model's buffer names as its step loop began
+        # (registration count when walked, where each buffer registered since the loop began lives)
+        self._late_places: tuple[int, list[tuple[str, torch.nn.Module, str, bool]]] = (-1, [])
 
     # ---------------------------------------------------------------- registration
     @property
@@ -225,6 +227,7 @@ class Tracked:
         set): a joiner builds the model afresh, so it holds exactly these, and not those its
         predecessor's forward made."""
         self._loop_buffers = {key: {name for name, _ in m.named_buffers()} for key, m in self._buffered_models()}
+        self._late_places = (-1, [])
 
     def late_buffers(self, copy: bool = True) -> dict[str, Any]:
         """The models' buffers registered since their step loop began (a mask, a rotary table
@@ -238,18 +241,35 @@ class Tracked:
         tensors, for a caller that copies them anyway (a shard snapshot)."""
         values: dict[str, torch.Tensor] = {}
         persistent: list[str] = []
-        for key, module in self._buffered_models():
-            initial = self._loop_buffers.get(key)
-            if initial is None:
+        for key, owner, attr, is_persistent in self._late_buffer_places():
+            buf = owner._buffers.get(attr)  # noqa: SLF001 - the current tensor, should the script reassign it
+            if buf is None:
                 continue
-            for name, buf in module.named_buffers():  # the list, and its order, DDP broadcasts
-                if name in initial:
-                    continue
-                values[f"{key}/{name}"] = buf.detach().clone() if copy else buf.detach()
-                owner_name, _, attr = name.rpartition(".")
-                if attr not in module.get_submodule(owner_name)._non_persistent_buffers_set:  # noqa: SLF001
-                    persistent.append(f"{key}/{name}")
+            values[key] = buf.detach().clone() if copy else buf.detach()
+            if is_persistent:
+                persistent.append(key)
         return {"values": values, "persistent": persistent}
+
+    def _late_buffer_places(self) -> list[tuple[str, torch.nn.Module, str, bool]]:
+        """(key, owner, attribute, persistent) of each buffer registered since the loop began,
+        in `named_buffers()` order (the list, and its order, DDP broadcasts). Walked again only
+        after a registration: a shard snapshot asks at every boundary."""
+        now = registrations.count()
+        if self._late_places[0] != now:
+            places = []
+            for key, module in self._buffered_models():
+                initial = self._loop_buffers.get(key)
+                if initial is None:
+                    continue
+                for name, _ in module.named_buffers():
+                    if name in initial:
+                        continue
+                    owner_name, _, attr = name.rpartition(".")
+                    owner = module.get_submodule(owner_name)
+                    places.append((f"{key}/{name}", owner, attr,
+                                   attr not in owner._non_persistent_buffers_set))  # noqa: SLF001
+            self._late_places = (now, places)
+        return self._late_places[1]
 
     def adopt_late_buffers(self, late: dict[str, Any]) -> list[str]:
         """Register the buffers a source's forward made that this rank's model lacks (a
