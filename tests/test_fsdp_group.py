@@ -313,7 +313,8 @@ def _move_then_kill(tmp_path: Path, script: Path, nproc: int, args: list[str]) -
     return reference, log
 
 
-@pytest.mark.parametrize("replicas, nproc, titan", [(1, 2, []), (2, 4, TITAN)], ids=["fsdp", "hsdp-bf16-ac"])
+@pytest.mark.parametrize("replicas, nproc, titan", [(1, 2, []), (1, 2, ["--compile"]), (2, 4, TITAN)],
+                         ids=["fsdp", "fsdp-compiled", "hsdp-bf16-ac"])
 def test_buffers_a_first_forward_registers_reach_each_joiner_with_their_values(tmp_path, replicas, nproc, titan):
     """The llama with running statistics each RMSNorm registers on its first training forward
     (persistent, each rank's own: FSDP2 syncs no buffer), through a planned move and a kill -9.
@@ -321,11 +322,38 @@ def test_buffers_a_first_forward_registers_reach_each_joiner_with_their_values(t
     loads; without, the load refused their keys and the job ended on its first joiner. The
     HSDP run adds mixed precision and activation checkpointing (under checkpoint_wrapper a
     rank's own buffers were named by module path, not state-dict key, and its rebuild
-    failed), and residual dropout draws inside the recomputed blocks."""
+    failed), and residual dropout draws inside the recomputed blocks. Compiled blocks (no
+    checkpointing) take the registration without a graph break, recompile once, and a joiner's
+    fresh compile runs the same code: no divergence is claimed, and none happens."""
     args = ["--steps", "60", "--eval-every", "10", "--dropout", "0.1", "--replicas", str(replicas), *titan]
     reference, log = _move_then_kill(tmp_path, LAZY_STATS, nproc, args)
     assert sum("running_mean" in k for k in reference[0]) == 7, sorted(reference[0])  # 3 blocks x 2, and the last
     assert log.count("registered the buffers the source's forward made") == 2, log[-3000:]
+
+
+def test_a_buffer_whose_registration_broke_a_compiled_graph_stops_a_move_loudly(tmp_path):
+    """Blocks checkpoint-wrapped and compiled, whose RMSNorms register their statistics on the
+    first forward: dynamo cannot trace that registration inside the checkpointed region, so
+    the original ranks run those blocks eagerly from then on, while a joiner, given the
+    buffers first, would compile them (different numbers: it ended with exit 0 and a final
+    state that differed from the failure-free run's). The ranks say so at their first step,
+    and the planned move stops the job with a divergence that says what to change."""
+    args = ["--steps", "400", "--eval-every", "50", "--dropout", "0.1", "--activation-checkpoint", "--compile"]
+    job = Job(tmp_path, nproc=2, spares=1, steps=0, script=LAZY_STATS, name="broke", script_args=args,
+              run_args=["--redundancy", "1"])
+    try:
+        job.wait_step(3, timeout=180)
+        job.client.migrate(0)
+        code = job.wait(timeout=120)
+        log = job.log(tail=None)
+        events = job.events()
+    finally:
+        job.kill()
+    assert code != 0, log[-3000:]
+    assert "buffers registered inside compiled code broke its graph" in log, log[-3000:]
+    (ev,) = [e for e in events if e["kind"] == "divergence"]
+    assert ev["status"] == "failed" and ev["rank"] == 0 and "cannot take over bit for bit" in ev["cause"], ev
+    assert "attention_norm.running_mean" in ev["note"] and "__init__" in ev["cause"], ev
 
 
 def test_hsdp_in_torchtitans_shape_moves_and_recovers_bitwise(tmp_path):

@@ -316,6 +316,7 @@ class Runtime:
         if not step.completed:
             raise UsageError(f"step {step.index} was not run inside `with step:`: write the step's "
                              "code as `for step in job.steps(n): with step: ...`")
+        self.tracked.note_step_end()
         if self.capture is None and self.tracked.sharded:
             self._capture_point(push=False)  # the step is complete: its end is the next boundary
         if self.capture is None:
@@ -354,6 +355,7 @@ class Runtime:
             with selfcost.outside():
                 unit.fn(BoundaryInfo(gap, epoch))
             self.scope = self.tracked.scope = None
+            self.tracked.note_step_end()
             after = (gap, self.pos[1] + 1)
             bundle, after_rng = self._capture_at(after)
             self.ctl.report_now(m.UnitDone(pos=after, bundle=_text(bundle)))
@@ -786,10 +788,22 @@ class Runtime:
         return state, stats
 
     def _load_replicated(self, state: dict[str, Any]) -> None:
-        added = self.tracked.adopt_late_buffers(state.get("late_buffers", {}))
+        late = state.get("late_buffers", {})
+        added = self.tracked.adopt_late_buffers(late)
         if added:
             log.info("registered the buffers the source's forward made, which this rank's model lacked: %s",
                      ", ".join(added[:10]))
+        broke = {key: reason for key, reason in late.get("broke_compile", {}).items() if key in added}
+        if broke:
+            detail = (f"rank {self.rank} cannot take over bit for bit: its predecessor's first forward registered "
+                      f"{', '.join(sorted(broke)[:10])} inside compiled code and broke the graph there "
+                      f"({next(iter(broke.values()))}), so that code has run eagerly on it ever since; this process, "
+                      "given the buffers before its first forward, would compile it and compute different numbers "
+                      "(a torchrun job resumed from a checkpoint would too). Register these buffers in the module's "
+                      "__init__, before torch.compile, and the job moves bit for bit")
+            self.ctl.report_now(m.Verified(generation=self.group.generation, pos=self.pos, ok=False,
+                                           differing=sorted(broke)[:200], detail=detail))
+            raise Divergence(detail)
         self.tracked.load_replicated(state["replicated"])
         self.params_step = int(state["pos"][0])
         # DDP's "broadcast buffers before the next forward" flag as the step left it on the

@@ -27,6 +27,7 @@ import torch
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
 from baton.worker import discover, registrations, rng
+from baton.worker.compile_watch import CompileWatch
 from baton.worker.module_state import ModuleState
 
 
@@ -108,6 +109,7 @@ class Tracked:
         self._loop_buffers: dict[str, set[str]] = {}  # each model's buffer names as its step loop began
         # (registration count when walked, where each buffer registered since the loop began lives)
         self._late_places: tuple[int, list[tuple[str, torch.nn.Module, str, bool]]] = (-1, [])
+        self.compile_watch = CompileWatch()
 
     # ---------------------------------------------------------------- registration
     @property
@@ -228,6 +230,15 @@ class Tracked:
         predecessor's forward made."""
         self._loop_buffers = {key: {name for name, _ in m.named_buffers()} for key, m in self._buffered_models()}
         self._late_places = (-1, [])
+        self.compile_watch.start(registrations.count())
+
+    def note_step_end(self) -> None:
+        """A step (or boundary function) ended: note the buffers it registered inside compiled
+        code by breaking the graph (compile_watch). A counter compare unless it registered any."""
+        now = registrations.count()
+        if now != self.compile_watch.registrations:
+            self.compile_watch.step_ended(now, [(key, owner) for key, owner, _, _ in self._late_buffer_places()],
+                                          [model for _, model in self._buffered_models()])
 
     def late_buffers(self, copy: bool = True) -> dict[str, Any]:
         """The models' buffers registered since their step loop began (a mask, a rotary table
@@ -248,7 +259,7 @@ class Tracked:
             values[key] = buf.detach().clone() if copy else buf.detach()
             if is_persistent:
                 persistent.append(key)
-        return {"values": values, "persistent": persistent}
+        return {"values": values, "persistent": persistent, "broke_compile": dict(self.compile_watch.broke)}
 
     def _late_buffer_places(self) -> list[tuple[str, torch.nn.Module, str, bool]]:
         """(key, owner, attribute, persistent) of each buffer registered since the loop began,
@@ -273,7 +284,7 @@ class Tracked:
 
     def adopt_late_buffers(self, late: dict[str, Any]) -> list[str]:
         """Register the buffers a source's forward made that this rank's model lacks (a
-        joiner's, before its first forward), in the source's order; the names registered."""
+        joiner's, before its first forward), in the source's order; their keys."""
         added = []
         persistent = set(late.get("persistent", []))
         models = dict(self._buffered_models())
@@ -288,7 +299,8 @@ class Tracked:
             if attr in owner._buffers and owner._buffers[attr] is not None:  # noqa: SLF001
                 continue  # made here too (its value is compared: module_state)
             owner.register_buffer(attr, value.clone(), persistent=key in persistent)
-            added.append(name)
+            added.append(key)
+        self.compile_watch.seen.update(added)  # registered here, by no forward
         return added
 
     def models(self) -> dict[str, torch.nn.Module]:

@@ -1,0 +1,91 @@
+"""Which buffers a forward registered inside compiled code by breaking its graph.
+
+A joiner is given the buffers its predecessor's first forward registered (a mask, running
+statistics) before its own first forward, so it never runs that registration. Under
+torch.compile that can change which code runs: a registration dynamo cannot trace (inside
+an activation-checkpointed region it is an "unsafe side effect") breaks the graph, and the
+predecessor has run that region eagerly ever since, while the joiner, finding the buffer
+already there, compiles it. Eager and inductor code round and draw random numbers
+differently, so the run would end differing from one without the failure, with exit 0
+and no digest to see it (every rank takes the same reduced gradients). The predecessor
+notes such buffers at the end of the step that made them; a joiner that would pre-register
+one refuses the move instead (runtime).
+
+A graph break in the step that registered a buffer inside a compiled module is taken as
+that registration's: torch keeps no record linking the two. A break elsewhere in the same
+first step flags the buffer too, which stops a move that would have been exact; the
+message says how to avoid both (register the buffer in `__init__`).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Iterable
+
+import torch
+
+log = logging.getLogger("baton.worker")
+
+
+def graph_breaks() -> dict[str, int]:
+    """Dynamo's graph breaks in this process so far, by reason; empty where nothing compiled
+    (dynamo is imported by the first torch.compile call, never by this)."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    return dict(utils.counters["graph_break"]) if utils is not None else {}
+
+
+def compiled_module_ids(models: Iterable[torch.nn.Module]) -> set[int]:
+    """The ids of every module that runs inside a torch.compile'd module of `models`
+    (`torch.compile(module)` and `module.compile()` alike)."""
+    out: set[int] = set()
+    for model in models:
+        for module in model.modules():
+            inner = getattr(module, "_orig_mod", None)  # torch.compile(module): an OptimizedModule
+            if isinstance(inner, torch.nn.Module):
+                out.update(id(m) for m in inner.modules())
+            elif getattr(module, "_compiled_call_impl", None) is not None:  # module.compile()
+                out.update(id(m) for m in module.modules())
+    return out
+
+
+def first_line(reason: str) -> str:
+    return reason.strip().splitlines()[0] if reason.strip() else reason
+
+
+class CompileWatch:
+    """Checked at the end of each step: a few dictionary reads unless something was
+    registered in it, when it also compares dynamo's graph breaks with the step before."""
+
+    def __init__(self) -> None:
+        self.registrations = -1
+        self.breaks: dict[str, int] = {}
+        self.seen: set[str] = set()  # late buffers already looked at
+        self.broke: dict[str, str] = {}  # late buffer key -> the graph break its registration took
+
+    def start(self, registrations: int) -> None:
+        """The step loop begins: nothing registered so far was registered by one of its forwards."""
+        self.registrations, self.breaks, self.seen = registrations, graph_breaks(), set()
+
+    def step_ended(self, registrations: int, late: list[tuple[str, torch.nn.Module]],
+                   models: Iterable[torch.nn.Module]) -> None:
+        """`late`: (key, owning module) of every buffer registered since the loop began."""
+        if registrations == self.registrations:
+            return
+        breaks = graph_breaks()
+        new_reasons = [r for r, n in breaks.items() if n > self.breaks.get(r, 0)]
+        fresh = [(key, owner) for key, owner in late if key not in self.seen]
+        if new_reasons and fresh:
+            compiled = compiled_module_ids(models)
+            flagged = [key for key, owner in fresh if id(owner) in compiled]
+            for key in flagged:
+                self.broke[key] = first_line(new_reasons[0])
+            if flagged:
+                log.warning(
+                    "buffers registered inside compiled code broke its graph (%s): %s. This process runs that "
+                    "code eagerly from now on, while a rank taking this one's place would be given the buffers "
+                    "before its first forward and compile it, with different numbers; so a move of this job "
+                    "stops it with a divergence. Register the buffers in the module's __init__, before "
+                    "torch.compile, and the job moves bit for bit.", first_line(new_reasons[0]), ", ".join(flagged[:10]))
+        self.seen.update(key for key, _ in fresh)
+        self.registrations, self.breaks = registrations, breaks
