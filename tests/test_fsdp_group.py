@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from baton.control.client import ApiError
 from tests.jobs import Job, assert_ranks_equal, check_resolved_exact, state_diff
 from tests.served import free_port
 
@@ -331,28 +332,38 @@ def test_buffers_a_first_forward_registers_reach_each_joiner_with_their_values(t
     assert log.count("registered the buffers the source's forward made") == 2, log[-3000:]
 
 
-def test_a_buffer_whose_registration_broke_a_compiled_graph_stops_a_move_loudly(tmp_path):
+def test_a_buffer_whose_registration_broke_a_compiled_graph_refuses_moves_and_stops_at_a_loss(tmp_path):
     """Blocks checkpoint-wrapped and compiled, whose RMSNorms register their statistics on the
     first forward: dynamo cannot trace that registration inside the checkpointed region, so
     the original ranks run those blocks eagerly from then on, while a joiner, given the
     buffers first, would compile them (different numbers: it ended with exit 0 and a final
-    state that differed from the failure-free run's). The ranks say so at their first step,
-    and the planned move stops the job with a divergence that says what to change."""
+    state that differed from the failure-free run's). The ranks say so after their first
+    step; a planned move is refused with the reason and the job goes on, a taint leaves the
+    rank where it is, and a kill -9 stops the job with a divergence that says what to change."""
     args = ["--steps", "400", "--eval-every", "50", "--dropout", "0.1", "--activation-checkpoint", "--compile"]
     job = Job(tmp_path, nproc=2, spares=1, steps=0, script=LAZY_STATS, name="broke", script_args=args,
               run_args=["--redundancy", "1"])
     try:
-        job.wait_step(3, timeout=180)
-        job.client.migrate(0)
+        job.wait_until(lambda s: all(r.get("unmovable") for r in s["ranks"]), timeout=180, what="unmovable ranks")
+        with pytest.raises(ApiError) as refused:
+            job.client.migrate(0)
+        assert refused.value.status == 409 and "rank 0 cannot move bit for bit" in str(refused.value), refused.value
+        assert "attention_norm.running_mean" in str(refused.value) and "__init__" in str(refused.value)
+        slot = job.status()["ranks"][1]["slot"]
+        assert list(job.client.taint(slot, "ecc")["unmovable"]) == ["1"]  # it stays on the tainted slot
+        step = job.status()["ranks"][0]["step"]
+        job.wait_step(step + 2, timeout=60)  # still training, nothing moved
+        assert job.events() == [], job.events()
+        job.signal_rank(1, signal.SIGKILL)
         code = job.wait(timeout=120)
         log = job.log(tail=None)
         events = job.events()
     finally:
         job.kill()
     assert code != 0, log[-3000:]
-    assert "buffers registered inside compiled code broke its graph" in log, log[-3000:]
+    assert "this rank cannot move bit for bit" in log, log[-3000:]
     (ev,) = [e for e in events if e["kind"] == "divergence"]
-    assert ev["status"] == "failed" and ev["rank"] == 0 and "cannot take over bit for bit" in ev["cause"], ev
+    assert ev["status"] == "failed" and ev["rank"] == 1 and "cannot take over bit for bit" in ev["cause"], ev
     assert "attention_norm.running_mean" in ev["note"] and "__init__" in ev["cause"], ev
 
 

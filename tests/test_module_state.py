@@ -13,7 +13,7 @@ import torch
 
 from baton.worker import module_state
 from baton.worker.module_state import ModuleState
-from baton.worker.tracked import UsageError
+from baton.worker.tracked import Tracked, UsageError
 from tests.jobs import Job, assert_ranks_equal, check_resolved_exact
 
 SCRIPT = Path(__file__).resolve().parent / "modes_job.py"
@@ -25,6 +25,48 @@ class _Net(torch.nn.Module):
         super().__init__()
         self.body = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3), torch.nn.Dropout())
         self.register_buffer("table", torch.arange(6.0), persistent=False)
+
+
+def test_a_registration_inside_compiled_code_that_broke_a_graph_makes_the_rank_unmovable():
+    """compile_watch: a buffer registered in a step that broke a graph, by a module inside a
+    compiled one, is flagged (and named in what the rank serves); a buffer registered outside
+    compiled code, one registered in a step without a break, and a break in a step that
+    registered nothing are not. Dynamo's counter is moved by hand: compiling costs seconds
+    (tests/test_fsdp_group.py runs the real one)."""
+    from torch._dynamo.utils import counters
+
+    from baton.worker.compile_watch import compiled_module_ids
+
+    net = _Net()
+    net.body[0] = torch.compile(net.body[0])
+    net.body[2].compile()
+    compiled = compiled_module_ids([net])
+    assert id(net.body[0]._orig_mod) in compiled and id(net.body[2]) in compiled and id(net.body[1]) not in compiled
+
+    tracked = Tracked()
+    tracked.objects["model"], tracked.sharded = net, {"model"}
+    tracked.note_loop_start()
+    reason = "HOP: Unsafe side effect\n  Explanation: a test's"
+    saved = dict(counters["graph_break"])
+    try:
+        tracked.note_step_end()
+        net.body[1].register_buffer("plain", torch.zeros(1))  # outside compiled code, in a step with a break
+        counters["graph_break"][reason] += 1
+        tracked.note_step_end()
+        net.body[0]._orig_mod.register_buffer("quiet", torch.zeros(1))  # compiled, no break in its step
+        tracked.note_step_end()
+        counters["graph_break"][reason] += 1  # a break, nothing registered
+        tracked.note_step_end()
+        net.body[0]._orig_mod.register_buffer("stats", torch.zeros(1))
+        net.body[2].register_buffer("mask", torch.ones(1))
+        counters["graph_break"][reason] += 1
+        tracked.note_step_end()
+    finally:
+        counters["graph_break"].clear()
+        counters["graph_break"].update(saved)
+    broke = tracked.late_buffers()["broke_compile"]
+    assert sorted(broke) == ["model/body.0._orig_mod.stats", "model/body.2.mask"], broke
+    assert set(broke.values()) == {"HOP: Unsafe side effect"}
 
 
 def test_flags_travel_module_by_module_and_buffer_digests_follow_every_change():
@@ -136,8 +178,6 @@ def test_buffers_a_forward_registered_reach_a_fresh_model_in_the_order_ddp_lists
     their values and in registration order (DDP broadcasts `named_buffers()` as one list)."""
     from types import SimpleNamespace
 
-    from baton.worker.tracked import Tracked
-
     def tracked_with(net: torch.nn.Module) -> Tracked:
         t = Tracked()
         t.ddps = [SimpleNamespace(module=net)]  # what job.wrap records: the DDP around the model
@@ -153,7 +193,8 @@ def test_buffers_a_forward_registered_reach_a_fresh_model_in_the_order_ddp_lists
     assert late["persistent"] == ["wrapped0/count"]
 
     joiner = tracked_with(dst)
-    assert joiner.adopt_late_buffers(late) == ["count", "body.0.mask"]  # module by module, as named_buffers()
+    assert joiner.adopt_late_buffers(late) == ["wrapped0/count", "wrapped0/body.0.mask"]  # module by module,
+    # as named_buffers() lists them
     assert [n for n, _ in dst.named_buffers()] == [n for n, _ in src.named_buffers()]
     assert torch.equal(dst.body[0].mask, src.body[0].mask)
     dst.load_state_dict(src.state_dict())  # strict: the persistent one is a key here too

@@ -75,6 +75,8 @@ class Heartbeat(_Msg):
     metrics: Annotated[dict[Annotated[str, Field(max_length=64)], float], Field(max_length=64)] = {}
     cpu: CpuReport | None = None
     gpu: GpuReading | None = None  # NVML readings of the slot's GPU, where there is one
+    # Why this rank's state can no longer move bit for bit (worker/compile_watch.py), once it cannot.
+    unmovable: Annotated[str, Field(max_length=2000)] | None = None
 
 
 class BeatEnvelope(_Msg):

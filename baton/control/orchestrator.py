@@ -368,6 +368,9 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing):
                 info.metrics["step_time"] = rep.step_time
             if rep.snapshot_mb is not None:
                 info.metrics["snapshot_mb"] = rep.snapshot_mb
+            if rep.unmovable and info.unmovable is None:
+                info.unmovable = rep.unmovable
+                self._emit("unmovable", {"rank": w.rank, "detail": rep.unmovable})
             if rep.busy_time is not None:
                 info.metrics["busy_time"] = rep.busy_time
                 if rep.step is not None and self.op is None:
@@ -655,6 +658,8 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing):
         if req.rank not in self.ranks:
             raise RequestError(f"unknown rank {req.rank}: this job has ranks 0..{self.config.world_size - 1}", 404)
         self._check_running()
+        if self.ranks[req.rank].unmovable:
+            raise RequestError(f"rank {req.rank} cannot move bit for bit: {self.ranks[req.rank].unmovable}", 409)
         if self.op is not None:
             raise RequestError(f"a {self.op.kind.value} migration is already in progress (op {self.op.id})", 409)
         if req.to is not None:
@@ -851,7 +856,8 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing):
                               # CPU-seconds its process reported with that step, and baton's part
                               "cpu_s": round(w.cpu_s, 3) if w else None,
                               "baton_cpu_s": round(w.baton_cpu_s, 3) if w else None,
-                              "metrics": info.metrics, **({"gpu": w.gpu} if w and w.gpu else {})})
+                              "metrics": info.metrics, **({"gpu": w.gpu} if w and w.gpu else {}),
+                              **({"unmovable": info.unmovable} if info.unmovable else {})})
             spares = [{"worker": w.id, "slot": w.slot, "pid": w.pid, "state": w.role.value,
                        **self._spare_kind(w.slot)}
                       for w in self.workers.values()

@@ -179,6 +179,12 @@ class PlannedMoves:
     def _move_off_taint(self, result: dict, ranks: list[int], cause: str) -> dict:
         """A taint's ranks move now in one pre-emptive move when a spare is ready for each and
         nothing else is moving; else later (_pending_taint_moves). `result` is the answer."""
+        stuck = {r: self.ranks[r].unmovable for r in ranks if self.ranks[r].unmovable}
+        if stuck:  # it stays on the tainted slot: moving it would change the run's numbers
+            ranks = [r for r in ranks if r not in stuck]
+            result["unmovable"] = stuck
+            for r, why in stuck.items():
+                self._emit("move-refused", {"rank": r, "cause": cause, "detail": why})
         result["moving_ranks"] = ranks
         if ranks and self.exit_code is None:
             if self.op is None and len(self._ready_spares()) >= len(ranks):
@@ -196,7 +202,7 @@ class PlannedMoves:
             return
         held = {w.rank: w.slot for w in self.workers.values()
                 if w.role == WorkerRole.RANK and w.rank is not None and self.ranks[w.rank].worker == w.id
-                and not self.slots[w.slot].healthy}
+                and not self.slots[w.slot].healthy and not self.ranks[w.rank].unmovable}
         if held:
             reason = self.slots[held[min(held)]].taint
             ranks = sorted(r for r, slot in held.items() if self.slots[slot].taint == reason)

@@ -82,6 +82,7 @@ class RankInfo:
     loop: dict[str, Any] | None = None  # the loop shape this rank reported
     reached: int = 0  # highest step boundary this rank reported reaching
     ready: bool = False  # reached its step loop (joiners count as ready)
+    unmovable: str | None = None  # why its state can no longer move bit for bit: planned moves are refused
 
 
 @dataclass

@@ -8,8 +8,9 @@ predecessor has run that region eagerly ever since, while the joiner, finding th
 already there, compiles it. Eager and inductor code round and draw random numbers
 differently, so the run would end differing from one without the failure, with exit 0
 and no digest to see it (every rank takes the same reduced gradients). The predecessor
-notes such buffers at the end of the step that made them; a joiner that would pre-register
-one refuses the move instead (runtime).
+notes such buffers at the end of the step that made them and tells the orchestrator, which
+refuses planned moves of it; a joiner that would pre-register one (the rank was lost) stops
+the job with a divergence instead of training on (runtime).
 
 A graph break in the step that registered a buffer inside a compiled module is taken as
 that registration's: torch keeps no record linking the two. A break elsewhere in the same
@@ -21,18 +22,18 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Iterable
+from typing import Callable, Iterable, Mapping
 
 import torch
 
 log = logging.getLogger("baton.worker")
 
 
-def graph_breaks() -> dict[str, int]:
-    """Dynamo's graph breaks in this process so far, by reason; empty where nothing compiled
-    (dynamo is imported by the first torch.compile call, never by this)."""
+def graph_breaks() -> Mapping[str, int]:
+    """Dynamo's graph breaks in this process so far, by reason (its live counter); empty
+    where nothing compiled (dynamo is imported by the first torch.compile call, never here)."""
     utils = sys.modules.get("torch._dynamo.utils")
-    return dict(utils.counters["graph_break"]) if utils is not None else {}
+    return utils.counters["graph_break"] if utils is not None else {}
 
 
 def compiled_module_ids(models: Iterable[torch.nn.Module]) -> set[int]:
@@ -53,39 +54,54 @@ def first_line(reason: str) -> str:
     return reason.strip().splitlines()[0] if reason.strip() else reason
 
 
+def describe(broke: dict[str, str]) -> str:
+    """Why the state of a rank whose forward made `broke` cannot move bit for bit, and the fix."""
+    keys = sorted(broke)
+    shown = ", ".join(keys[:5]) + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
+    return (f"its first forward registered {shown} inside compiled code and broke the graph there "
+            f"({next(iter(broke.values()))}), so that code has run eagerly since; a new process, given the "
+            "buffers before its first forward, would compile it and compute different numbers (a torchrun job "
+            "resumed from a checkpoint would too). Register them in the module's __init__, before "
+            "torch.compile, and the job moves bit for bit")
+
+
 class CompileWatch:
-    """Checked at the end of each step: a few dictionary reads unless something was
-    registered in it, when it also compares dynamo's graph breaks with the step before."""
+    """Checked at the end of each step and boundary function: a sum over dynamo's few
+    graph-break reasons, and more only in a step that registered something and broke a graph."""
 
     def __init__(self) -> None:
         self.registrations = -1
-        self.breaks: dict[str, int] = {}
+        self.breaks: dict[str, int] = {}  # dynamo's graph breaks as the step began
+        self.total = 0
         self.seen: set[str] = set()  # late buffers already looked at
         self.broke: dict[str, str] = {}  # late buffer key -> the graph break its registration took
 
     def start(self, registrations: int) -> None:
         """The step loop begins: nothing registered so far was registered by one of its forwards."""
-        self.registrations, self.breaks, self.seen = registrations, graph_breaks(), set()
+        self.registrations, self.seen = registrations, set()
+        self.breaks = dict(graph_breaks())
+        self.total = sum(self.breaks.values())
 
-    def step_ended(self, registrations: int, late: list[tuple[str, torch.nn.Module]],
-                   models: Iterable[torch.nn.Module]) -> None:
-        """`late`: (key, owning module) of every buffer registered since the loop began."""
-        if registrations == self.registrations:
-            return
+    def step_ended(self, registrations: int, late: Callable[[], list[tuple[str, torch.nn.Module]]],
+                   models: Callable[[], Iterable[torch.nn.Module]]) -> None:
+        """`late()`: (key, owning module) of every buffer registered since the loop began."""
         breaks = graph_breaks()
-        new_reasons = [r for r, n in breaks.items() if n > self.breaks.get(r, 0)]
-        fresh = [(key, owner) for key, owner in late if key not in self.seen]
-        if new_reasons and fresh:
-            compiled = compiled_module_ids(models)
-            flagged = [key for key, owner in fresh if id(owner) in compiled]
-            for key in flagged:
-                self.broke[key] = first_line(new_reasons[0])
-            if flagged:
-                log.warning(
-                    "buffers registered inside compiled code broke its graph (%s): %s. This process runs that "
-                    "code eagerly from now on, while a rank taking this one's place would be given the buffers "
-                    "before its first forward and compile it, with different numbers; so a move of this job "
-                    "stops it with a divergence. Register the buffers in the module's __init__, before "
-                    "torch.compile, and the job moves bit for bit.", first_line(new_reasons[0]), ", ".join(flagged[:10]))
-        self.seen.update(key for key, _ in fresh)
-        self.registrations, self.breaks = registrations, breaks
+        total = sum(breaks.values())
+        if registrations != self.registrations:
+            fresh = [(key, owner) for key, owner in late() if key not in self.seen]
+            new_reasons = [r for r, n in breaks.items() if n > self.breaks.get(r, 0)]
+            if fresh and new_reasons:
+                self._flag(fresh, first_line(new_reasons[0]), models())
+            self.seen.update(key for key, _ in fresh)
+            self.registrations = registrations
+        if total != self.total:
+            self.breaks, self.total = dict(breaks), total
+
+    def _flag(self, fresh: list[tuple[str, torch.nn.Module]], reason: str, models: Iterable[torch.nn.Module]) -> None:
+        compiled = compiled_module_ids(models)
+        flagged = [key for key, owner in fresh if id(owner) in compiled]
+        for key in flagged:
+            self.broke[key] = reason
+        if flagged:
+            log.warning("this rank cannot move bit for bit (planned moves are refused, and its loss stops the "
+                        "job with a divergence): %s", describe(self.broke))

@@ -41,6 +41,7 @@ from baton.transfer.protocol import FlatState
 from baton.transfer.server import PUSH, SNAPSHOT, TransferServer, connect, small_id, snapshot_key
 from baton.worker import module_state, rng, shards, verify
 from baton.worker.bundle import BundlePushers, StepCapture, fetch_ward_bundle
+from baton.worker.compile_watch import describe
 from baton.worker.control import ControlChannel, cpu_report
 from baton.worker.data import DataFeed
 from baton.worker.group import CollectiveFailure, LiveGroup, install_as_world, solo_group
@@ -316,7 +317,7 @@ class Runtime:
         if not step.completed:
             raise UsageError(f"step {step.index} was not run inside `with step:`: write the step's "
                              "code as `for step in job.steps(n): with step: ...`")
-        self.tracked.note_step_end()
+        self._note_step_end()
         if self.capture is None and self.tracked.sharded:
             self._capture_point(push=False)  # the step is complete: its end is the next boundary
         if self.capture is None:
@@ -342,6 +343,14 @@ class Runtime:
         if self.metrics:
             hb["metrics"] = dict(self.metrics)
 
+    def _note_step_end(self) -> None:
+        """What the step registered inside compiled code (compile_watch); the orchestrator
+        learns, with the next heartbeat, that this rank can no longer move bit for bit."""
+        self.tracked.note_step_end()
+        broke = self.tracked.compile_watch.broke
+        if broke and "unmovable" not in self.ctl.heartbeat:
+            self.ctl.heartbeat["unmovable"] = describe(broke)[:2000]
+
     def _run_unit(self, unit: Unit, gap: int) -> None:
         """Run one boundary function; a lost peer inside it is absorbed and it runs again."""
         self._check_no_stray_draws("before a boundary function")
@@ -355,7 +364,7 @@ class Runtime:
             with selfcost.outside():
                 unit.fn(BoundaryInfo(gap, epoch))
             self.scope = self.tracked.scope = None
-            self.tracked.note_step_end()
+            self._note_step_end()
             after = (gap, self.pos[1] + 1)
             bundle, after_rng = self._capture_at(after)
             self.ctl.report_now(m.UnitDone(pos=after, bundle=_text(bundle)))
@@ -795,12 +804,7 @@ class Runtime:
                      ", ".join(added[:10]))
         broke = {key: reason for key, reason in late.get("broke_compile", {}).items() if key in added}
         if broke:
-            detail = (f"rank {self.rank} cannot take over bit for bit: its predecessor's first forward registered "
-                      f"{', '.join(sorted(broke)[:10])} inside compiled code and broke the graph there "
-                      f"({next(iter(broke.values()))}), so that code has run eagerly on it ever since; this process, "
-                      "given the buffers before its first forward, would compile it and compute different numbers "
-                      "(a torchrun job resumed from a checkpoint would too). Register these buffers in the module's "
-                      "__init__, before torch.compile, and the job moves bit for bit")
+            detail = f"rank {self.rank} cannot take over bit for bit: in the rank it replaces, {describe(broke)}"
             self.ctl.report_now(m.Verified(generation=self.group.generation, pos=self.pos, ok=False,
                                            differing=sorted(broke)[:200], detail=detail))
             raise Divergence(detail)

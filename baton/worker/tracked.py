@@ -234,11 +234,10 @@ class Tracked:
 
     def note_step_end(self) -> None:
         """A step (or boundary function) ended: note the buffers it registered inside compiled
-        code by breaking the graph (compile_watch). A counter compare unless it registered any."""
-        now = registrations.count()
-        if now != self.compile_watch.registrations:
-            self.compile_watch.step_ended(now, [(key, owner) for key, owner, _, _ in self._late_buffer_places()],
-                                          [model for _, model in self._buffered_models()])
+        code by breaking the graph (compile_watch)."""
+        self.compile_watch.step_ended(
+            registrations.count(), lambda: [(key, owner) for key, owner, _, _ in self._late_buffer_places()],
+            lambda: [model for _, model in self._buffered_models()])
 
     def late_buffers(self, copy: bool = True) -> dict[str, Any]:
         """The models' buffers registered since their step loop began (a mask, a rotary table
