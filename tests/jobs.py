@@ -135,6 +135,20 @@ class Job:
         assert out.returncode == 0, out.stderr
         return json.loads(out.stdout)["events"]
 
+    def metrics(self) -> dict[tuple[str, tuple], float]:
+        """/metrics read as Prometheus reads it: (name, labels other than the job's) -> value."""
+        import httpx
+        from prometheus_client.parser import text_string_to_metric_families
+
+        token = (self.run_dir / "token").read_text()
+        r = httpx.get(self.client.url + "/metrics", headers={"Authorization": f"Bearer {token}"})
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain"), r.text
+        out = {}
+        for family in text_string_to_metric_families(r.text):
+            for s in family.samples:
+                out[(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "job")))] = s.value
+        return out
+
     def params(self) -> dict[str, torch.Tensor]:
         return torch.load(self.out)
 

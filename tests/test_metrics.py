@@ -1,23 +1,11 @@
 """`/metrics` in Prometheus format, read the way Prometheus reads it, from a real job with a
-planned move: steps, step times, events by kind, the downtime histogram, spares, YOCO."""
+planned move: steps, step times, movable ranks, events by kind, the downtime histogram, spares, YOCO."""
 
 from __future__ import annotations
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests.jobs import Job
-
-
-def _scrape(job: Job) -> dict[tuple[str, tuple], float]:
-    token = (job.run_dir / "token").read_text()
-    r = httpx.get(job.client.url + "/metrics", headers={"Authorization": f"Bearer {token}"})
-    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain"), r.text
-    out = {}
-    for family in text_string_to_metric_families(r.text):
-        for s in family.samples:
-            out[(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "job")))] = s.value
-    return out
 
 
 def test_metrics_show_steps_events_downtime_and_spares(tmp_path):
@@ -25,15 +13,16 @@ def test_metrics_show_steps_events_downtime_and_spares(tmp_path):
     try:
         job.wait_step(3)
         assert httpx.get(job.client.url + "/metrics").status_code == 401  # the job's token, as every route
-        before = _scrape(job)
+        before = job.metrics()
         assert before[("baton_rank_step", (("rank", "0"),))] >= 3
         assert before[("baton_rank_step_time_seconds", (("rank", "1"),))] > 0
+        assert before[("baton_rank_movable", (("rank", "0"),))] == 1
         assert before[("baton_spares", (("kind", "dedicated"), ("state", "spare")))] == 1
         assert not any(k[0] == "baton_events_total" for k in before)
         job.client.migrate(0)
         job.wait_until(lambda st: st["operation"] is None and st["spares"] and
                        any(e["status"] == "resolved" for e in job.events()), what="the move resolved")
-        after = _scrape(job)
+        after = job.metrics()
         assert after[("baton_events_total", (("kind", "planned"), ("status", "resolved")))] == 1
         assert after[("baton_downtime_seconds_count", (("kind", "planned"),))] == 1
         assert 0 < after[("baton_downtime_seconds_sum", (("kind", "planned"),))] < 60

@@ -30,12 +30,18 @@ class _JobCollector:
         step_time = GaugeMetricFamily("baton_rank_step_time_seconds",
                                       "Each rank's step time (moving average over recent steps)",
                                       labels=["job", "rank"])
+        movable = GaugeMetricFamily("baton_rank_movable",
+                                    "1 while a rank's state can move bit for bit; 0 once it cannot (status says "
+                                    "why): planned moves of it are refused and its loss stops the job",
+                                    labels=["job", "rank"])
         for r in job["ranks"]:
             step.add_metric([jid, str(r["rank"])], r["step"])
             if "step_time" in (r.get("metrics") or {}):
                 step_time.add_metric([jid, str(r["rank"])], r["metrics"]["step_time"])
+            movable.add_metric([jid, str(r["rank"])], 0 if r.get("unmovable") else 1)
         yield step
         yield step_time
+        yield movable
 
         temp = GaugeMetricFamily("baton_gpu_temperature_celsius", "GPU temperature of each rank's slot (NVML)",
                                  labels=["job", "rank", "slot"])
