@@ -286,6 +286,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         spares = ", ".join(f"{s['slot']} ({s['state']}, pid {s['pid']}"
                            + (f", borrowed from {s['from']})" if s.get("kind") == "borrowed" else ")")
                            for s in job["spares"]) or "none"
+        stuck = [r for r in job["ranks"] if r.get("unmovable")]
+        if stuck:  # the same reason on every rank, usually: say it once
+            print(f"  cannot move bit for bit: ranks {[r['rank'] for r in stuck]}: {stuck[0]['unmovable']}")
         print(f"  spares: {spares}")
         taints = ", ".join(f"{t['slot']} ({t['reason']})" for t in job["taints"]) or "none"
         print(f"  taints: {taints}")
