@@ -350,6 +350,9 @@ def test_a_buffer_whose_registration_broke_a_compiled_graph_refuses_moves_and_st
         assert refused.value.status == 409 and "rank 0 cannot move bit for bit" in str(refused.value), refused.value
         assert "attention_norm.running_mean" in str(refused.value) and "__init__" in str(refused.value)
         assert job.metrics()[("baton_rank_movable", (("rank", "0"),))] == 0  # what a Prometheus alert reads
+        shown = subprocess.run([sys.executable, "-m", "baton.cli", "status", "--run-dir", str(job.run_dir)],
+                               capture_output=True, text=True, cwd=job.dir, timeout=60)
+        assert "cannot move bit for bit: ranks [0, 1]: its first forward registered" in shown.stdout, shown
         slot = job.status()["ranks"][1]["slot"]
         assert list(job.client.taint(slot, "ecc")["unmovable"]) == ["1"]  # it stays on the tainted slot
         step = job.status()["ranks"][0]["step"]
