@@ -183,11 +183,16 @@ def assert_ranks_equal(job: Job, reference: list[dict[str, Any]]) -> None:
         assert not d, f"rank {rank} differs from the failure-free run in {d}:\n{job.log()}"
 
 
-def check_resolved_exact(job: Job, reference: list[dict[str, Any]], timeout: float) -> list[dict[str, Any]]:
-    """The job ends with exit 0, every rank exact, every ledger event resolved with no step lost."""
+def ended_equal(job: Job, reference: list[dict[str, Any]], timeout: float) -> list[dict[str, Any]]:
+    """The job ends with exit 0 and every rank exact; its ledger's events."""
     assert job.wait(timeout=timeout) == 0, job.log()
     assert_ranks_equal(job, reference)
-    events = job.events()
+    return job.events()
+
+
+def check_resolved_exact(job: Job, reference: list[dict[str, Any]], timeout: float) -> list[dict[str, Any]]:
+    """The job ends with exit 0, every rank exact, every ledger event resolved with no step lost."""
+    events = ended_equal(job, reference, timeout)
     assert events and all(e["status"] == "resolved" and e["steps_lost"] == 0 for e in events), events
     return events
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tests.gpt_job import GPT, check_equal, gpt_job
-from tests.jobs import Job, assert_ranks_equal, state_diff
+from tests.jobs import Job, ended_equal, state_diff
 
 
 def _alive(pid: int) -> bool:
@@ -272,9 +272,7 @@ def test_the_rendezvous_store_killed_twice_and_a_rank_lost_before_it_is_back(tmp
         assert second != first
         os.kill(second, signal.SIGKILL)
         job.signal_rank(1, signal.SIGKILL)
-        assert job.wait(timeout=120) == 0, job.log()
-        assert_ranks_equal(job, reference)
-        events = job.events()
+        events = ended_equal(job, reference, timeout=120)
         assert [(e["kind"], e["status"], e["rank"], e["steps_lost"]) for e in events] == \
             [("unplanned", "resolved", 1, 0)], events
         assert job.log(tail=None).count("the rendezvous store is back") == 2, job.log()

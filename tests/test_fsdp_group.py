@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from baton.control.client import ApiError
-from tests.jobs import Job, assert_ranks_equal, check_resolved_exact, state_diff
+from tests.jobs import Job, check_resolved_exact, ended_equal, state_diff
 from tests.served import free_port
 
 HELPER = Path(__file__).resolve().parent / "fsdp_on_live_group.py"
@@ -176,9 +176,7 @@ def test_lost_fsdp_ranks_are_rebuilt_from_their_buddies_copies_bitwise(tmp_path,
                 os.kill(stopped, signal.SIGKILL)  # baton kills a hung rank itself; if not, no leftovers
             except ProcessLookupError:
                 pass
-        assert job.wait(timeout=240) == 0, job.log()
-        assert_ranks_equal(job, four_rank_reference)
-        events = job.events()
+        events = ended_equal(job, four_rank_reference, timeout=240)
         log = job.log(tail=None)
     finally:
         job.kill()
@@ -302,9 +300,7 @@ def _move_then_kill(tmp_path: Path, script: Path, nproc: int, args: list[str]) -
         job.wait_step(job.status()["ranks"][0]["step"] + 2, timeout=60)
         job.signal_rank(nproc - 1, signal.SIGKILL)
         job.wait_until(lambda s: _resolved(job, nproc - 1), timeout=120, what=f"rank {nproc - 1} rebuilt")
-        assert job.wait(timeout=240) == 0, job.log()
-        assert_ranks_equal(job, reference)
-        events = job.events()
+        events = ended_equal(job, reference, timeout=240)
         log = job.log(tail=None)
     finally:
         job.kill()

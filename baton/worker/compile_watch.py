@@ -66,27 +66,23 @@ def describe(broke: dict[str, str]) -> str:
 
 
 class CompileWatch:
-    """Checked at the end of each step and boundary function: a sum over dynamo's few
-    graph-break reasons, and more only in a step that registered something and broke a graph."""
+    """Checked at the end of each step and boundary function: a compare of dynamo's few
+    graph-break counts, and more only in a step that registered something and broke a graph."""
 
     def __init__(self) -> None:
         self.registrations = -1
         self.breaks: dict[str, int] = {}  # dynamo's graph breaks as the step began
-        self.total = 0
         self.seen: set[str] = set()  # late buffers already looked at
         self.broke: dict[str, str] = {}  # late buffer key -> the graph break its registration took
 
     def start(self, registrations: int) -> None:
         """The step loop begins: nothing registered so far was registered by one of its forwards."""
-        self.registrations, self.seen = registrations, set()
-        self.breaks = dict(graph_breaks())
-        self.total = sum(self.breaks.values())
+        self.registrations, self.breaks, self.seen = registrations, dict(graph_breaks()), set()
 
     def step_ended(self, registrations: int, late: Callable[[], list[tuple[str, torch.nn.Module]]],
                    models: Callable[[], Iterable[torch.nn.Module]]) -> None:
         """`late()`: (key, owning module) of every buffer registered since the loop began."""
         breaks = graph_breaks()
-        total = sum(breaks.values())
         if registrations != self.registrations:
             fresh = [(key, owner) for key, owner in late() if key not in self.seen]
             new_reasons = [r for r, n in breaks.items() if n > self.breaks.get(r, 0)]
@@ -94,8 +90,12 @@ class CompileWatch:
                 self._flag(fresh, first_line(new_reasons[0]), models())
             self.seen.update(key for key, _ in fresh)
             self.registrations = registrations
-        if total != self.total:
-            self.breaks, self.total = dict(breaks), total
+        if breaks != self.breaks:
+            self.breaks = dict(breaks)
+
+    def adopted(self, keys: Iterable[str]) -> None:
+        """Buffers registered before a forward (given by a source), not by one."""
+        self.seen.update(keys)
 
     def _flag(self, fresh: list[tuple[str, torch.nn.Module]], reason: str, models: Iterable[torch.nn.Module]) -> None:
         compiled = compiled_module_ids(models)

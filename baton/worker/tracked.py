@@ -299,7 +299,7 @@ class Tracked:
                 continue  # made here too (its value is compared: module_state)
             owner.register_buffer(attr, value.clone(), persistent=key in persistent)
             added.append(key)
-        self.compile_watch.seen.update(added)  # registered here, by no forward
+        self.compile_watch.adopted(added)
         return added
 
     def models(self) -> dict[str, torch.nn.Module]:
