@@ -181,7 +181,9 @@ def run_ddp(args) -> None:
             os.replace(tmp, ckpt_dir / f"step-{done}.pt")
             progress.emit("save", step=done, save_s=time.perf_counter() - t0)
     _finish(progress, rank, model.module, args)
-    dist.destroy_process_group()
+    from baton.examples import plain_exit
+
+    plain_exit.leave()  # past gloo's exit-time abort (see there), as baton's workers end
 
 
 def run_baton(args) -> None:

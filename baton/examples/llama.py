@@ -36,6 +36,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import baton
+from baton.examples import plain_exit
 
 
 @dataclass
@@ -300,8 +301,7 @@ def main() -> None:
                 progress.write(f"{step + 1} {time.time():.6f}\n")
         if args.out:
             save_state(args.out, rank, model, optimizer, scheduler)
-        dist.destroy_process_group()
-        return
+        plain_exit.leave()
 
     job.track(model=model, optimizer=optimizer, scheduler=scheduler)
     job.every(args.eval_every)(lambda b: evaluate(b.step))

@@ -24,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import baton
+from baton.examples import plain_exit
 
 
 class Net(nn.Module):
@@ -108,7 +109,7 @@ def main() -> None:
                 train_step(model, optimizer, images, target)
             scheduler.step()
         save_state(args.out, rank, net, optimizer, scheduler)
-        dist.destroy_process_group()
+        plain_exit.leave()
     else:
         job.track(data=loader)  # baton calls sampler.set_epoch(epoch) itself
 

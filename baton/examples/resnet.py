@@ -37,6 +37,7 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
 
 import baton
+from baton.examples import plain_exit
 
 
 class ResidualBlock(nn.Module):
@@ -235,8 +236,7 @@ def main() -> None:
             best = end_of_epoch(epoch, best)
         if args.out:
             save_state(args.out, rank, model, optimizer, scheduler, scaler, best)
-        dist.destroy_process_group()
-        return
+        plain_exit.leave()
 
     job.track(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, data=loader)
     kept = job.local(best=best)  # rank 0's best accuracy: its own, migrates from its own boundary
