@@ -214,3 +214,29 @@ def test_multi_node_flags_outside_slurm_are_refused_before_anything_starts(tmp_p
                          capture_output=True, text=True, timeout=60, env=env)
     assert out.returncode != 0 and expect in out.stderr, out.stderr
     assert not (tmp_path / "run").exists()  # refused before the run directory was made
+
+
+def test_a_report_cut_off_by_its_senders_death_leaves_no_traceback(running):
+    """A worker killed -9 while it posts a report leaves the request's body half sent; its
+    loss is handled where its exit is seen, so the control plane neither fails nor logs a
+    traceback for it (they once buried the lines a user needs at the end of a failed job)."""
+    import socket
+    import time
+    from urllib.parse import urlsplit
+
+    url = urlsplit(running.client.url)
+    token = (running.run_dir / "token").read_text()
+    before = running.status()
+    for _ in range(3):
+        with socket.create_connection((url.hostname, url.port)) as s:
+            s.sendall(f"POST /v1/workers/w0/reports HTTP/1.1\r\nHost: {url.netloc}\r\n"
+                      f"Authorization: Bearer {token}\r\ncontent-type: application/json\r\n"
+                      f"Content-Length: 100000\r\n\r\n{{\"type\": \"heart".encode())
+            time.sleep(0.2)
+    time.sleep(1.0)
+    log = running.log(tail=None)
+    assert "Exception in ASGI application" not in log and "ClientDisconnect" not in log, log[-4000:]
+    after = running.status()
+    assert after["state"] == "running" and after["operation"] is None
+    assert [(r["rank"], r["pid"]) for r in after["ranks"]] == [(r["rank"], r["pid"]) for r in before["ranks"]]
+    assert running.events() == []

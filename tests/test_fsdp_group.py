@@ -233,11 +233,11 @@ def test_a_survivor_whose_shards_differ_from_its_buddys_copy_stops_the_job(tmp_p
         job.wait_step(5, timeout=120)
         job.signal_rank(2, signal.SIGKILL)
         code = job.wait(timeout=120)
-        log = job.log()
-        assert "injected: rank 0 corrupted one value of its shards in a recovery" in log, log
+        log = job.log(tail=None)  # the injection's line is early; the end may be long
+        assert "injected: rank 0 corrupted one value of its shards in a recovery" in log, log[-6000:]
         by_buddy = "rank 0's FSDP2 shards differ from the copy of its snapshot" in log and "that rank(s) [1] hold" in log
         by_own = "rank 0's FSDP2 shards differ from its own snapshot of step" in log
-        assert code != 0 and (by_own if copies == "none-yet" else by_buddy or by_own), log
+        assert code != 0 and (by_own if copies == "none-yet" else by_buddy or by_own), log[-6000:]
         assert any(e["kind"] == "divergence" and e["status"] == "failed" for e in job.events()), job.events()
     finally:
         job.kill()

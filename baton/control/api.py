@@ -20,6 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pydantic import ValidationError
@@ -78,6 +79,12 @@ def json_errors(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return JSONResponse({"error": str(exc.detail)}, status_code=exc.status_code)
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(_: Request, __: ClientDisconnect) -> Response:
+        # A worker killed while it sent a report (a lost rank, a spare stopped at the end):
+        # its loss is handled where its exit is seen, and no traceback belongs in the log.
+        return Response(status_code=499)
 
 
 def create_app(orch: Orchestrator, token: str, beat_addr: tuple[str, int] | None = None,
