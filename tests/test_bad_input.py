@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
+import time
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -220,10 +223,6 @@ def test_a_report_cut_off_by_its_senders_death_leaves_no_traceback(running):
     """A worker killed -9 while it posts a report leaves the request's body half sent; its
     loss is handled where its exit is seen, so the control plane neither fails nor logs a
     traceback for it (they once buried the lines a user needs at the end of a failed job)."""
-    import socket
-    import time
-    from urllib.parse import urlsplit
-
     url = urlsplit(running.client.url)
     token = (running.run_dir / "token").read_text()
     before = running.status()

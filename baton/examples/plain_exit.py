@@ -14,18 +14,16 @@ baton's workers end the same way after `job.finish()`; this is the torchrun twin
 from __future__ import annotations
 
 import logging
-import os
-import sys
 from typing import NoReturn
 
 import torch.distributed as dist
+
+from baton.worker.runtime import exit_quietly
 
 
 def leave(code: int = 0) -> NoReturn:
     """Destroy the process groups, flush what the script printed and logged, and exit."""
     if dist.is_initialized():
         dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
     logging.shutdown()
-    os._exit(code)
+    exit_quietly(code)

@@ -370,10 +370,8 @@ EXIT_PEER_LOST = 75
 
 
 def _exit_now() -> None:
-    sys.stdout.flush()
-    sys.stderr.flush()
     logging.shutdown()
-    os._exit(_EXIT_CODE[0])
+    exit_quietly(_EXIT_CODE[0])
 
 
 def _exit_with(code: Any = 0) -> None:

@@ -26,7 +26,7 @@ import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -1160,7 +1160,10 @@ def _ports_of(url: str, store: str) -> set[int]:
     return ports
 
 
-def exit_quietly(code: int) -> None:
+def exit_quietly(code: int) -> NoReturn:
+    """Flush what was printed and leave now, without interpreter teardown: gloo's threads
+    could still be dropping a collective's tensors then and abort the process
+    (baton/examples/plain_exit.py says how)."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
