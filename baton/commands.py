@@ -80,9 +80,16 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--control-grace", type=float, default=600.0, metavar="S",
                    help="with --server: how long the job keeps training and retrying while the server is "
                         "unreachable (restart, failover), default 600")
+    p.add_argument("--no-migration", action="store_true",
+                   help="a script that does not use baton: run it as torchrun would, with no moves; the first "
+                        "failure ends the job promptly (restart from your own checkpoint)")
     p.add_argument("script", help="training script")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     p.set_defaults(func=cmd_run)
+
+    from baton.transparent import explain
+
+    explain.add_parser(sub)
 
     p = sub.add_parser("serve", help="run the control plane as a service for several jobs (`baton run --server`)",
                        description="Orchestrators for every attached job, state in SQLite or etcd; "
@@ -175,6 +182,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     script_args = list(args.script_args)
     if script_args and script_args[0] == "--":
         script_args = script_args[1:]
+    refused = _no_code_mode(args, script_args)
+    if refused is not None:
+        return refused
     opts = RunOptions(script=args.script, script_args=script_args, nproc=args.nproc, spares=args.spares,
                       slots=args.slots, run_dir=args.run_dir or default_dir(),
                       op_timeout_s=args.op_timeout, heartbeat_timeout_s=args.heartbeat_timeout,
@@ -193,6 +203,34 @@ def cmd_run(args: argparse.Namespace) -> int:
         return run_attached(opts, ServerOptions(urls=args.server, admin_token=_server_token(args.server_token_file),
                                                 priority=args.priority, grace_s=args.control_grace))
     return run(opts)
+
+
+def _no_code_mode(args: argparse.Namespace, script_args: list[str]) -> int | None:
+    """A script that does not use baton: run it with --no-migration, else refuse it before anything
+    starts (this version cannot move its ranks yet). None: a model-aware script, run as usual."""
+    from baton.transparent import no_migration
+    from baton.transparent.mode import MODEL_AWARE, NO_CODE_STATUS, mode_of
+
+    if not Path(args.script).is_file():
+        return None  # the launcher says so
+    try:
+        model_aware = mode_of(args.script) == MODEL_AWARE
+    except SyntaxError:
+        return None  # its first worker shows the error with its traceback, and the job ends
+    if not args.no_migration:
+        if model_aware:
+            return None
+        return _fail(f"{args.script} does not import baton (no code change). {NO_CODE_STATUS} "
+                     f"`baton explain {args.script}` shows its step loop and what it carries.", 2)
+    if model_aware:
+        return _fail(f"--no-migration runs scripts that do not use baton; {args.script} imports it (run it "
+                     "without --no-migration)", 2)
+    if args.server or args.scheduler == "slurm" or (args.nodes or 1) > 1:
+        return _fail("--no-migration runs the ranks on this machine only (no --server, --scheduler slurm "
+                     "or --nodes)", 2)
+    if args.nproc < 1:
+        return _fail("--nproc must be at least 1", 2)
+    return no_migration.run(args.script, script_args, args.nproc)
 
 
 _DEFAULT_SERVER_TOKEN = Path(".baton-serve/token")

@@ -164,9 +164,17 @@ def test_an_error_before_init_fails_fast_with_its_traceback(tmp_path, source, ex
 
 
 def test_a_script_that_never_calls_init_gets_told_what_to_add(tmp_path):
-    out = _run(tmp_path, "import torch\nprint('training without baton')\n")
+    out = _run(tmp_path, "import torch, baton\nprint('training without baton')\n")
     assert out.returncode == 1, out.stderr
     assert "without calling baton.init()" in out.stderr and "job = baton.init()" in out.stderr
+
+
+def test_a_script_without_baton_is_refused_before_anything_starts(tmp_path):
+    """No worker trains alone: a torchrun script is told, at once, what this version does with it."""
+    out = _run(tmp_path, "import torch\nprint('training without baton')\n")
+    assert out.returncode == 2, out.stderr
+    assert "does not import baton" in out.stderr and "--no-migration" in out.stderr
+    assert "baton explain" in out.stderr and "training without baton" not in out.stdout + out.stderr
 
 
 def test_script_outside_baton_run_gets_a_clear_error(tmp_path):

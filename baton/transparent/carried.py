@@ -1,0 +1,171 @@
+"""What a loop's variables hold, and whether a rank's successor can be given it.
+
+A spare that takes over a rank runs the script's setup again, so what the setup built
+(the model, the optimizer, the loaders, imported modules, functions) exists in it
+already: models, optimizers, schedulers and scalers move through their state_dict, a
+loader's position is replayed. What a loop carries from one iteration to the next has
+to be handed over by value: counters, best metrics, running sums, a prefetched batch,
+meters, attributes of `self`. Only plain values and tensors cross a socket (never a
+pickle), so each value is classified here: carried as it is, carried attribute by
+attribute (an object of plain values, such as a meter), rebuilt by the setup, or refused
+(an open file, a lambda, a generator), with the reason.
+"""
+
+from __future__ import annotations
+
+import datetime
+import decimal
+import enum
+import fractions
+import io
+import pathlib
+import random
+import socket
+import subprocess
+import threading
+import types
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, enum.Enum, datetime.date, datetime.time,
+          datetime.timedelta, decimal.Decimal, fractions.Fraction, pathlib.PurePath, range, slice)
+_RNG = (torch.Generator, random.Random)
+_SETUP = (types.ModuleType, type, types.BuiltinFunctionType, types.MethodType, types.MethodWrapperType,
+          torch.device, torch.dtype)
+_OS_RESOURCES = (io.IOBase, socket.socket, threading.Thread, subprocess.Popen, type(threading.Lock()),
+                 type(threading.RLock()))
+_MAX_DEPTH = 4
+
+
+class Kind(str, enum.Enum):
+    PLAIN = "value"  # numbers, strings, and lists/tuples/dicts of them (tensors included)
+    TENSOR = "tensor"
+    ARRAY = "numpy"
+    RECORD = "object"  # attributes carried one by one
+    STATE = "state"  # moves through state_dict (model, optimizer, scheduler, scaler, generator)
+    LOADER = "loader"  # a DataLoader or its iterator: its position is replayed
+    SETUP = "setup"  # rebuilt by the successor's own setup
+    REFUSED = "refused"
+
+
+@dataclass(frozen=True)
+class Classified:
+    kind: Kind
+    detail: str  # what it is, for a person: "int", "Tensor[8, 16] int64", "AverageMeter: sum, count"
+    why: str = ""  # REFUSED: why it cannot be carried
+
+
+def _state_types() -> tuple[type, ...]:
+    from torch.optim.lr_scheduler import LRScheduler
+
+    out: list[type] = [torch.nn.Module, torch.optim.Optimizer, LRScheduler, torch.amp.GradScaler, *_RNG]
+    try:
+        import numpy as np
+
+        out += [np.random.Generator, np.random.RandomState]
+    except ImportError:  # pragma: no cover - numpy is a dependency
+        pass
+    return tuple(out)
+
+
+def _loader_types() -> tuple[type, ...]:
+    from torch.utils.data import DataLoader, Dataset, Sampler
+    from torch.utils.data.dataloader import _BaseDataLoaderIter
+
+    return DataLoader, _BaseDataLoaderIter, Dataset, Sampler
+
+
+def _is_setup_object(value: Any) -> bool:
+    if isinstance(value, _SETUP):
+        return True
+    if isinstance(value, types.FunctionType):
+        return "<locals>" not in value.__qualname__ and value.__name__ != "<lambda>"
+    module = type(value).__module__ or ""
+    # torch's own helpers (autocast contexts, process groups, device meshes) and contexts
+    return module.startswith(("torch.distributed", "contextlib")) or type(value).__name__ in ("autocast",)
+
+
+def _tensor_detail(t: torch.Tensor) -> str:
+    return f"Tensor{list(t.shape)} {str(t.dtype).removeprefix('torch.')}"
+
+
+def classify(value: Any, setup_resources: bool = False, _depth: int = 0,
+             _seen: set[int] | None = None) -> Classified:
+    """What `value` is, as far as handing it to a successor goes. With `setup_resources`
+    (an object the setup built, not the loop), an open file or lock inside it is the
+    setup's too: the successor's setup opens its own."""
+    seen = _seen if _seen is not None else set()
+    if isinstance(value, torch.nn.Parameter):
+        return Classified(Kind.STATE, "Parameter (moves with its model)")
+    if isinstance(value, torch.Tensor):
+        return Classified(Kind.TENSOR, _tensor_detail(value))
+    if isinstance(value, _PLAIN):
+        return Classified(Kind.PLAIN, type(value).__name__)
+    try:
+        import numpy as np
+
+        if isinstance(value, (np.ndarray, np.generic)):
+            return Classified(Kind.ARRAY, f"{type(value).__name__} {getattr(value, 'shape', '')}".strip())
+    except ImportError:  # pragma: no cover
+        pass
+    if isinstance(value, _state_types()):
+        return Classified(Kind.STATE, type(value).__name__)
+    if isinstance(value, _loader_types()):
+        return Classified(Kind.LOADER, type(value).__name__)
+    if isinstance(value, (types.GeneratorType, types.CoroutineType, types.AsyncGeneratorType)):
+        return Classified(Kind.REFUSED, type(value).__name__,
+                          "a generator's position lives in its suspended frame, which cannot be saved or rebuilt")
+    if isinstance(value, types.FunctionType) and not _is_setup_object(value):
+        return Classified(Kind.REFUSED, value.__qualname__,
+                          "a lambda or nested function made here closes over values baton cannot hand over")
+    if isinstance(value, _OS_RESOURCES):
+        if setup_resources:
+            return Classified(Kind.SETUP, type(value).__name__)
+        return Classified(Kind.REFUSED, type(value).__name__,
+                          "an operating-system resource (open file, socket, thread, lock, process) cannot move "
+                          "to another process")
+    if _is_setup_object(value):
+        return Classified(Kind.SETUP, type(value).__name__ if not callable(value) else
+                          getattr(value, "__qualname__", type(value).__name__))
+    if id(value) in seen or _depth >= _MAX_DEPTH:
+        return Classified(Kind.RECORD, type(value).__name__)
+    seen.add(id(value))
+    if isinstance(value, (list, tuple, dict, set, frozenset)):
+        return _container(value, setup_resources, _depth, seen)
+    if hasattr(value, "__next__"):
+        return Classified(Kind.REFUSED, type(value).__name__,
+                          "an iterator whose position baton cannot read or rebuild")
+    attrs = getattr(value, "__dict__", None)
+    if not isinstance(attrs, dict):
+        return Classified(Kind.REFUSED, type(value).__name__,
+                          "an object without attributes baton can read (no __dict__)")
+    carried = []
+    for name, attr in attrs.items():
+        got = classify(attr, setup_resources, _depth + 1, seen)
+        if got.kind is Kind.REFUSED:
+            return Classified(Kind.REFUSED, f"{type(value).__name__}.{name}: {got.detail}", got.why)
+        if got.kind in (Kind.PLAIN, Kind.TENSOR, Kind.ARRAY, Kind.RECORD):
+            carried.append(name)
+    shown = ", ".join(carried[:6]) + (", ..." if len(carried) > 6 else "")
+    return Classified(Kind.RECORD, f"{type(value).__name__}: {shown}" if carried else type(value).__name__)
+
+
+def _container(value: Any, setup_resources: bool, depth: int, seen: set[int]) -> Classified:
+    items = list(value.items()) if isinstance(value, dict) else list(enumerate(value))
+    kinds = set()
+    for key, item in items:
+        got = classify(item, setup_resources, depth + 1, seen)
+        if got.kind is Kind.REFUSED:
+            return Classified(Kind.REFUSED, f"{type(value).__name__}[{key!r}]: {got.detail}", got.why)
+        kinds.add(got.kind)
+    detail = f"{type(value).__name__} of {len(items)}"
+    if kinds & {Kind.RECORD}:
+        return Classified(Kind.RECORD, detail)
+    if kinds <= {Kind.PLAIN, Kind.TENSOR, Kind.ARRAY}:
+        return Classified(Kind.PLAIN, detail)
+    return Classified(Kind.STATE if Kind.STATE in kinds else Kind.SETUP, detail)
+
+
+CARRIED_KINDS = (Kind.PLAIN, Kind.TENSOR, Kind.ARRAY, Kind.RECORD)

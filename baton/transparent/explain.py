@@ -1,0 +1,154 @@
+"""`baton explain script.py [args]`: what baton will do with a script, without training.
+
+The script runs as torchrun would start it (`--nproc` processes, gloo on loopback), its own
+modules instrumented, up to its first `optimizer.step()`, which never runs: every rank
+stops there, before any parameter changes. Rank 0 reads the stack and writes the report
+(`analysis.Report`, JSON) for this process, which prints it. The exit code is 0 when the
+script can run with no code change, 1 when something is refused or the script failed
+before its first step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from baton.transparent.mode import MODEL_AWARE, mode_of
+from baton.transparent.torchrun_env import free_port, torchrun_env
+
+ENV_OUT = "BATON_EXPLAIN_OUT"
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("explain", help="say what baton will do with a script, without training",
+                       description="Run a torchrun script up to its first optimizer.step() (which does not run) "
+                                   "and print its step loop, the loops around it, what they carry, and what "
+                                   "baton refuses and why.")
+    p.add_argument("--nproc", "--nproc-per-node", "--nproc_per_node", dest="nproc", type=int, default=1,
+                   help="ranks to start it with, as torchrun would (default 1)")
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds the script may take to reach its first optimizer.step(), default 600")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("script")
+    p.add_argument("script_args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    console = Console(highlight=False, width=None if sys.stdout.isatty() else 120)
+    if args.nproc < 1:
+        raise SystemExit("baton explain: --nproc must be at least 1")
+    if not Path(args.script).is_file():
+        raise SystemExit(f"baton explain: script not found: {args.script}")
+    try:
+        model_aware = mode_of(args.script) == MODEL_AWARE
+    except SyntaxError:
+        model_aware = False  # its run below shows the error with its traceback
+    if model_aware:
+        console.print(f"{args.script} imports baton: it runs in the model-aware mode (its own `baton.init()`, "
+                      "`job.steps()` and boundary functions); `baton explain` describes scripts that do not.")
+        return 0
+    with tempfile.TemporaryDirectory(prefix="baton-explain-") as tmp:
+        out = Path(tmp) / "report.json"
+        code = _run_ranks(args, out)
+        if not out.exists():
+            console.print(f"[bold red]baton explain:[/] {args.script} ended (exit code {code}) before its first "
+                          "optimizer.step(); its own output is above")
+            return code or 1
+        from baton.transparent.analysis import Report
+
+        report = Report.model_validate_json(out.read_text())
+    if args.json:
+        print(report.model_dump_json(indent=2))
+    else:
+        from baton.transparent.render import render
+
+        render(report, console)
+    return 1 if report.refusals else 0
+
+
+def _run_ranks(args: argparse.Namespace, out: Path) -> int:
+    port = free_port()
+    procs = []
+    for rank in range(args.nproc):
+        env = {**os.environ, **torchrun_env(rank, args.nproc, "127.0.0.1", port, "baton-explain"), ENV_OUT: str(out)}
+        env.setdefault("OMP_NUM_THREADS", "1")
+        procs.append(subprocess.Popen([sys.executable, "-m", "baton.transparent.explain", args.script,
+                                       *args.script_args], env=env, start_new_session=True))
+    deadline = time.monotonic() + args.timeout
+    codes: list[int | None] = [None] * len(procs)
+    try:
+        while any(c is None for c in codes):
+            for i, p in enumerate(procs):
+                codes[i] = p.poll()
+            failed = [c for c in codes if c not in (None, 0)]
+            if failed or time.monotonic() > deadline:
+                if not failed:
+                    print(f"baton explain: the script did not reach its first optimizer.step() within "
+                          f"{args.timeout:.0f}s (--timeout)", file=sys.stderr)
+                break
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    return next((c for c in codes if c), 0) or 0
+
+
+class _Explained(BaseException):
+    """Stops the script at its first optimizer.step(): a BaseException, so the script's own
+    `except Exception` does not take it for one of its errors."""
+
+
+def _child(script: str, args: list[str]) -> int:
+    """One rank: run the script instrumented; at its first optimizer.step(), report and stop."""
+    import torch
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    from baton.transparent import analysis, nest
+    from baton.transparent.importer import ScriptModules, run_script, script_dir_of
+
+    modules = ScriptModules(script_dir_of(script))
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+    def stop(_opt: torch.optim.Optimizer, *_: object) -> None:
+        if rank == 0:
+            found = nest.find(sys._getframe(1), modules)
+            report = analysis.build(found, script, args, world)
+            Path(os.environ[ENV_OUT]).write_text(report.model_dump_json())
+        raise _Explained
+
+    register_optimizer_step_pre_hook(stop)
+    try:
+        run_script(script, args)
+    except _Explained:
+        return 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if exc.code not in (None, 0) and not isinstance(exc.code, int):
+            print(exc.code, file=sys.stderr)
+        return code or 3  # it ended without stepping an optimizer: nothing to explain
+    return 3
+
+
+if __name__ == "__main__":
+    from baton.worker.runtime import exit_quietly
+
+    try:
+        rc = _child(sys.argv[1], sys.argv[2:])
+    except BaseException:  # noqa: BLE001 - the script's own error, shown as python would show it
+        import traceback
+
+        traceback.print_exc()
+        rc = 1
+    exit_quietly(rc)  # the script's gloo threads may still hold tensors (see baton/examples/plain_exit.py)

@@ -1,0 +1,121 @@
+"""`baton run --no-migration`: a torchrun script run as torchrun would, with no moves.
+
+For scripts this version cannot move (see `baton explain`): every rank starts with
+torchrun's environment, and the first failure ends the job promptly, with what failed
+and what to do, instead of leaving the others waiting in a collective until its timeout
+or restarting anything: the user restarts from their own checkpoint. A failure is a rank
+that exits non-zero or is killed, or one that is stopped (SIGSTOP: it can make no
+progress and its peers would wait for it). A rank that exits 0 while others still run is
+the script's own business, as under torchrun.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+from baton.transparent.torchrun_env import free_port, torchrun_env
+
+PR_SET_PDEATHSIG = 1
+POLL_S = 0.1
+GRACE_S = 5.0
+
+
+@dataclass(frozen=True)
+class Failure:
+    rank: int
+    pid: int
+    what: str  # "exited with code 3", "was killed by SIGKILL", "is stopped (SIGSTOP)"
+    code: int  # the job's exit code
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: the kernel kills it if this launcher dies (even by SIGKILL)."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def _stopped(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
+def _failure(rank: int, proc: subprocess.Popen) -> Failure | None:
+    code = proc.poll()
+    if code is None:
+        return Failure(rank, proc.pid, "is stopped (SIGSTOP): it makes no progress and its peers wait for it",
+                       1) if _stopped(proc.pid) else None
+    if code == 0:
+        return None
+    if code < 0:
+        return Failure(rank, proc.pid, f"was killed by {signal.Signals(-code).name}", 1)
+    return Failure(rank, proc.pid, f"exited with code {code}", code)
+
+
+def run(script: str, args: list[str], nproc: int, env: dict[str, str] | None = None) -> int:
+    """Run `nproc` ranks of `script`; the job's exit code (0 when every rank exits 0)."""
+    port = free_port()
+    procs: list[subprocess.Popen] = []
+    interrupted: list[int] = []
+
+    def on_signal(signum: int, _frame: object) -> None:
+        interrupted.append(signum)
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for rank in range(nproc):
+            child_env = {**os.environ, **(env or {}), **torchrun_env(rank, nproc, "127.0.0.1", port, "baton")}
+            child_env.setdefault("OMP_NUM_THREADS", "1")
+            procs.append(subprocess.Popen([sys.executable, script, *args], env=child_env,
+                                          start_new_session=True, preexec_fn=_die_with_parent))
+        print(f"[baton] {nproc} rank(s) of {script} started with --no-migration: nothing moves; the first "
+              "failure ends the job", file=sys.stderr, flush=True)
+        while True:
+            if interrupted:
+                print(f"[baton] received signal {interrupted[0]}: stopping the job", file=sys.stderr, flush=True)
+                _stop(procs, signal.Signals(interrupted[0]))
+                return 128 + interrupted[0]
+            failures = [f for rank, p in enumerate(procs) if (f := _failure(rank, p)) is not None]
+            if failures:
+                first = failures[0]
+                print(f"[baton] rank {first.rank} (pid {first.pid}) {first.what}. With --no-migration nothing "
+                      "moves: the job stops now. Restart it from your own checkpoint (or run it without "
+                      "--no-migration once `baton explain` refuses nothing).", file=sys.stderr, flush=True)
+                _stop(procs, signal.SIGTERM)
+                return first.code
+            if all(p.poll() == 0 for p in procs):
+                return 0
+            time.sleep(POLL_S)
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+        _stop(procs, signal.SIGKILL)
+
+
+def _stop(procs: list[subprocess.Popen], sig: signal.Signals) -> None:
+    """Signal every rank's process group; SIGKILL what is left after the grace."""
+    live = [p for p in procs if p.poll() is None]
+    for p in live:
+        try:
+            os.killpg(p.pid, sig)
+            if sig != signal.SIGKILL:
+                os.killpg(p.pid, signal.SIGCONT)  # a stopped rank cannot act on SIGTERM otherwise
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + GRACE_S
+    for p in live:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()

@@ -1,0 +1,151 @@
+"""Rewrite a module's loops so the running loops can be seen, as pytest rewrites asserts.
+
+Each `for` and `while` statement becomes
+
+    __baton_loops__.enter(ID)
+    try:
+        for x in __baton_loops__.iterate(ID, <iter>):      # while __baton_loops__.head(ID) and <test>:
+            <body, rewritten>
+    finally:
+        __baton_loops__.leave(ID)
+
+so the runtime (`loops`) knows, at any moment, which loops each frame is in, how many
+iterations each has begun and what it iterates over. Nothing else changes: the body,
+`break`/`continue`/`else`, line numbers and tracebacks are the script's own. `ID` names a
+`LoopSite` holding what the source says about the loop (the names it binds, its
+statements), which the runtime cannot see.
+"""
+
+from __future__ import annotations
+
+import ast
+from typing import Iterable
+
+from baton.transparent.sites import SITES, LoopSite, Statement
+
+HOOKS = "__baton_loops__"  # the name rewritten code calls; the loader puts the runtime there
+_SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)
+_COMPREHENSIONS = (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
+
+
+def rewrite(source: str | bytes, filename: str) -> ast.Module:
+    """The module's syntax tree with every loop instrumented (SyntaxError as compile gives it)."""
+    tree = ast.parse(source, filename=filename)
+    tree = _Instrument(filename).visit(tree)
+    return ast.fix_missing_locations(tree)
+
+
+def compile_instrumented(source: str | bytes, filename: str) -> object:
+    return compile(rewrite(source, filename), filename, "exec", dont_inherit=True)
+
+
+def _own_nodes(nodes: Iterable[ast.AST]) -> Iterable[ast.AST]:
+    """Every node under `nodes` that belongs to their scope (not inside a nested function,
+    class, lambda or comprehension, whose names are their own); nested scopes themselves
+    are yielded, not entered."""
+    stack = list(nodes)[::-1]
+    while stack:
+        node = stack.pop()
+        yield node
+        if isinstance(node, _SCOPES + _COMPREHENSIONS):
+            continue
+        stack.extend(reversed(list(ast.iter_child_nodes(node))))
+
+
+def _root_name(node: ast.AST) -> str | None:
+    while isinstance(node, (ast.Attribute, ast.Subscript)):
+        node = node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def names_of(nodes: Iterable[ast.AST]) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+    """The names `nodes` bind in their own scope, those whose attributes or items they
+    assign (`self.best = ...`, `stats[k] += ...`), and those they read, each in order of
+    first appearance."""
+    bound: dict[str, None] = {}
+    mutated: dict[str, None] = {}
+    read: dict[str, None] = {}
+    for node in _own_nodes(nodes):
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
+            read[node.id] = None
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            bound[node.id] = None
+        elif isinstance(node, (ast.Attribute, ast.Subscript)) and isinstance(node.ctx, ast.Store):
+            root = _root_name(node)
+            if root is not None:
+                mutated[root] = None
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound[node.name] = None
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            for alias in node.names:
+                if alias.name != "*":
+                    bound[alias.asname or alias.name.split(".")[0]] = None
+    return tuple(bound), tuple(mutated), tuple(read)
+
+
+def _short(text: str, limit: int = 80) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _statement(node: ast.stmt) -> Statement:
+    calls = []
+    for sub in _own_nodes([node]):
+        if isinstance(sub, ast.Call):
+            name = _short(ast.unparse(sub.func), 40)
+            if name not in calls:
+                calls.append(name)
+    return Statement(line=node.lineno, end_line=node.end_lineno or node.lineno,
+                     text=_short(ast.unparse(node).splitlines()[0]),
+                     calls=tuple(calls))
+
+
+def _hook_call(method: str, *args: ast.expr) -> ast.Call:
+    return ast.Call(func=ast.Attribute(value=ast.Name(id=HOOKS, ctx=ast.Load()), attr=method, ctx=ast.Load()),
+                    args=list(args), keywords=[])
+
+
+class _Instrument(ast.NodeTransformer):
+    def __init__(self, filename: str):
+        self.filename = filename
+        self.scopes: list[str] = []
+
+    # Scope names, for the report ("Trainer._run_epoch").
+    def _scoped(self, node: ast.AST) -> ast.AST:
+        self.scopes.append(node.name)  # type: ignore[attr-defined]
+        try:
+            return self.generic_visit(node)
+        finally:
+            self.scopes.pop()
+
+    visit_FunctionDef = visit_AsyncFunctionDef = visit_ClassDef = _scoped
+
+    def visit_For(self, node: ast.For) -> list[ast.stmt]:
+        site = self._site(node, "for", f"for {ast.unparse(node.target)} in {ast.unparse(node.iter)}",
+                          [node.target, *node.body, *node.orelse])
+        self.generic_visit(node)
+        node.iter = ast.copy_location(_hook_call("iterate", ast.Constant(site.id), node.iter), node.iter)
+        return self._wrapped(node, site)
+
+    def visit_While(self, node: ast.While) -> list[ast.stmt]:
+        site = self._site(node, "while", f"while {ast.unparse(node.test)}", [*node.body, *node.orelse])
+        self.generic_visit(node)
+        head = ast.copy_location(_hook_call("head", ast.Constant(site.id)), node.test)
+        node.test = ast.copy_location(ast.BoolOp(op=ast.And(), values=[head, node.test]), node.test)
+        return self._wrapped(node, site)
+
+    def _site(self, node: ast.For | ast.While, kind: str, header: str, parts: list[ast.AST]) -> LoopSite:
+        assigned, mutated, reads = names_of(parts)
+        targets = names_of([node.target])[0] if isinstance(node, ast.For) else ()
+        scope = ".".join(self.scopes) or "<module>"
+        return SITES.add(lambda sid: LoopSite(
+            id=sid, file=self.filename, line=node.lineno, col=node.col_offset, kind=kind, scope=scope,
+            header=_short(header), targets=targets, assigned=assigned, mutated=mutated, reads=reads,
+            body=tuple(_statement(s) for s in node.body)))
+
+    @staticmethod
+    def _wrapped(node: ast.For | ast.While, site: LoopSite) -> list[ast.stmt]:
+        enter = ast.copy_location(ast.Expr(_hook_call("enter", ast.Constant(site.id))), node)
+        leave = ast.copy_location(ast.Expr(_hook_call("leave", ast.Constant(site.id))), node)
+        guarded = ast.copy_location(ast.Try(body=[node], handlers=[], orelse=[], finalbody=[leave]), node)
+        return [enter, guarded]

@@ -1,0 +1,69 @@
+"""What the instrumentation learned about each loop of the script, before it ran.
+
+A `LoopSite` is one `for`/`while` statement in one of the script's own modules: where it
+is, what it iterates over, which names its body assigns (the candidates for what the
+loop carries from one iteration to the next), and its top-level statements (so the
+regions before and after an inner loop can be named). Sites are numbered in the order
+they are instrumented; rewritten code refers to them by that number.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class Statement:
+    """One top-level statement of a loop's body: its lines and a one-line summary."""
+
+    line: int
+    end_line: int
+    text: str
+    calls: tuple[str, ...] = ()  # the functions and methods it calls, as written ("validate", "scheduler.step")
+
+
+@dataclass(frozen=True)
+class LoopSite:
+    id: int
+    file: str
+    line: int
+    col: int
+    kind: str  # "for" | "while"
+    scope: str  # the enclosing function's qualified name, or "<module>"
+    header: str  # "for x in <iter>" / "while <test>", shortened
+    targets: tuple[str, ...]  # names a for loop's target binds: each iteration's item
+    assigned: tuple[str, ...]  # names the loop (target, body, else) binds in its scope
+    mutated: tuple[str, ...]  # names whose attributes or items the loop assigns (self.x = ..., d[k] = ...)
+    reads: tuple[str, ...]  # names the loop reads (a module-level loop's meters are globals it reads)
+    body: tuple[Statement, ...] = field(default=(), compare=False)
+
+    @property
+    def where(self) -> str:
+        return f"{self.file}:{self.line}"
+
+
+class SiteTable:
+    """Every site instrumented in this process, by number (append-only, thread-safe)."""
+
+    def __init__(self) -> None:
+        self._sites: list[LoopSite] = []
+        self._lock = threading.Lock()
+        self.files: set[str] = set()  # the files whose code was instrumented
+
+    def add(self, make: Callable[[int], LoopSite]) -> LoopSite:
+        with self._lock:
+            site = make(len(self._sites))
+            self._sites.append(site)
+            self.files.add(site.file)
+            return site
+
+    def __getitem__(self, sid: int) -> LoopSite:
+        return self._sites[sid]
+
+    def __len__(self) -> int:
+        return len(self._sites)
+
+
+SITES = SiteTable()
