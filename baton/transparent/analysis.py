@@ -132,7 +132,8 @@ def _summary(statement: Statement) -> str:
 def _carried(frame_loops: FrameLoops) -> tuple[list[CarriedReport], list[refusals.Refusal]]:
     """What the frame's loops carry: the names they bind or mutate (checked strictly), and
     objects of plain attributes the setup made that they use (meters, `self`)."""
-    values = frame_loops.frame.f_locals
+    frame = frame_loops.frame
+    values = {**{n: v for n, v in frame.f_globals.items() if n in frame.f_code.co_names}, **frame.f_locals}
     outer = frame_loops.loops[0]
     where = outer.site.where
     bound: dict[str, None] = {}

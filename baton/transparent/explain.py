@@ -146,9 +146,9 @@ if __name__ == "__main__":
 
     try:
         rc = _child(sys.argv[1], sys.argv[2:])
-    except BaseException:  # noqa: BLE001 - the script's own error, shown as python would show it
-        import traceback
+    except BaseException as exc:  # noqa: BLE001 - the script's own error, shown as python would show it
+        from baton.transparent.importer import print_script_error
 
-        traceback.print_exc()
+        print_script_error(exc)
         rc = 1
     exit_quietly(rc)  # the script's gloo threads may still hold tensors (see baton/examples/plain_exit.py)

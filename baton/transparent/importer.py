@@ -90,5 +90,16 @@ def run_script(script: str, args: Sequence[str]) -> None:
     exec(code, main.__dict__)  # noqa: S102 - the user's own script, as `python script.py` runs it
 
 
+def print_script_error(exc: BaseException) -> None:
+    """The script's traceback as `python script.py` prints it: without baton's frames above it."""
+    import traceback
+
+    tb = exc.__traceback__
+    here = Path(__file__).resolve().parents[1]
+    while tb is not None and Path(tb.tb_frame.f_code.co_filename).resolve().is_relative_to(here):
+        tb = tb.tb_next
+    traceback.print_exception(type(exc), exc, tb, file=sys.stderr)
+
+
 def script_dir_of(script: str) -> Path:
     return Path(os.path.abspath(script)).parent

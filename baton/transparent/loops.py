@@ -5,6 +5,12 @@ iterations. An entry remembers the frame it runs in: a loop inside a generator s
 entered while the generator is suspended, so the loops that enclose a point of the
 program are the entries whose frames are on that point's stack (`enclosing`), not
 simply the top of the list.
+
+A `Controller` (the no-code runtime) may be attached: it is told of every head before the
+next item is drawn (where a step boundary is), may hand a loop's variables back at a head
+(`restore`), and decides whether an exception out of a loop's body is a lost peer to
+absorb (`absorb`): the same iteration then runs again, on the same item. With none
+attached (`baton explain`), the loops behave exactly as written.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ import sys
 import threading
 from dataclasses import dataclass, field
 from types import FrameType
-from typing import Any, Iterator
+from typing import Any, Iterator, Protocol
 
 from baton.transparent.sites import SITES, LoopSite
 
@@ -25,10 +31,24 @@ class ActiveLoop:
     iterations: int = 0  # heads passed: the body of iteration `iterations - 1` is running
     iterable: Any = None  # a for loop's iterable, as the script wrote it
     iterator: Any = field(default=None, repr=False)  # what `iter(iterable)` gave
+    item: Any = field(default=None, repr=False)  # the item of the running iteration
+    again: bool = False  # hand `item` once more: the iteration runs again after a recovery
+    exhausted: bool = False  # end the loop at the next head (a successor reaching a loop's exit)
+
+
+class Controller(Protocol):
+    """The runtime's side; it sets `LOOPS.restoring` when it has values for a head."""
+
+    def before_item(self, loop: ActiveLoop) -> None: ...
+
+    def restore(self, loop: ActiveLoop) -> dict[str, Any] | None: ...
+
+    def absorb(self, loop: ActiveLoop, exc: BaseException) -> bool: ...
 
 
 class _Counted:
-    """A for loop's iterator: counts the items it hands out."""
+    """A for loop's iterator: counts the items it hands out, tells the controller of each
+    head first, and hands the same item again when an iteration re-runs."""
 
     __slots__ = ("_it", "_loop")
 
@@ -39,9 +59,25 @@ class _Counted:
         return self
 
     def __next__(self) -> Any:
-        item = next(self._it)
-        self._loop.iterations += 1
+        loop = self._loop
+        if loop.again:
+            loop.again = False
+            return loop.item
+        controller = LOOPS.controller
+        if controller is not None:
+            controller.before_item(loop)
+        if loop.exhausted:
+            loop.exhausted = False
+            raise StopIteration
+        loop.item = item = next(self._it)
+        loop.iterations += 1
         return item
+
+    def skip(self, n: int) -> None:
+        """Draw and drop `n` items (a successor replaying a loader to its rank's place)."""
+        for _ in range(n):
+            next(self._it)
+            self._loop.iterations += 1
 
 
 class Loops:
@@ -49,6 +85,8 @@ class Loops:
 
     def __init__(self) -> None:
         self._local = threading.local()
+        self.controller: Controller | None = None
+        self.restoring = False  # read at every head: the controller sets it when it has values to hand back
 
     @property
     def running(self) -> list[ActiveLoop]:
@@ -83,7 +121,26 @@ class Loops:
         return _Counted(loop.iterator, loop)
 
     def head(self, sid: int) -> bool:
-        self._current(sid, sys._getframe(1)).iterations += 1
+        loop = self._current(sid, sys._getframe(1))
+        if self.controller is not None:
+            self.controller.before_item(loop)
+        loop.iterations += 1
+        return True
+
+    def restore(self, sid: int) -> dict[str, Any] | None:
+        if self.controller is None:
+            return None
+        return self.controller.restore(self._current(sid, sys._getframe(1)))
+
+    def absorb(self, sid: int, exc: BaseException) -> bool:
+        if self.controller is None:
+            return False
+        loop = self._current(sid, sys._getframe(1))
+        if not self.controller.absorb(loop, exc):
+            return False
+        loop.again = loop.site.kind == "for"
+        if loop.site.kind == "while":
+            loop.iterations -= 1  # the head that follows begins the same iteration again
         return True
 
     def enclosing(self, frame: FrameType | None) -> list[ActiveLoop]:

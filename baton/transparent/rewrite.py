@@ -1,17 +1,30 @@
 """Rewrite a module's loops so the running loops can be seen, as pytest rewrites asserts.
 
-Each `for` and `while` statement becomes
+Each `for` statement becomes
 
     __baton_loops__.enter(ID)
     try:
-        for x in __baton_loops__.iterate(ID, <iter>):      # while __baton_loops__.head(ID) and <test>:
-            <body, rewritten>
+        for x in __baton_loops__.iterate(ID, <iter>):
+            if __baton_loops__.restoring:                    # rebind the loop's variables
+                __baton_v__ = __baton_loops__.restore(ID)    # (a successor at its rank's place,
+                ...                                          #  a survivor re-running an iteration)
+            try:
+                <body, rewritten>
+            except BaseException as __baton_e__:
+                if not __baton_loops__.absorb(ID, __baton_e__):
+                    raise
+                continue                                     # the same iteration again
+        else:
+            <else>
     finally:
         __baton_loops__.leave(ID)
 
-so the runtime (`loops`) knows, at any moment, which loops each frame is in, how many
-iterations each has begun and what it iterates over. Nothing else changes: the body,
-`break`/`continue`/`else`, line numbers and tracebacks are the script's own. `ID` names a
+and a `while` the same, its test moved after the head so restored variables are read.
+The runtime (`loops`) thus knows, at any moment, which loops each frame is in, how many
+iterations each has begun and what it iterates over, and can put a loop back at the start
+of an iteration. Without a runtime that asks for it nothing changes: the body,
+`break`/`continue`/`else`, return, exceptions, line numbers and tracebacks are the
+script's own. `ID` names a
 `LoopSite` holding what the source says about the loop (the names it binds, its
 statements), which the runtime cannot see.
 """
@@ -105,6 +118,49 @@ def _hook_call(method: str, *args: ast.expr) -> ast.Call:
                     args=list(args), keywords=[])
 
 
+def _stmts(code: str, at: ast.AST) -> list[ast.stmt]:
+    """Statements parsed from `code`, placed at `at`'s line (tracebacks point at the loop)."""
+    out = ast.parse(code).body
+    for stmt in out:
+        for node in ast.walk(stmt):
+            if hasattr(node, "lineno"):
+                ast.copy_location(node, at)
+    return out
+
+
+def _restore(site: LoopSite, at: ast.AST) -> list[ast.stmt]:
+    """At a head: rebind the loop's variables to what the runtime hands back (a successor
+    reaching its rank's place, or a survivor re-running an iteration); usually skipped at
+    the cost of one attribute read."""
+    names = [n for n in site.assigned if n not in site.targets]
+    assign = "".join(f"\n        if {n!r} in __baton_v__: {n} = __baton_v__[{n!r}]" for n in names)
+    return _stmts(f"if {HOOKS}.restoring:\n    __baton_v__ = {HOOKS}.restore({site.id})\n"
+                  f"    if __baton_v__ is not None:\n        pass{assign}\n    del __baton_v__", at)
+
+
+def _absorbing(body: list[ast.stmt], site: LoopSite, at: ast.AST) -> ast.Try:
+    """The body, with a lost peer absorbed: the runtime recovers and the loop goes on with
+    the same iteration (`continue`: its iterator hands the same item again)."""
+    handler = _stmts(f"try:\n    pass\nexcept BaseException as __baton_e__:\n"
+                     f"    if not {HOOKS}.absorb({site.id}, __baton_e__):\n        raise\n    continue", at)[0]
+    assert isinstance(handler, ast.Try)
+    handler.body = body
+    return handler
+
+
+def _jumps_out(stmts: list[ast.stmt]) -> bool:
+    """Whether `stmts` hold a break/continue of the loop they are in (not of a nested loop)."""
+    todo = list(stmts)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.Break, ast.Continue)):
+            return True
+        if isinstance(node, (ast.For, ast.While, ast.AsyncFor) + _SCOPES):
+            continue
+        todo.extend(ast.iter_child_nodes(node))
+    return False
+
+
 class _Instrument(ast.NodeTransformer):
     def __init__(self, filename: str):
         self.filename = filename
@@ -122,26 +178,40 @@ class _Instrument(ast.NodeTransformer):
 
     def visit_For(self, node: ast.For) -> list[ast.stmt]:
         site = self._site(node, "for", f"for {ast.unparse(node.target)} in {ast.unparse(node.iter)}",
-                          [node.target, *node.body, *node.orelse])
+                          [node.target, *node.body, *node.orelse], resumable=True)
         self.generic_visit(node)
         node.iter = ast.copy_location(_hook_call("iterate", ast.Constant(site.id), node.iter), node.iter)
+        node.body = [*_restore(site, node), _absorbing(node.body, site, node)]
         return self._wrapped(node, site)
 
     def visit_While(self, node: ast.While) -> list[ast.stmt]:
-        site = self._site(node, "while", f"while {ast.unparse(node.test)}", [*node.body, *node.orelse])
+        # `while test: body else: orelse` becomes `while True: head; restore; if not test: orelse;
+        # break; body`, so a successor's restored variables are in place before the test reads
+        # them. An else clause with a break/continue of its own keeps the plain form (not resumable).
+        resumable = not _jumps_out(node.orelse)
+        site = self._site(node, "while", f"while {ast.unparse(node.test)}", [*node.body, *node.orelse],
+                          resumable=resumable)
         self.generic_visit(node)
-        head = ast.copy_location(_hook_call("head", ast.Constant(site.id)), node.test)
-        node.test = ast.copy_location(ast.BoolOp(op=ast.And(), values=[head, node.test]), node.test)
-        return self._wrapped(node, site)
+        if not resumable:
+            head = ast.copy_location(_hook_call("head", ast.Constant(site.id)), node.test)
+            node.test = ast.copy_location(ast.BoolOp(op=ast.And(), values=[head, node.test]), node.test)
+            return self._wrapped(node, site)
+        head = ast.copy_location(ast.Expr(_hook_call("head", ast.Constant(site.id))), node)
+        done = ast.copy_location(ast.If(test=ast.UnaryOp(op=ast.Not(), operand=node.test),
+                                        body=[*node.orelse, ast.copy_location(ast.Break(), node)], orelse=[]), node)
+        loop = ast.copy_location(ast.While(test=ast.Constant(True), orelse=[], body=[
+            head, *_restore(site, node), done, _absorbing(node.body, site, node)]), node)
+        return self._wrapped(loop, site)
 
-    def _site(self, node: ast.For | ast.While, kind: str, header: str, parts: list[ast.AST]) -> LoopSite:
+    def _site(self, node: ast.For | ast.While, kind: str, header: str, parts: list[ast.AST],
+              resumable: bool) -> LoopSite:
         assigned, mutated, reads = names_of(parts)
         targets = names_of([node.target])[0] if isinstance(node, ast.For) else ()
         scope = ".".join(self.scopes) or "<module>"
         return SITES.add(lambda sid: LoopSite(
             id=sid, file=self.filename, line=node.lineno, col=node.col_offset, kind=kind, scope=scope,
             header=_short(header), targets=targets, assigned=assigned, mutated=mutated, reads=reads,
-            body=tuple(_statement(s) for s in node.body)))
+            resumable=resumable, body=tuple(_statement(s) for s in node.body)))
 
     @staticmethod
     def _wrapped(node: ast.For | ast.While, site: LoopSite) -> list[ast.stmt]:

@@ -37,6 +37,7 @@ class LoopSite:
     assigned: tuple[str, ...]  # names the loop (target, body, else) binds in its scope
     mutated: tuple[str, ...]  # names whose attributes or items the loop assigns (self.x = ..., d[k] = ...)
     reads: tuple[str, ...]  # names the loop reads (a module-level loop's meters are globals it reads)
+    resumable: bool = True  # False: a while loop whose else clause jumps (kept in its plain form)
     body: tuple[Statement, ...] = field(default=(), compare=False)
 
     @property
