@@ -75,8 +75,9 @@ def run(script: str, args: list[str], nproc: int, env: dict[str, str] | None = N
             child_env.setdefault("OMP_NUM_THREADS", "1")
             procs.append(subprocess.Popen([sys.executable, script, *args], env=child_env,
                                           start_new_session=True, preexec_fn=_die_with_parent))
-        print(f"[baton] {nproc} rank(s) of {script} started with --no-migration: nothing moves; the first "
-              "failure ends the job", file=sys.stderr, flush=True)
+        pids = ", ".join(f"rank {r} pid {p.pid}" for r, p in enumerate(procs))
+        print(f"[baton] {nproc} rank(s) of {script} started with --no-migration ({pids}): nothing moves; the "
+              "first failure ends the job", file=sys.stderr, flush=True)
         while True:
             if interrupted:
                 print(f"[baton] received signal {interrupted[0]}: stopping the job", file=sys.stderr, flush=True)

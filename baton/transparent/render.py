@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from rich.console import Console
 from rich.table import Table
 
@@ -22,7 +24,32 @@ _KIND_TEXT = {
 }
 
 
+def _here(where: str) -> str:
+    """file:line, the file relative to the working directory when it lies under it."""
+    path, _, line = where.rpartition(":")
+    try:
+        rel = Path(path).resolve().relative_to(Path.cwd().resolve())
+    except ValueError:
+        return where
+    return f"{rel}:{line}"
+
+
+def _shorten(report: Report) -> Report:
+    data = report.model_dump()
+    for key, fields in (("loops", ("where",)), ("regions", ("loop",)), ("carried", ("loop",)),
+                        ("refusals", ("where",))):
+        for row in data[key]:
+            for f in fields:
+                row[f] = _here(row[f])
+    data["call"] = _here(data["call"]) if data["call"] else ""
+    if data["step_body"]:
+        path, _, lines = data["step_body"].rpartition(":")
+        data["step_body"] = _here(f"{path}:0").removesuffix(":0") + f":{lines}"
+    return Report.model_validate(data)
+
+
 def render(report: Report, console: Console) -> None:
+    report = _shorten(report)
     args = " ".join([report.script, *report.args])
     console.print(f"[bold]baton explain[/] {args}  (ran as {report.world_size} rank(s), stopped before the "
                   "first optimizer.step())")

@@ -1,0 +1,72 @@
+"""Running the unmodified scripts of tests/nocode/ under torchrun and under `baton run`, and
+comparing what each rank exported (`--export DIR`: DIR/rank{N}.pt) bit for bit."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+NOCODE = Path(__file__).resolve().parent / "nocode"
+ENV = {"OMP_NUM_THREADS": "1"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(script: Path, args: list[str], nproc: int, cwd: Path, timeout: float = 170) -> str:
+    """Run the script under torchrun; its output (asserts exit 0)."""
+    torchrun_bin = Path(sys.executable).with_name("torchrun")
+    launcher = [str(torchrun_bin)] if torchrun_bin.exists() else [sys.executable, "-m", "torch.distributed.run"]
+    cmd = [*launcher, "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1", "--master_port",
+           str(free_port()), str(script), *args]
+    proc = subprocess.Popen(cmd, cwd=cwd, env={**os.environ, **ENV}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"torchrun {script.name} did not finish:\n{out[-4000:]}") from None
+    assert proc.returncode == 0, out[-6000:]
+    return out
+
+
+def exports(folder: Path, nproc: int) -> list[dict[str, Any]]:
+    return [torch.load(folder / f"rank{r}.pt", weights_only=False) for r in range(nproc)]
+
+
+def differences(a: Any, b: Any, path: str = "") -> list[str]:
+    """Where two exported states differ, bit for bit (tensors by bytes, NaN equal to NaN)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dtype != b.dtype \
+                or a.shape != b.shape:
+            return [path]
+        same = torch.equal(a.reshape(-1).contiguous().view(torch.uint8), b.reshape(-1).contiguous().view(torch.uint8))
+        return [] if same else [path]
+    if isinstance(a, dict) and isinstance(b, dict):
+        if set(a) != set(b):
+            return [f"{path} keys {sorted(map(str, set(a) ^ set(b)))}"]
+        return [d for k in a for d in differences(a[k], b[k], f"{path}.{k}")]
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        if len(a) != len(b):
+            return [f"{path} length"]
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in differences(x, y, f"{path}[{i}]")]
+    if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
+        return []
+    try:
+        equal = bool(a == b)
+    except (TypeError, ValueError, RuntimeError):
+        import numpy as np
+
+        equal = np.array_equal(a, b)
+    return [] if equal else [path]
