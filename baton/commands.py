@@ -182,10 +182,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     script_args = list(args.script_args)
     if script_args and script_args[0] == "--":
         script_args = script_args[1:]
-    refused = _no_code_mode(args, script_args)
-    if refused is not None:
-        return refused
-    opts = RunOptions(script=args.script, script_args=script_args, nproc=args.nproc, spares=args.spares,
+    mode = _mode(args, script_args)
+    if isinstance(mode, int):
+        return mode
+    opts = RunOptions(mode=mode, script=args.script, script_args=script_args, nproc=args.nproc, spares=args.spares,
                       slots=args.slots, run_dir=args.run_dir or default_dir(),
                       op_timeout_s=args.op_timeout, heartbeat_timeout_s=args.heartbeat_timeout,
                       formation_timeout_s=args.formation_timeout, verify_every=args.verify_every,
@@ -205,23 +205,23 @@ def cmd_run(args: argparse.Namespace) -> int:
     return run(opts)
 
 
-def _no_code_mode(args: argparse.Namespace, script_args: list[str]) -> int | None:
-    """A script that does not use baton: run it with --no-migration, else refuse it before anything
-    starts (this version cannot move its ranks yet). None: a model-aware script, run as usual."""
+def _mode(args: argparse.Namespace, script_args: list[str]) -> str | int:
+    """The script's mode ("model-aware", "no-code"); with --no-migration, the exit code of its
+    run as torchrun would run it (or of the refusal of bad options)."""
     from baton.transparent import no_migration
-    from baton.transparent.mode import MODEL_AWARE, NO_CODE_STATUS, mode_of
+    from baton.transparent.mode import MODEL_AWARE, NO_CODE, mode_of
 
     if not Path(args.script).is_file():
-        return None  # the launcher says so
+        return MODEL_AWARE  # the launcher says so
     try:
         model_aware = mode_of(args.script) == MODEL_AWARE
     except SyntaxError:
-        return None  # its first worker shows the error with its traceback, and the job ends
+        return MODEL_AWARE  # its first worker shows the error with its traceback, and the job ends
     if not args.no_migration:
-        if model_aware:
-            return None
-        return _fail(f"{args.script} does not import baton (no code change). {NO_CODE_STATUS} "
-                     f"`baton explain {args.script}` shows its step loop and what it carries.", 2)
+        if not model_aware and args.server:
+            return _fail("a script with no code change cannot attach to a `baton serve` control plane yet: run "
+                         "it without --server", 2)
+        return MODEL_AWARE if model_aware else NO_CODE
     if model_aware:
         return _fail(f"--no-migration runs scripts that do not use baton; {args.script} imports it (run it "
                      "without --no-migration)", 2)
@@ -312,6 +312,11 @@ def cmd_status(args: argparse.Namespace) -> int:
         yoco = "n/a (no events yet)" if job["yoco_ratio"] is None else f"{job['yoco_ratio']:.0%}"
         print(f"job {job['id']}: {job['state']}, world size {job['world_size']}, "
               f"generation {job['generation']}, YOCO ratio {yoco}")
+        if job.get("mode") == "no-code":
+            where = f", step loop at {job['step_loop']}" if job.get("step_loop") else ", step loop not found yet"
+            print(f"  mode: no code change{where}")
+        elif job.get("mode"):
+            print(f"  mode: {job['mode']}")
         op = job.get("operation")
         if op:
             print(f"  in progress: {op['kind']} move of ranks {op['ranks']} ({op['phase']})"

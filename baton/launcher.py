@@ -62,6 +62,7 @@ class RunOptions:
     borrow_spares: bool = False  # with no dedicated spare left, borrow a node through Slurm preemption
     borrow_partition: str | None = None  # the partition to ask in (default: the allocation's)
     gpu_limits: GpuThresholds = GpuThresholds()  # NVML readings past these taint a slot
+    mode: str = "model-aware"  # "no-code": the script does not import baton (baton.transparent.worker runs it)
 
 
 class EventPrinter:
@@ -165,17 +166,27 @@ def worker_env(opts: RunOptions, url: str, token: str, store_addr: str, store_po
     env = dict(os.environ)
     env.update(opts.env)
     env.update(BATON_URL=url, BATON_TOKEN=token, BATON_STORE=f"{store_addr}:{store_port}",
-               TORCH_DIST_INIT_BARRIER="0", MASTER_ADDR=store_addr, MASTER_PORT=str(store_port))
+               TORCH_DIST_INIT_BARRIER="0", MASTER_ADDR=store_addr, MASTER_PORT=str(store_port),
+               BATON_JOB_ID=opts.job_id)
     env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does for several ranks per node
     return env
 
 
+def worker_command(opts: RunOptions) -> tuple[str, list[str]]:
+    """What each worker's python runs: the script itself (it calls baton.init()), or, for a
+    script with no code change, baton's worker around it (`python -m baton.transparent.worker`)."""
+    if opts.mode == "no-code":
+        return "-m", ["baton.transparent.worker", opts.script, *opts.script_args]
+    return opts.script, list(opts.script_args)
+
+
 def make_scheduler(placement: Placement, opts: RunOptions, env: dict[str, str],
                    on_exit: Callable[[str, int], None]) -> LocalScheduler | SlurmScheduler:
+    first, rest = worker_command(opts)
     if placement.allocation is not None:
-        return SlurmScheduler(placement.allocation, placement.slots, opts.script, opts.script_args, env,
+        return SlurmScheduler(placement.allocation, placement.slots, first, rest, env,
                               on_exit=on_exit, borrow_partition=opts.borrow_partition)
-    return LocalScheduler(opts.script, opts.script_args, env, len(placement.slots), on_exit=on_exit)
+    return LocalScheduler(first, rest, env, len(placement.slots), on_exit=on_exit)
 
 
 def run(opts: RunOptions, listeners: list[Callable[[str, dict[str, Any]], None]] | None = None,
@@ -205,7 +216,7 @@ def run(opts: RunOptions, listeners: list[Callable[[str, dict[str, Any]], None]]
                     ranks_per_node=opts.nproc if placement.allocation is not None else 0,
                     return_home=opts.return_home, straggler_factor=opts.straggler_factor,
                     straggler_steps=opts.straggler_steps, borrow_spares=opts.borrow_spares,
-                    gpu_limits=opts.gpu_limits)
+                    gpu_limits=opts.gpu_limits, mode=opts.mode)
     orch = Orchestrator(config, db)
     orch.helper_cpu = store.cpu_s
     db.on_error = lambda text: orch.handle(m.StoreFailed(message=text))

@@ -173,6 +173,9 @@ class _Controller:
     def before_item(self, loop: ActiveLoop) -> None:
         self.heads += 1
 
+    def left(self, loop: ActiveLoop) -> None:
+        pass
+
     def restore(self, loop: ActiveLoop) -> dict[str, Any] | None:
         LOOPS.restoring = False  # once: as the runtime does when it has handed a head its values
         return self.values

@@ -45,12 +45,13 @@ class BundleText(_Msg):
 class LoopInfo(_Msg):
     """The shape of the script's loop, as this rank computed it: ranks must agree."""
 
-    style: Literal["steps", "epochs"]
+    style: Literal["steps", "epochs", "script"]  # "script": the script's own loop (no code change)
     total_steps: NonNegativeInt
     epochs: NonNegativeInt | None = None
     steps_per_epoch: NonNegativeInt | None = None
     start_step: NonNegativeInt = 0  # where the script's resume block started it (a joiner: its own start)
     sharded: list[str] = Field(default_factory=list)  # tracked objects holding FSDP2/DTensor shards
+    step_loop: Annotated[str, Field(max_length=1000)] | None = None  # "script": where its step loop is (file:line)
 
 
 # ---------------------------------------------------------------- reports

@@ -90,6 +90,7 @@ class Config:
     borrow_spares: bool = False  # with no dedicated spare left, borrow a node from a lower-priority job
     gpu_limits: GpuThresholds = GpuThresholds()  # NVML readings past these taint the slot
     control_grace_s: float = 10.0  # workers keep retrying an unreachable control plane this long
+    mode: str = "model-aware"  # or "no-code": the script does not import baton (baton.transparent)
 
 
 class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing):
@@ -866,6 +867,8 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing):
                       for s in self.slots.values() if s.taint]
             job = {
                 "id": self.config.job_id,
+                "mode": self.config.mode,
+                "step_loop": self.loop.step_loop if self.loop is not None else None,
                 "world_size": self.config.world_size,
                 "generation": self.generation,
                 "state": self._job_state(),
@@ -923,6 +926,8 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing):
 
 def _loop_text(loop: m.LoopInfo) -> str:
     start = f" from step {loop.start_step}" if loop.start_step else ""
+    if loop.style == "script":
+        return f"the script's own loop at {loop.step_loop}"
     if loop.style == "epochs":
         return f"{loop.epochs} epochs of {loop.steps_per_epoch} steps{start}"
     return f"{loop.total_steps} steps{start}"

@@ -133,7 +133,8 @@ def _carried(frame_loops: FrameLoops) -> tuple[list[CarriedReport], list[refusal
     """What the frame's loops carry: the names they bind or mutate (checked strictly), and
     objects of plain attributes the setup made that they use (meters, `self`)."""
     frame = frame_loops.frame
-    values = {**{n: v for n, v in frame.f_globals.items() if n in frame.f_code.co_names}, **frame.f_locals}
+    local_values = frame.f_locals
+    values = {**{n: v for n, v in frame.f_globals.items() if n in frame.f_code.co_names}, **local_values}
     outer = frame_loops.loops[0]
     where = outer.site.where
     bound: dict[str, None] = {}
@@ -143,7 +144,7 @@ def _carried(frame_loops: FrameLoops) -> tuple[list[CarriedReport], list[refusal
     used: dict[str, None] = {}
     for loop in frame_loops.loops:
         used.update(dict.fromkeys(loop.site.reads))
-    setup_names = [n for n in (used if module_level else values) if n not in bound and n not in _NOT_CARRIED]
+    setup_names = [n for n in (used if module_level else local_values) if n not in bound and n not in _NOT_CARRIED]
     out: list[CarriedReport] = []
     refused: list[refusals.Refusal] = []
     items = {n for loop in frame_loops.loops for n in loop.site.targets}
@@ -164,7 +165,7 @@ def _carried(frame_loops: FrameLoops) -> tuple[list[CarriedReport], list[refusal
     for name in setup_names:
         if name not in values:
             continue
-        got = classify(values[name], setup_resources=True)
+        got = classify(values[name], from_setup=True)
         if got.kind is Kind.RECORD:
             out.append(CarriedReport(loop=where, name=name, kind=got.kind.value, detail=got.detail))
         elif got.kind is Kind.REFUSED:

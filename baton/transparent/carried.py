@@ -91,11 +91,11 @@ def _tensor_detail(t: torch.Tensor) -> str:
     return f"Tensor{list(t.shape)} {str(t.dtype).removeprefix('torch.')}"
 
 
-def classify(value: Any, setup_resources: bool = False, _depth: int = 0,
+def classify(value: Any, from_setup: bool = False, _depth: int = 0,
              _seen: set[int] | None = None) -> Classified:
-    """What `value` is, as far as handing it to a successor goes. With `setup_resources`
-    (an object the setup built, not the loop), an open file or lock inside it is the
-    setup's too: the successor's setup opens its own."""
+    """What `value` is, as far as handing it to a successor goes. With `from_setup` (made
+    by the setup, not by the loop), a function, an open file or a lock is the setup's: the
+    successor's setup makes its own; a generator or iterator still has a position."""
     seen = _seen if _seen is not None else set()
     if isinstance(value, torch.nn.Parameter):
         return Classified(Kind.STATE, "Parameter (moves with its model)")
@@ -117,11 +117,13 @@ def classify(value: Any, setup_resources: bool = False, _depth: int = 0,
     if isinstance(value, (types.GeneratorType, types.CoroutineType, types.AsyncGeneratorType)):
         return Classified(Kind.REFUSED, type(value).__name__,
                           "a generator's position lives in its suspended frame, which cannot be saved or rebuilt")
+    if isinstance(value, types.FunctionType) and from_setup:
+        return Classified(Kind.SETUP, value.__qualname__)
     if isinstance(value, types.FunctionType) and not _is_setup_object(value):
         return Classified(Kind.REFUSED, value.__qualname__,
                           "a lambda or nested function made here closes over values baton cannot hand over")
     if isinstance(value, _OS_RESOURCES):
-        if setup_resources:
+        if from_setup:
             return Classified(Kind.SETUP, type(value).__name__)
         return Classified(Kind.REFUSED, type(value).__name__,
                           "an operating-system resource (open file, socket, thread, lock, process) cannot move "
@@ -133,7 +135,7 @@ def classify(value: Any, setup_resources: bool = False, _depth: int = 0,
         return Classified(Kind.RECORD, type(value).__name__)
     seen.add(id(value))
     if isinstance(value, (list, tuple, dict, set, frozenset)):
-        return _container(value, setup_resources, _depth, seen)
+        return _container(value, from_setup, _depth, seen)
     if hasattr(value, "__next__"):
         return Classified(Kind.REFUSED, type(value).__name__,
                           "an iterator whose position baton cannot read or rebuild")
@@ -143,7 +145,7 @@ def classify(value: Any, setup_resources: bool = False, _depth: int = 0,
                           "an object without attributes baton can read (no __dict__)")
     carried = []
     for name, attr in attrs.items():
-        got = classify(attr, setup_resources, _depth + 1, seen)
+        got = classify(attr, from_setup, _depth + 1, seen)
         if got.kind is Kind.REFUSED:
             return Classified(Kind.REFUSED, f"{type(value).__name__}.{name}: {got.detail}", got.why)
         if got.kind in (Kind.PLAIN, Kind.TENSOR, Kind.ARRAY, Kind.RECORD):
@@ -152,11 +154,11 @@ def classify(value: Any, setup_resources: bool = False, _depth: int = 0,
     return Classified(Kind.RECORD, f"{type(value).__name__}: {shown}" if carried else type(value).__name__)
 
 
-def _container(value: Any, setup_resources: bool, depth: int, seen: set[int]) -> Classified:
+def _container(value: Any, from_setup: bool, depth: int, seen: set[int]) -> Classified:
     items = list(value.items()) if isinstance(value, dict) else list(enumerate(value))
     kinds = set()
     for key, item in items:
-        got = classify(item, setup_resources, depth + 1, seen)
+        got = classify(item, from_setup, depth + 1, seen)
         if got.kind is Kind.REFUSED:
             return Classified(Kind.REFUSED, f"{type(value).__name__}[{key!r}]: {got.detail}", got.why)
         kinds.add(got.kind)

@@ -45,6 +45,8 @@ class Controller(Protocol):
 
     def absorb(self, loop: ActiveLoop, exc: BaseException) -> bool: ...
 
+    def left(self, loop: ActiveLoop) -> None: ...
+
 
 class _Counted:
     """A for loop's iterator: counts the items it hands out, tells the controller of each
@@ -104,7 +106,9 @@ class Loops:
         stack = self.running
         for i in range(len(stack) - 1, -1, -1):
             if stack[i].site.id == sid and stack[i].frame is frame:
-                del stack[i]
+                loop = stack.pop(i)
+                if self.controller is not None:
+                    self.controller.left(loop)
                 return
 
     def _current(self, sid: int, frame: FrameType) -> ActiveLoop:

@@ -13,11 +13,12 @@ from pathlib import Path
 MODEL_AWARE = "model-aware"
 NO_CODE = "no-code"
 
-# Where the no-code mode stands in this version: `baton explain` and `baton run` say it.
-NO_CODE_STATUS = ("This version of baton finds the step loop and what it carries, and refuses what it cannot carry, "
-                  "but does not yet move the ranks of a script with no code change: `baton run --no-migration` runs "
-                  "it as torchrun would (a failure ends the job promptly; restart from your own checkpoint), and the "
-                  "model-aware API (README: 'Five lines in your script') moves its ranks today.")
+# Where the no-code mode stands in this version: `baton explain`, `baton status` and the
+# failures of a no-code job say it.
+NO_CODE_MOVES = ("this version runs a script with no code change under baton (its step loop found, its ranks "
+                 "watched) but does not yet move its ranks: planned moves are refused, and a lost rank ends the "
+                 "job; the model-aware API (README: 'Five lines in your script') moves ranks today")
+NO_CODE_STATUS = f"Note: {NO_CODE_MOVES}."
 
 
 def _imports(tree: ast.AST) -> set[str]:

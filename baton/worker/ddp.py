@@ -65,14 +65,14 @@ def build(rt: "Runtime", model: torch.nn.Module, **ddp_kwargs: Any) -> LiveDDP:
         if key in ddp_kwargs:
             raise TypeError(f"job.wrap() sets {key} itself")
     if not rt.joiner:
-        _broadcast_from_rank0(rt, model)
+        broadcast_from_rank0(rt, model)
     ddp = LiveDDP(model, process_group=solo_group(), init_sync=False, **ddp_kwargs)
     ddp._baton_rt = rt
-    ddp.register_comm_hook(rt, _allreduce_hook)
+    ddp.register_comm_hook(rt, allreduce_hook)
     return ddp
 
 
-def _broadcast_from_rank0(rt: "Runtime", model: torch.nn.Module) -> None:
+def broadcast_from_rank0(rt: "Runtime", model: torch.nn.Module) -> None:
     """Initial ranks start from rank 0's parameters and buffers, as DDP's constructor does."""
     tensors = [p.detach() for p in model.parameters()] + [b.detach() for b in model.buffers()]
     if tensors:
@@ -81,7 +81,7 @@ def _broadcast_from_rank0(rt: "Runtime", model: torch.nn.Module) -> None:
 
 
 @selfcost.counted
-def _allreduce_hook(rt, bucket):  # DDP inspects real annotations; see below
+def allreduce_hook(rt, bucket):  # DDP inspects real annotations; see below
     rt.on_sync_backward(first=bucket.index() == 0, last=bucket.is_last())
     buffer = bucket.buffer()
     with selfcost.outside():  # what DDP's reducer does without a hook: not baton's cost
@@ -89,7 +89,7 @@ def _allreduce_hook(rt, bucket):  # DDP inspects real annotations; see below
     return rt.group.reduce_gradients(buffer)
 
 
-_allreduce_hook.__annotations__ = {"bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}
+allreduce_hook.__annotations__ = {"bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}
 
 
 def export_layout(ddp: LiveDDP) -> list[list[int]] | None:

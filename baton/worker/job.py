@@ -171,10 +171,7 @@ class Job:
     def wrap(self, model: torch.nn.Module, **ddp_kwargs: Any) -> ddp_mod.LiveDDP:
         """DistributedDataParallel over the live group; numerically identical to torchrun + DDP."""
         ddp = ddp_mod.build(self._rt, model, **ddp_kwargs)
-        self._rt.tracked.ddps.append(ddp)
-        name = "model" if not any(n.startswith("model") for n in self._rt.tracked.objects) else \
-            f"model{len(self._rt.tracked.wrapped) - 1}"
-        self._rt.tracked.add(name, model)
+        self._rt.tracked.add_wrapped(ddp, model)
         return ddp
 
     def track(self, **objects: Any) -> None:
@@ -299,6 +296,12 @@ def init() -> Job:
     A warm spare blocks here, with torch imported and its transfer endpoint open, until
     the orchestrator gives it a rank. The script's random streams are left untouched.
     """
+    return Job(join(Runtime))
+
+
+def join(runtime_class: type[Runtime]) -> Runtime:
+    """What init() does, with the runtime the script's mode needs (a script with no code
+    change is driven by its own loop: baton.transparent)."""
     missing = [k for k in (ENV_URL, ENV_TOKEN, ENV_WORKER, ENV_STORE) if not os.environ.get(k)]
     if missing:
         raise RuntimeError("baton.init() must run under `baton run` (missing " + ", ".join(missing) + ")")
@@ -333,9 +336,9 @@ def init() -> Job:
     store = RendezvousClient(host, int(port), config.formation_timeout_s)
     os.environ.update(RANK=str(cmd.rank), WORLD_SIZE=str(cmd.world_size), LOCAL_RANK=str(cmd.rank),
                       LOCAL_WORLD_SIZE=str(cmd.world_size))
-    rt = Runtime(ctl, server, store, cmd.rank, cmd.world_size, cmd.joiner, config, token)
+    rt = runtime_class(ctl, server, store, cmd.rank, cmd.world_size, cmd.joiner, config, token)
     _RUNTIME[0] = rt
-    return Job(rt)
+    return rt
 
 
 def _warm_up() -> None:
@@ -384,25 +387,32 @@ def _exit_with(code: Any = 0) -> None:
     raise SystemExit(code)
 
 
+def report_script_error(ctl: ControlChannel, exc: BaseException, tb: Any = None) -> None:
+    """The script ended with an exception: a lost peer it could not absorb makes this rank
+    exit to be replaced (EXIT_PEER_LOST); anything else is the script's own error, reported
+    with its traceback so the job ends with it (never a respawn loop)."""
+    exc_type = type(exc)
+    _EXIT_CODE[0] = 1
+    rt = _RUNTIME[0]
+    if rt is not None and not issubclass(exc_type, (KeyboardInterrupt, UsageError)) and rt.is_peer_failure(exc):
+        print(f"[baton] rank {rt.rank}: a peer was lost and the script could not absorb it here "
+              f"({exc_type.__name__}: {exc}); this rank will be replaced", file=sys.__stderr__, flush=True)  # torch's
+        # rank-prefixing excepthook, which calls this one, points sys.stderr at a buffer
+        exit_quietly(EXIT_PEER_LOST)
+    if not issubclass(exc_type, KeyboardInterrupt):
+        try:
+            text = "".join(traceback.format_exception(exc_type, exc, tb if tb is not None else exc.__traceback__))
+            phase = "usage" if issubclass(exc_type, UsageError) else "script"
+            ctl.report_now(m.UserError(traceback=text[-60000:], exit_code=1, phase=phase))
+        except Exception:  # noqa: BLE001
+            pass
+
+
 def _install_excepthook(ctl: ControlChannel) -> None:
     previous = sys.excepthook
 
     def hook(exc_type, exc, tb):  # noqa: ANN001
-        _EXIT_CODE[0] = 1
-        rt = _RUNTIME[0]
-        if rt is not None and not issubclass(exc_type, (KeyboardInterrupt, UsageError)) and \
-                rt.is_peer_failure(exc):
-            print(f"[baton] rank {rt.rank}: a peer was lost and the script could not absorb it here "
-                  f"({exc_type.__name__}: {exc}); this rank will be replaced", file=sys.__stderr__, flush=True)  # torch's
-            # rank-prefixing excepthook, which calls this one, points sys.stderr at a buffer
-            exit_quietly(EXIT_PEER_LOST)
-        if not issubclass(exc_type, KeyboardInterrupt):
-            try:
-                text = "".join(traceback.format_exception(exc_type, exc, tb))
-                phase = "usage" if issubclass(exc_type, UsageError) else "script"
-                ctl.report_now(m.UserError(traceback=text[-60000:], exit_code=1, phase=phase))
-            except Exception:  # noqa: BLE001
-                pass
+        report_script_error(ctl, exc, tb)
         previous(exc_type, exc, tb)
 
     sys.excepthook = hook

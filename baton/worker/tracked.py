@@ -117,6 +117,12 @@ class Tracked:
         """The modules job.wrap was given (inside their DDP)."""
         return [d.module for d in self.ddps]
 
+    def add_wrapped(self, ddp: Any, model: torch.nn.Module) -> None:
+        """A model the job wrapped in DDP, named "model", then "model1", ... in wrapping order."""
+        self.ddps.append(ddp)
+        name = "model" if not any(n.startswith("model") for n in self.objects) else f"model{len(self.wrapped) - 1}"
+        self.add(name, model)
+
     def add(self, name: str, obj: Any) -> None:
         from torch.nn.parallel import DistributedDataParallel
 

@@ -1,0 +1,116 @@
+"""What a torchrun script calls, answered by baton's runtime.
+
+The script calls `init_process_group`, wraps its model in `DistributedDataParallel`,
+destroys its process group at the end and may leave with `os._exit`; it never names baton.
+By the time it runs, this process already holds a rank in baton's live group (installed as
+torch.distributed's default group), so:
+
+- `init_process_group(...)` returns at once: the group is there (same rank, same world);
+- `DistributedDataParallel(model, ...)` builds baton's live DDP (the same numbers as
+  torchrun's, rank 0's parameters broadcast at construction as DDP does) and tracks the model;
+- `init_device_mesh(...)` gives a mesh over the live group (its sub-groups live too), and
+  `fully_shard(module)` notes the module: the roots among those are the sharded models;
+- `destroy_process_group()` and `os._exit()` first end the job's training (`finish`: a rank
+  lost at the very end is still replaced), then let the script go on or leave.
+
+Patches are made on torch's public import paths (`torch.distributed`,
+`torch.nn.parallel`), which the script reads when it imports them; torch's internals keep
+their own names.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from baton.worker import ddp as ddp_mod
+from baton.worker.group import solo_group
+from baton.worker.tracked import UsageError
+
+
+def install(rt: Any, job: Any, on_finish: Callable[[], None]) -> None:
+    """Answer the script's torch.distributed calls with `rt` (a ScriptRuntime) and `job`
+    (its baton.Job, for meshes)."""
+    import torch.distributed.device_mesh as device_mesh
+    import torch.distributed.fsdp as fsdp
+    from torch.distributed._composable import fsdp as composable_fsdp
+
+    world = dist.group.WORLD
+    original_shard = fsdp.fully_shard
+
+    def init_device_mesh(device_type: str, mesh_shape: tuple[int, ...], *,
+                         mesh_dim_names: tuple[str, ...] | None = None, **_: Any) -> Any:
+        return job.mesh(mesh_dim_names, tuple(mesh_shape), device_type=device_type)
+
+    def fully_shard(module: Any, *args: Any, **kwargs: Any) -> Any:
+        out = original_shard(module, *args, **kwargs)
+        for m in module if isinstance(module, (list, tuple)) else [module]:
+            rt.shard_roots.append(m)
+        return out
+
+    def init_process_group(backend: Any = None, init_method: Any = None, timeout: Any = None,
+                           world_size: int = -1, rank: int = -1, *args: Any, **kwargs: Any) -> None:
+        if world_size not in (-1, rt.world_size) or rank not in (-1, rt.rank):
+            raise UsageError(f"init_process_group(world_size={world_size}, rank={rank}) does not match the job "
+                             f"baton started (rank {rt.rank} of {rt.world_size}): read RANK and WORLD_SIZE from "
+                             "the environment, as under torchrun")
+
+    def destroy_process_group(group: Any = None) -> None:
+        if group is None or group is world:
+            on_finish()
+
+    _real_exit = os._exit
+
+    def leave(code: int) -> None:
+        if code == 0:
+            on_finish()
+        _real_exit(code)
+
+    device_mesh.init_device_mesh = init_device_mesh  # type: ignore[assignment]
+    dist.init_device_mesh = init_device_mesh  # type: ignore[attr-defined]
+    fsdp.fully_shard = composable_fsdp.fully_shard = fully_shard  # type: ignore[assignment]
+    dist.init_process_group = init_process_group  # type: ignore[assignment]
+    dist.destroy_process_group = destroy_process_group  # type: ignore[assignment]
+    os._exit = leave  # type: ignore[assignment]
+    ScriptDDP._baton_rt_for_script = rt
+    torch.nn.parallel.DistributedDataParallel = ScriptDDP  # type: ignore[misc]
+
+
+_DDP_PARAMS = inspect.signature(DistributedDataParallel.__init__)
+
+
+class ScriptDDP(ddp_mod.LiveDDP):
+    """`DistributedDataParallel(model, ...)` as a torchrun script writes it, over the live group."""
+
+    _baton_rt_for_script: Any = None
+
+    def __init__(self, module: torch.nn.Module, *args: Any, **kwargs: Any):
+        rt = ScriptDDP._baton_rt_for_script
+        bound = _DDP_PARAMS.bind(self, module, *args, **kwargs).arguments
+        bound.pop("self")
+        bound.pop("module")
+        group = bound.pop("process_group", None)
+        if group is not None and group is not dist.group.WORLD:
+            raise UsageError("DistributedDataParallel(process_group=...) over a sub-group is not supported with "
+                             "no code change yet: use the default (world) group")
+        if bound.pop("device_mesh", None) is not None:
+            raise UsageError("DistributedDataParallel(device_mesh=...) is not supported with no code change yet")
+        bound.pop("init_sync", None)
+        if not rt.joiner:
+            ddp_mod.broadcast_from_rank0(rt, module)  # what DDP's constructor does: rank 0's values everywhere
+        super().__init__(module, process_group=solo_group(), init_sync=False, **bound)
+        self._baton_rt = rt
+        self.register_comm_hook(rt, ddp_mod.allreduce_hook)
+        rt.tracked.add_wrapped(self, module)
+
+    def register_comm_hook(self, state: Any, hook: Callable[..., Any]) -> None:
+        if hook is not ddp_mod.allreduce_hook:
+            raise UsageError("DistributedDataParallel.register_comm_hook: baton's no-code mode reduces the "
+                             "gradients itself (over its live group), so a script's own comm hook (compression, "
+                             "say) cannot be used with it yet")
+        super().register_comm_hook(state, hook)

@@ -1,0 +1,69 @@
+"""A worker of a script with no code change: `python -m baton.transparent.worker script.py args`.
+
+`baton run` starts every worker of such a script this way. The process first does what
+`baton.init()` does for a model-aware script (registers, warms up, and as a spare waits
+there until it is given a rank), so a warm spare costs nothing more here. Holding its
+rank, it sets the environment torchrun would (RANK, LOCAL_RANK, WORLD_SIZE,
+LOCAL_WORLD_SIZE, GROUP_RANK, ROLE_*, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RUN_ID ...),
+answers the script's torch.distributed calls with the live group (`intercept`), and runs
+the script as `__main__`, its own modules instrumented (`importer`), the step loop's heads
+handed to the runtime (`controller`). The process exits with the script's exit code.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from baton.transparent.torchrun_env import torchrun_env
+
+
+def main(argv: list[str]) -> None:
+    if not argv:
+        print("usage: python -m baton.transparent.worker script.py [args...]", file=sys.stderr)
+        sys.exit(2)
+    script, args = argv[0], argv[1:]
+    from baton.transparent import intercept
+    from baton.transparent.controller import StepLoopController
+    from baton.transparent.importer import ScriptModules, print_script_error, run_script, script_dir_of
+    from baton.transparent.script_runtime import ScriptRuntime
+    from baton.worker import job as job_mod
+    from baton.worker.runtime import exit_quietly
+
+    rt = job_mod.join(ScriptRuntime)
+    assert isinstance(rt, ScriptRuntime)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE") or rt.world_size)
+    os.environ.update(torchrun_env(rt.rank, rt.world_size, os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                                   int(os.environ.get("MASTER_PORT", "29500")),
+                                   os.environ.get("BATON_JOB_ID", "baton"), local_world_size=local,
+                                   node_rank=rt.rank // local, nodes=max(1, rt.world_size // local)))
+    if rt.joiner:
+        from baton.control import messages as m
+        from baton.transparent.mode import NO_CODE_MOVES
+
+        detail = (f"a spare was asked to take over rank {rt.rank}, but {NO_CODE_MOVES}. The job stops here: "
+                  "restart it from your own checkpoint.")
+        print(f"[baton] {detail}", file=sys.stderr, flush=True)
+        rt.ctl.report_now(m.UserError(traceback=detail, exit_code=1, phase="usage"))
+        exit_quietly(1)
+    controller = StepLoopController(rt, ScriptModules(script_dir_of(script)), script, args)
+    intercept.install(rt, job_mod.Job(rt), rt.finish_script)
+    controller.attach()
+    code = 0
+    try:
+        run_script(script, args)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if not isinstance(exc.code, (int, type(None))):
+            print(exc.code, file=sys.stderr)
+    except BaseException as exc:  # noqa: BLE001 - the script's own error: its traceback, the job told
+        job_mod.report_script_error(rt.ctl, exc)
+        print_script_error(exc)
+        exit_quietly(1)
+    if code == 0:
+        rt.finish_script()
+    exit_quietly(code)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
