@@ -26,15 +26,15 @@ class Job:
     def __init__(self, tmp: Path, nproc: int = 3, spares: int = 1, steps: int = 40,
                  script_args: list[str] | None = None, run_args: list[str] | None = None,
                  env: dict[str, str] | None = None, name: str = "job", script: Path = TRAIN,
-                 run_dir: Path | None = None, launch: list[str] | None = None):
+                 run_dir: Path | None = None, launch: list[str] | None = None, out_arg: bool = True):
         self.dir = tmp / name
         self.dir.mkdir(parents=True, exist_ok=True)
         self.out = self.dir / "final.pt"
         self.run_dir = run_dir or self.dir / "run"
         cmd = [*(launch or []), sys.executable, "-m", "baton.cli", "run", "--nproc", str(nproc), "--spares", str(spares),
                "--run-dir", str(self.run_dir), *(run_args or []), str(script),
-               *(["--steps", str(steps)] if script == TRAIN else []), "--out", str(self.out),
-               *(script_args or [])]
+               *(["--steps", str(steps)] if script == TRAIN else []),
+               *(["--out", str(self.out)] if out_arg else []), *(script_args or [])]
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.stdout = open(self.dir / "stdout.log", "w")
         self.stderr_path = self.dir / "stderr.log"
