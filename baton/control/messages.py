@@ -52,6 +52,8 @@ class LoopInfo(_Msg):
     start_step: NonNegativeInt = 0  # where the script's resume block started it (a joiner: its own start)
     sharded: list[str] = Field(default_factory=list)  # tracked objects holding FSDP2/DTensor shards
     step_loop: Annotated[str, Field(max_length=1000)] | None = None  # "script": where its step loop is (file:line)
+    # "script": the loops from the outermost around the step loop to it (file:line:column each)
+    nest: Annotated[list[Annotated[str, Field(max_length=1000)]], Field(max_length=64)] = Field(default_factory=list)
 
 
 # ---------------------------------------------------------------- reports
@@ -216,6 +218,7 @@ class Assign(_Msg):
     world_size: NonNegativeInt
     generation: int
     joiner: bool
+    loop: LoopInfo | None = None  # a joiner of a script with no code change: the loops to walk down to its place
 
 
 class Pause(_Msg):

@@ -29,8 +29,9 @@ from typing import Any
 
 import torch
 
-_PLAIN = (type(None), bool, int, float, complex, str, bytes, enum.Enum, datetime.date, datetime.time,
-          datetime.timedelta, decimal.Decimal, fractions.Fraction, pathlib.PurePath, range, slice)
+_PLAIN = (type(None), bool, int, float, str, bytes)  # what the codec carries as it is
+_NOT_CARRIED_YET = (complex, datetime.date, datetime.time, datetime.timedelta, decimal.Decimal, fractions.Fraction,
+                    pathlib.PurePath, range, slice)
 _RNG = (torch.Generator, random.Random)
 _SETUP = (types.ModuleType, type, types.BuiltinFunctionType, types.MethodType, types.MethodWrapperType,
           torch.device, torch.dtype)
@@ -101,8 +102,14 @@ def classify(value: Any, from_setup: bool = False, _depth: int = 0,
         return Classified(Kind.STATE, "Parameter (moves with its model)")
     if isinstance(value, torch.Tensor):
         return Classified(Kind.TENSOR, _tensor_detail(value))
+    if isinstance(value, enum.Enum):
+        return Classified(Kind.SETUP, f"{type(value).__name__}.{value.name}")
     if isinstance(value, _PLAIN):
         return Classified(Kind.PLAIN, type(value).__name__)
+    if isinstance(value, _NOT_CARRIED_YET):
+        return Classified(Kind.REFUSED, type(value).__name__,
+                          "baton hands over numbers, strings and tensors (never a pickle); keep it as a string "
+                          "or a number in the loop's variables")
     try:
         import numpy as np
 

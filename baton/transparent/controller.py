@@ -1,29 +1,38 @@
 """The no-code runtime's side of the instrumented loops: where the step loop is, and its heads.
 
-At the first `optimizer.step()` the stack says which loop is the step loop (`nest`);
-what cannot move is refused there, before the step changes anything (`analysis`). From
-then on each head of that loop is handed to the runtime (a boundary, once the previous
-iteration committed), and its exit starts the region after it.
+At the first `optimizer.step()` the stack says which loop is the step loop and which loops
+enclose it (`nest`); what cannot move is refused there, before the step changes anything
+(`analysis`). From then on each head of the step loop is handed to the runtime (a
+boundary, once the previous iteration committed), its exit starts the region after it,
+and each head of an outer loop of the nest notes the random streams there.
 
-This version finds the loop and runs the job through the orchestrator, but does not yet
-hand a rank to a successor: a lost peer ends the job promptly, naming why, and planned
-moves are refused (the rank reports itself unmovable), never a silent divergence.
+A spare that takes a rank over runs the script from its start and walks down to its
+rank's place (`_CatchUp`): at the outermost loop of the nest (known from the job's loop
+info) it fetches the state its predecessor published, then at each loop of the nest it
+draws the items its predecessor had drawn (a loader's batches are drawn again), puts
+the streams back as they were at that head, and hands the loop's variables back to the
+rewritten head; at the step loop it takes the rank's state over and joins the group.
+
+This version moves ranks in planned and pre-emptive moves; a lost peer still ends the job
+promptly, saying why (unplanned rebuilds are not in it yet).
 """
 
 from __future__ import annotations
 
 import sys
+import time
 from typing import Any
 
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from baton.control import messages as m
-from baton.transparent import analysis, nest
+from baton.transparent import analysis, nest, values
 from baton.transparent.importer import ScriptModules
 from baton.transparent.loops import LOOPS, ActiveLoop
 from baton.transparent.mode import NO_CODE_MOVES
 from baton.transparent.script_runtime import ScriptRuntime
-from baton.worker.runtime import exit_quietly
+from baton.worker import rng
+from baton.worker.runtime import Divergence, exit_quietly
 from baton.worker.tracked import UsageError
 
 
@@ -32,8 +41,16 @@ class StepLoopController:
         self.rt, self.modules, self.script, self.args = rt, modules, script, args
         self.step_site: int | None = None
         self.step_loop: ActiveLoop | None = None
-        rt.ctl.heartbeat["unmovable"] = NO_CODE_MOVES
-        self._hook = register_optimizer_step_pre_hook(self._first_step)
+        self.nest_keys: list[str] = []
+        self.catch_up: _CatchUp | None = None
+        self._pending: dict[int, dict[str, Any]] = {}  # id(loop) -> what its next head hands back
+        rt.script_section = self.script_section
+        if rt.joiner:
+            assert rt.assignment is not None and rt.assignment.loop is not None, "a joiner is told the loop"
+            self.nest_keys = list(rt.assignment.loop.nest)
+            self.catch_up = _CatchUp(self)
+        else:
+            self._hook = register_optimizer_step_pre_hook(self._first_step)
 
     def attach(self) -> None:
         LOOPS.controller = self
@@ -52,33 +69,70 @@ class StepLoopController:
         assert found.nest is not None
         self.step_loop = found.nest.step_loop
         self.step_site = self.step_loop.site.id
-        self.rt.start_script_loop(self.step_loop.site.where)
+        self.nest_keys = [loop.site.key for loop in found.nest.loops]
+        self.rt.start_script_loop(self.step_loop.site.where, self.nest_keys)
+
+    # ---------------------------------------------------------------- where the script stands
+    def script_section(self) -> dict[str, Any]:
+        """Each loop of the nest, outermost first: its place, its variables, the objects of
+        plain values its frame holds, and the streams at its head (outer loops)."""
+        path = []
+        for loop in LOOPS.enclosing(sys._getframe()):
+            if loop.site.key not in self.nest_keys:
+                continue
+            frame = loop.frame
+            scope = {**{n: v for n, v in frame.f_globals.items() if n in frame.f_code.co_names}, **frame.f_locals}
+            bound = tuple(n for n in loop.site.assigned if n not in loop.site.targets)
+            names = loop.site.reads if loop.site.scope == "<module>" else tuple(frame.f_locals)
+            records = {n: values.record(scope[n]) for n in names
+                       if n in scope and n not in bound and _is_record(scope[n])}
+            it = loop.iterable
+            path.append({"key": loop.site.key, "iteration": loop.iterations,
+                         "range": [it.start, it.stop, it.step] if isinstance(it, range) else None,
+                         "values": values.carried_names(bound, scope), "records": records,
+                         "rng": loop.head_rng if loop is not self.step_loop else None})
+        return {"path": path}
 
     # ---------------------------------------------------------------- the loops (loops.Controller)
-    def _is_step_loop(self, loop: ActiveLoop) -> bool:
-        if loop.site.id != self.step_site:
-            return False
-        if loop is not self.step_loop:  # entered again (the next epoch): same site, a new entry
-            self.step_loop = loop
-        return True
-
     def before_item(self, loop: ActiveLoop) -> None:
-        if self._is_step_loop(loop):
+        if self.catch_up is not None:
+            self.catch_up.head(loop)
+            return
+        if loop.site.id == self.step_site:
+            self.step_loop = loop  # entered again (the next epoch): the same site, a new entry
             self.rt.at_head()
+        elif self.step_site is not None and loop.site.key in self.nest_keys:
+            loop.head_rng = rng.capture(self.rt.tracked.generators)
 
     def left(self, loop: ActiveLoop) -> None:
-        if loop.site.id == self.step_site:
+        if loop.site.id == self.step_site and self.catch_up is None:
             self.rt.at_exit()
 
     def restore(self, loop: ActiveLoop) -> dict[str, Any] | None:
+        if self.catch_up is not None or self._pending:
+            return self._hand_back(loop)
+        LOOPS.restoring = False
         return None
+
+    def _hand_back(self, loop: ActiveLoop) -> dict[str, Any] | None:
+        entry = self._pending.pop(id(loop), None)
+        if not self._pending:
+            LOOPS.restoring = False
+        if entry is None:
+            return None
+        frame = loop.frame
+        scope = {**{n: v for n, v in frame.f_globals.items() if n in frame.f_code.co_names}, **frame.f_locals}
+        for name, saved in entry["records"].items():
+            if name in scope:
+                values.restore_record(scope[name], saved, name)
+        return {name: values.rebound(saved, scope.get(name), name) for name, saved in entry["values"].items()}
 
     def absorb(self, loop: ActiveLoop, exc: BaseException) -> bool:
         """A lost peer cannot be absorbed by this version: end the job now, saying why."""
         rt = self.rt
         if isinstance(exc, (UsageError, KeyboardInterrupt, SystemExit, GeneratorExit)) or not rt.is_peer_failure(exc):
             return False
-        detail = (f"rank {rt.rank}: a peer was lost ({type(exc).__name__}: {exc}). {NO_CODE_MOVES} "
+        detail = (f"rank {rt.rank}: a peer was lost ({type(exc).__name__}: {exc}). {NO_CODE_MOVES}. "
                   "The job stops here: restart it from your own checkpoint.")
         print(f"[baton] {detail}", file=sys.__stderr__, flush=True)
         try:
@@ -86,3 +140,57 @@ class StepLoopController:
         except Exception:  # noqa: BLE001 - the orchestrator may be ending the job already
             pass
         exit_quietly(1)
+
+
+def _is_record(obj: Any) -> bool:
+    from baton.transparent.carried import Kind, classify
+
+    return classify(obj, from_setup=True).kind is Kind.RECORD
+
+
+class _CatchUp:
+    """A joiner walking down the nest to its rank's place."""
+
+    def __init__(self, controller: StepLoopController):
+        self.c = controller
+        self.depth = 0
+        self.fetched: tuple[m.Form, dict[str, Any], Any] | None = None
+        self.t0 = 0.0
+
+    def head(self, loop: ActiveLoop) -> None:
+        c = self.c
+        if self.depth >= len(c.nest_keys) or loop.site.key != c.nest_keys[self.depth]:
+            return  # the setup's own loops, and the prefix's
+        if self.fetched is None:
+            self.t0 = time.perf_counter()
+            self.fetched = c.rt.fetch_for_join()
+        _, state, _ = self.fetched
+        path = state["bundle"]["script"]["path"]
+        if len(path) != len(c.nest_keys) or path[self.depth]["key"] != loop.site.key:
+            raise Divergence(f"rank {c.rt.rank}: its predecessor stood in loops {[e['key'] for e in path]}, not "
+                             f"{c.nest_keys}: the script took another way (is its setup deterministic?)")
+        entry = path[self.depth]
+        if loop.site.kind == "for":
+            assert loop.counted is not None
+            if entry["range"] is not None and isinstance(loop.iterable, range) and \
+                    [loop.iterable.start, loop.iterable.stop, loop.iterable.step] != entry["range"]:
+                loop.counted.replace(range(*entry["range"]))  # a resume block read a newer checkpoint
+            # Outer loops: the predecessor had drawn the item it was in; the step loop: it stood
+            # at a head, before drawing the next one. Either way this head draws that item.
+            drawn_before = entry["iteration"] - (1 if self.depth < len(c.nest_keys) - 1 else 0)
+            loop.counted.skip(drawn_before - loop.iterations)
+        if entry["rng"] is not None:
+            rng.restore(entry["rng"], c.rt.tracked.generators)
+        c._pending[id(loop)] = entry
+        LOOPS.restoring = True
+        self.depth += 1
+        if self.depth == len(c.nest_keys):
+            self._arrive(loop)
+
+    def _arrive(self, loop: ActiveLoop) -> None:
+        c = self.c
+        assert self.fetched is not None
+        cmd, state, stats = self.fetched
+        c.step_loop, c.step_site = loop, loop.site.id
+        c.catch_up = None
+        c.rt.join_at_head(cmd, state, stats, self.t0)

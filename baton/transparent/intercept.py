@@ -65,9 +65,11 @@ def install(rt: Any, job: Any, on_finish: Callable[[], None]) -> None:
             on_finish()
 
     _real_exit = os._exit
+    owner = os.getpid()
 
     def leave(code: int) -> None:
-        if code == 0:
+        # Only the rank's own process: a DataLoader worker forked from it ends with os._exit too.
+        if code == 0 and os.getpid() == owner:
             on_finish()
         _real_exit(code)
 

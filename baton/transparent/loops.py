@@ -34,6 +34,8 @@ class ActiveLoop:
     item: Any = field(default=None, repr=False)  # the item of the running iteration
     again: bool = False  # hand `item` once more: the iteration runs again after a recovery
     exhausted: bool = False  # end the loop at the next head (a successor reaching a loop's exit)
+    counted: "_Counted | None" = field(default=None, repr=False)  # a for loop's iterator (positioned by a successor)
+    head_rng: Any = field(default=None, repr=False)  # the random streams at this iteration's head (nest loops)
 
 
 class Controller(Protocol):
@@ -81,6 +83,11 @@ class _Counted:
             next(self._it)
             self._loop.iterations += 1
 
+    def replace(self, iterable: Any) -> None:
+        """Iterate `iterable` instead (a successor given the range its predecessor had)."""
+        self._loop.iterable = iterable
+        self._loop.iterator = self._it = iter(iterable)
+
 
 class Loops:
     """What rewritten code calls (as `__baton_loops__`)."""
@@ -122,7 +129,8 @@ class Loops:
         loop = self._current(sid, sys._getframe(1))
         loop.iterable = iterable
         loop.iterator = iter(iterable)
-        return _Counted(loop.iterator, loop)
+        loop.counted = _Counted(loop.iterator, loop)
+        return loop.counted
 
     def head(self, sid: int) -> bool:
         loop = self._current(sid, sys._getframe(1))

@@ -15,9 +15,9 @@ NO_CODE = "no-code"
 
 # Where the no-code mode stands in this version: `baton explain`, `baton status` and the
 # failures of a no-code job say it.
-NO_CODE_MOVES = ("this version runs a script with no code change under baton (its step loop found, its ranks "
-                 "watched) but does not yet move its ranks: planned moves are refused, and a lost rank ends the "
-                 "job; the model-aware API (README: 'Five lines in your script') moves ranks today")
+NO_CODE_MOVES = ("this version moves the ranks of a script with no code change in planned and pre-emptive moves, "
+                 "but does not yet rebuild a lost one: a lost rank ends the job (the model-aware API, README: "
+                 "'Five lines in your script', rebuilds lost ranks today)")
 NO_CODE_STATUS = f"Note: {NO_CODE_MOVES}."
 
 

@@ -1,12 +1,17 @@
 """The model-aware runtime, driven by the script's own loop instead of `job.steps()`.
 
 The protocols are the same (the live group, DDP's comm hook, the bundle captured at the
-syncing backward and pushed to the buddies, the hot-path boundary check, finishing): what
-differs is who says where the boundaries are. Here the controller does, from the
-instrumented loops: the step loop is known only at the first `optimizer.step()`, which
-runs inside the first step; each later head of the step loop whose previous iteration
-committed (an optimizer step ran) is a boundary; what runs after the step loop (the
-evaluation, the checkpoint) is a region, where collectives are the script's business.
+syncing backward and pushed to the buddies, the hot-path boundary check, the planned
+hand-over, finishing): what differs is who says where the boundaries are. Here the
+controller does, from the instrumented loops: the step loop is known only at the first
+`optimizer.step()`, which runs inside the first step; each later head of the step loop
+whose previous iteration committed (an optimizer step ran) is a boundary; what runs
+after the step loop (the evaluation, the checkpoint) is a region, where collectives are
+the script's business.
+
+At a boundary where a move may happen, the rank's own state also holds `script`: where
+each loop of the nest stands and what it carries (`controller.script_section`), which a
+successor walks down to before it takes the rank over (`join_at_head`).
 
 Before the step loop is found, DDP reduces gradients and the script's collectives run
 like torchrun's: nothing is captured, and nothing can move yet.
@@ -14,17 +19,22 @@ like torchrun's: nothing is captured, and nothing can move yet.
 
 from __future__ import annotations
 
+import logging
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch.distributed as dist
 
 from baton.control import messages as m
-from baton.transfer import codec
-from baton.worker import shards
+from baton.transfer import FetchStats, TransferError, codec
+from baton.transfer.bundles import Bundle
+from baton.worker import shards, verify
+from baton.worker.group import CollectiveFailure
 from baton.worker.job import Step
-from baton.worker.runtime import Runtime, _text
+from baton.worker.runtime import Divergence, Runtime, _text
 from baton.worker.tracked import UsageError
+
+log = logging.getLogger("baton.worker")
 
 REGION = "region"  # scope between the step loop's exit and its next head
 
@@ -34,12 +44,11 @@ class ScriptRuntime(Runtime):
         super().__init__(*args, **kwargs)
         self.current: Step | None = None
         self.shard_roots: list[Any] = []  # modules the script gave fully_shard(), in order (intercept)
-        self.steps_seen = 0  # step loop iterations begun (a step may span several: accumulation)
+        self.script_section: Callable[[], dict[str, Any]] = lambda: {}  # set by the controller
 
     # ---------------------------------------------------------------- the loop, as the script runs it
-    def start_script_loop(self, step_loop: str) -> None:
-        """At the first optimizer.step(), inside the first step: from here on, the step loop's
-        heads are boundaries. Mirrors enter_loop() for a loop that is already running."""
+    def _prepare_loop(self, info: m.LoopInfo) -> None:
+        """What enter_loop() sets up, for a loop found (or, in a joiner, reached) while running."""
         self.loop_started = True
         self._track_sharded_models()
         self.tracked.add_discovered()
@@ -52,8 +61,20 @@ class ScriptRuntime(Runtime):
         self.tracked.sharded = set(sharded)
         self.tracked.note_loop_start()
         self.replicas = shards.replica_peers(self.tracked)
+        if self._snapshotting():
+            self.snapshots.light = bool(self.replicas)
+            for opt in self.tracked.optimizers():
+                opt.register_step_pre_hook(self._before_optimizer_step)
+            if not self.joiner:
+                self.snapshots.set_wards(self.ward_addrs, light=bool(self.replicas))
         codec.encode(self.tracked.replicated())  # refuse untransferable state now, not mid-failure
-        self.loop = m.LoopInfo(style="script", total_steps=0, step_loop=step_loop, sharded=sharded)
+        self.loop = info.model_copy(update={"sharded": sharded})
+
+    def start_script_loop(self, step_loop: str, nest: list[str]) -> None:
+        """At the first optimizer.step(), inside the first step: from here on, the step loop's
+        heads are boundaries."""
+        self._prepare_loop(m.LoopInfo(style="script", total_steps=0, step_loop=step_loop, nest=nest))
+        assert self.loop is not None
         start_bundle, start_rng = self._capture_at(self.pos)
         self.at_pos, self.at_pos_rng = start_bundle, start_rng
         self.ctl.report_now(m.Ready(loop=self.loop, bundle=_text(start_bundle)))
@@ -64,22 +85,25 @@ class ScriptRuntime(Runtime):
         self._step_t0 = time.perf_counter()
         self._busy_s = None
         self.current = Step(self, 0, None, 0)
+        if self._snapshotting():  # the first step's start, for the buddies (its optimizer step waits for them)
+            self._snapshot()
 
     def _track_sharded_models(self) -> None:
         """The roots among the modules fully_shard() was applied to: the script's sharded models,
         named in the order they were sharded, as every rank and a joiner shard them."""
-        inside = {id(sub) for m in self.shard_roots for sub in m.modules() if sub is not m}
-        roots = [m for m in dict.fromkeys(self.shard_roots) if id(m) not in inside]
+        inside = {id(sub) for m_ in self.shard_roots for sub in m_.modules() if sub is not m_}
+        roots = [m_ for m_ in dict.fromkeys(self.shard_roots) if id(m_) not in inside]
         for i, model in enumerate(roots):
             self.tracked.add("model" if i == 0 and "model" not in self.tracked.objects else f"sharded{i}", model)
 
     def at_head(self) -> None:
         """A head of the step loop, before its next item is drawn."""
-        self.steps_seen += 1
         if self.scope == "step":
             if not self.committed:
                 return  # no optimizer step yet (gradient accumulation): the same step goes on
             self._complete_step()
+        if self.ctl.attention:  # a move may stop here: the state it hands over is this head's
+            self.at_pos, self.at_pos_rng = self._capture_head()
         while not self._boundary():
             pass
         self.current = self._begin_step(Step)
@@ -88,8 +112,9 @@ class ScriptRuntime(Runtime):
         """The step loop ended (its iterator ran out, or a break): the region after it begins."""
         if self.scope == "step" and self.committed:
             self._complete_step()
-        if self.scope != "step":
-            self.scope = self.tracked.scope = REGION
+        # A step begun at the last head, where the iterator then ran out, never ran.
+        self.scope = self.tracked.scope = REGION
+        self.current = None
 
     def _complete_step(self) -> None:
         step = self.current
@@ -97,6 +122,18 @@ class ScriptRuntime(Runtime):
         step.completed = True
         self._end_step(step)
         self.current = None
+
+    def _capture_head(self) -> tuple[Bundle, dict[str, Any]]:
+        """This rank's own state at a head of the step loop, with where the script stands."""
+        state = self._own_state(self.pos)
+        state["script"] = self.script_section()
+        return Bundle.of(self.rank, self.pos, self.group.generation, 0, state), state["rng"]
+
+    @staticmethod
+    def _local_digests(bundle_state: dict[str, Any]) -> dict[str, int]:
+        """As the model-aware runtime's, without where the script stands: the successor's loop
+        variables are handed back after its state is checked, when the loop head rebinds them."""
+        return Runtime._local_digests({k: v for k, v in bundle_state.items() if k != "script"})
 
     def finish_script(self) -> None:
         """The script is done training (it destroyed its process group, or is exiting)."""
@@ -107,6 +144,64 @@ class ScriptRuntime(Runtime):
         self.loop_done = True
         self.scope = self.tracked.scope = None
         self.finish()
+
+    # ---------------------------------------------------------------- a successor, at its rank's place
+    def fetch_for_join(self) -> tuple[m.Form, dict[str, Any], FetchStats]:
+        """A joiner: the Form naming its target and the state it takes over (blocks until both)."""
+        cmd = self.wait_for(m.Form)
+        fetched = self.prefetch.take(cmd) if self.prefetch is not None else None
+        state, stats = fetched if fetched is not None else self._fetch_for(cmd)
+        if not (cmd.full_state or cmd.snapshot):
+            raise Divergence(f"rank {self.rank}: this version hands a rank of a script with no code change to a "
+                             "spare only in a planned move (the rank's state is served by its predecessor); an "
+                             "unplanned rebuild is not supported yet")
+        return cmd, state, stats
+
+    def join_at_head(self, cmd: m.Form, state: dict[str, Any], stats: FetchStats, t0: float) -> None:
+        """The joiner reached its rank's step loop head (the controller walked it there): take
+        the state over, form the generation with the others, check, and report (as _join())."""
+        assert self.assignment is not None and self.assignment.loop is not None
+        self.setup_s = time.perf_counter() - self.assigned_at
+        self._prepare_loop(self.assignment.loop)
+        assert self.loop is not None
+        start_bundle, _ = self._capture_at(self.pos)
+        self.ctl.report_now(m.Ready(loop=self.loop, bundle=_text(start_bundle), joined=True))
+        if self.tracked.sharded:
+            shards.prepare(self.tracked)
+        if self.prefetch is not None:
+            self.prefetch.close()
+            self.ctl.watch_forms(None)
+        gen, target = cmd.generation, tuple(cmd.pos)
+        t_fetched = time.perf_counter()
+        try:
+            self._load_replicated(state)
+            sharded_expected = state.get("sharded_digest")
+            if cmd.snapshot:
+                sharded_expected = verify.combined(shards.digests(state["sharded"]))
+            self._load_sharded(state)
+            self.loop = self.loop.model_copy(update={"start_step": int(state["loop_start"])})
+            bundle_state = state["bundle"]
+            expected = state.get("digest")
+            self._apply_bundle(bundle_state)
+            self.pos = target  # type: ignore[assignment]
+            self.params_step = target[0]
+            self.at_pos = Bundle.of(self.rank, target, gen, 0, bundle_state)  # type: ignore[arg-type]
+            self.at_pos_rng = bundle_state["rng"]
+            self._clear_abort(gen)
+            t_loaded = time.perf_counter()
+            self.form(cmd)
+            t_formed = time.perf_counter()
+            self.verify_state(gen, expected, bundle_state=bundle_state, sharded_expected=sharded_expected)
+        except (CollectiveFailure, dist.DistError, TransferError, OSError) as exc:
+            # The target cannot move under a successor that has already walked to it: stop loudly.
+            raise Divergence(f"rank {self.rank}: joining generation {gen} failed after catching up to "
+                             f"{target} ({exc}); the job cannot go on bit for bit") from exc
+        log.info("joined generation %s at %s: fetch %.3fs (%d bytes), load %.3fs, form %.3fs", gen, self.pos,
+                 t_fetched - t0, stats.bytes, t_loaded - t_fetched, t_formed - t_loaded)
+        self.ctl.report(m.Formed(generation=gen, pos=self.pos, bytes=stats.bytes, seconds=round(stats.seconds, 4),
+                                 setup_s=round(self.setup_s, 4), fetch_wait_s=round(t_fetched - t0, 4)))
+        self.joiner = False
+        self.current = self._begin_step(Step)
 
     # ---------------------------------------------------------------- the runtime's checks, for a script's loop
     def on_sync_backward(self, first: bool, last: bool) -> None:

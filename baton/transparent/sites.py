@@ -44,6 +44,11 @@ class LoopSite:
     def where(self) -> str:
         return f"{self.file}:{self.line}"
 
+    @property
+    def key(self) -> str:
+        """The same loop in every process running the script: its file, line and column."""
+        return f"{self.file}:{self.line}:{self.col}"
+
 
 class SiteTable:
     """Every site instrumented in this process, by number (append-only, thread-safe)."""

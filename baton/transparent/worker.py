@@ -37,15 +37,6 @@ def main(argv: list[str]) -> None:
                                    int(os.environ.get("MASTER_PORT", "29500")),
                                    os.environ.get("BATON_JOB_ID", "baton"), local_world_size=local,
                                    node_rank=rt.rank // local, nodes=max(1, rt.world_size // local)))
-    if rt.joiner:
-        from baton.control import messages as m
-        from baton.transparent.mode import NO_CODE_MOVES
-
-        detail = (f"a spare was asked to take over rank {rt.rank}, but {NO_CODE_MOVES}. The job stops here: "
-                  "restart it from your own checkpoint.")
-        print(f"[baton] {detail}", file=sys.stderr, flush=True)
-        rt.ctl.report_now(m.UserError(traceback=detail, exit_code=1, phase="usage"))
-        exit_quietly(1)
     controller = StepLoopController(rt, ScriptModules(script_dir_of(script)), script, args)
     intercept.install(rt, job_mod.Job(rt), rt.finish_script)
     controller.attach()

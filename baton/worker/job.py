@@ -337,6 +337,7 @@ def join(runtime_class: type[Runtime]) -> Runtime:
     os.environ.update(RANK=str(cmd.rank), WORLD_SIZE=str(cmd.world_size), LOCAL_RANK=str(cmd.rank),
                       LOCAL_WORLD_SIZE=str(cmd.world_size))
     rt = runtime_class(ctl, server, store, cmd.rank, cmd.world_size, cmd.joiner, config, token)
+    rt.assignment = cmd
     _RUNTIME[0] = rt
     return rt
 

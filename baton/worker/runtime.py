@@ -104,6 +104,7 @@ class Runtime:
     def __init__(self, ctl: ControlChannel, server: TransferServer, store: RendezvousClient, rank: int,
                  world_size: int, joiner: bool, config: m.Registered, token: str):
         self.rank, self.world_size, self.joiner = rank, world_size, joiner
+        self.assignment: m.Assign | None = None  # the orchestrator's word that made this process a rank
         self.ctl, self.server, self.store, self.token = ctl, server, store, token
         self.assigned_at = time.perf_counter()  # made right after the rank's assignment
         self.setup_s = 0.0

@@ -1,0 +1,104 @@
+"""The values a script's loops carry, taken as plain values and tensors and put back.
+
+A rank's successor runs the script's setup, so it already holds objects of the same
+structure (the meters, the Trainer); what it lacks is their contents and the loops'
+variables. `capture` takes them from the running frames as the codec can carry them
+(numbers, strings, tensors, lists/tuples/dicts of them; an object of such attributes as
+`{"$record": type, "attrs": ...}`); `restore_records` writes an object's attributes back
+into the successor's own object in place, so every name that refers to it (a meter both a
+local variable and an entry of a ProgressMeter's list) sees the same values. Names a loop
+binds are handed back to the rewritten loop head, which rebinds them (`loops.restore`).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import torch
+
+from baton.transparent.carried import CARRIED_KINDS, classify
+
+RECORD = "$record"
+
+
+class RestoreError(RuntimeError):
+    """The successor's objects do not have the structure its predecessor's had."""
+
+
+def value(obj: Any, _depth: int = 0) -> Any:
+    """`obj` as the codec carries it (tensors copied: the script may change them in place)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(value(x, _depth + 1) for x in obj) if isinstance(obj, list) else \
+            tuple(value(x, _depth + 1) for x in obj)
+    if isinstance(obj, dict):
+        return {k: value(v, _depth + 1) for k, v in obj.items()}
+    if hasattr(obj, "__dict__") and not isinstance(obj, (type, enum.Enum)) and _depth < 4:
+        return record(obj, _depth)
+    return obj
+
+
+def record(obj: Any, _depth: int = 0) -> dict[str, Any]:
+    """The attributes of an object of plain values (a meter, `self`) that change: numbers,
+    strings, tensors, and objects of such; the rest (its model, loader, functions, enums)
+    is the setup's."""
+    attrs = {}
+    for name, attr in vars(obj).items():
+        got = classify(attr, from_setup=True)
+        if got.kind in CARRIED_KINDS and not isinstance(attr, enum.Enum):
+            attrs[name] = value(attr, _depth + 1)
+    return {RECORD: type(obj).__qualname__, "attrs": attrs}
+
+
+def is_record(captured: Any) -> bool:
+    return isinstance(captured, dict) and RECORD in captured
+
+
+def restore_record(obj: Any, captured: dict[str, Any], where: str) -> None:
+    """Write a captured record's attributes into `obj`, in place."""
+    if type(obj).__qualname__ != captured[RECORD]:
+        raise RestoreError(f"{where} is a {type(obj).__qualname__} here but was a {captured[RECORD]} in the rank "
+                           "this process takes over: the script's setup must build the same objects on every run")
+    for name, saved in captured["attrs"].items():
+        current = getattr(obj, name, None)
+        if is_record(saved):
+            restore_record(current, saved, f"{where}.{name}")
+        elif isinstance(saved, list) and isinstance(current, list) and any(is_record(x) for x in saved):
+            restore_list(current, saved, f"{where}.{name}")
+        else:
+            setattr(obj, name, saved)
+
+
+def restore_list(current: list[Any], saved: list[Any], where: str) -> None:
+    if len(current) != len(saved):
+        raise RestoreError(f"{where} holds {len(current)} items here but {len(saved)} in the rank this process "
+                           "takes over")
+    for i, item in enumerate(saved):
+        if is_record(item):
+            restore_record(current[i], item, f"{where}[{i}]")
+        else:
+            current[i] = item
+
+
+def rebound(captured: Any, current: Any, where: str) -> Any:
+    """What a loop variable is bound to again: a record goes into the successor's object of
+    that name (kept, so other references see it); anything else is the captured value."""
+    if is_record(captured):
+        if current is None:
+            raise RestoreError(f"{where} is not bound here yet, but the rank this process takes over held an "
+                               f"object ({captured[RECORD]}) in it")
+        restore_record(current, captured, where)
+        return current
+    if isinstance(captured, list) and isinstance(current, list) and any(is_record(x) for x in captured):
+        restore_list(current, captured, where)
+        return current
+    return captured
+
+
+def carried_names(names: tuple[str, ...], values: dict[str, Any]) -> dict[str, Any]:
+    """Of a loop's bound names, those holding what can be carried, captured (the rest: the
+    setup's objects the loop rebinds, such as a model, stay the successor's own)."""
+    return {name: value(values[name]) for name in names
+            if name in values and classify(values[name]).kind in CARRIED_KINDS}
