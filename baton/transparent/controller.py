@@ -13,8 +13,11 @@ draws the items its predecessor had drawn (a loader's batches are drawn again), 
 the streams back as they were at that head, and hands the loop's variables back to the
 rewritten head; at the step loop it takes the rank's state over and joins the group.
 
-This version moves ranks in planned and pre-emptive moves; a lost peer still ends the job
-promptly, saying why (unplanned rebuilds are not in it yet).
+A lost peer inside a step is absorbed at the step loop's head: the runtime recovers (a spare
+rebuilds the lost rank from its buddies' record of its last head) and the same iteration
+runs again with the variables its head had. Where that cannot be exact (a loss outside the
+steps, or after a rank's last collective of a step and before its next head, whose loop
+variables were never shared), the job stops non-zero, saying so.
 """
 
 from __future__ import annotations
@@ -29,7 +32,6 @@ from baton.control import messages as m
 from baton.transparent import analysis, nest, values
 from baton.transparent.importer import ScriptModules
 from baton.transparent.loops import LOOPS, ActiveLoop
-from baton.transparent.mode import NO_CODE_MOVES
 from baton.transparent.script_runtime import ScriptRuntime
 from baton.worker import rng
 from baton.worker.runtime import Divergence, exit_quietly
@@ -128,15 +130,29 @@ class StepLoopController:
         return {name: values.rebound(saved, scope.get(name), name) for name, saved in entry["values"].items()}
 
     def absorb(self, loop: ActiveLoop, exc: BaseException) -> bool:
-        """A lost peer cannot be absorbed by this version: end the job now, saying why."""
+        """A lost peer, out of the step loop's body: the runtime recovers, and the same
+        iteration runs again with the variables its head had (handed back at the head)."""
         rt = self.rt
-        if isinstance(exc, (UsageError, KeyboardInterrupt, SystemExit, GeneratorExit)) or not rt.is_peer_failure(exc):
-            return False
-        detail = (f"rank {rt.rank}: a peer was lost ({type(exc).__name__}: {exc}). {NO_CODE_MOVES}. "
-                  "The job stops here: restart it from your own checkpoint.")
+        if loop.site.key not in self.nest_keys:
+            return False  # a loop inside the step (micro-batches): the step loop's head takes it
+        try:
+            if not rt.absorb(loop.site.id == self.step_site, exc):
+                return False
+        except Divergence as stop:
+            self._stop(str(stop))
+        assert rt.head_state is not None
+        entry = rt.head_state["script"]["path"][-1]
+        self._pending[id(loop)] = entry
+        LOOPS.restoring = True
+        return True
+
+    def _stop(self, detail: str) -> None:
+        """End the job now, non-zero, saying why (never go on with state that may differ)."""
+        rt = self.rt
         print(f"[baton] {detail}", file=sys.__stderr__, flush=True)
         try:
-            rt.ctl.report_now(m.UserError(traceback=detail[:60000], exit_code=1, phase="usage"))
+            rt.ctl.report_now(m.Verified(generation=rt.group.generation, pos=rt.pos, ok=False,
+                                         differing=["script"], detail=detail[:60000]))
         except Exception:  # noqa: BLE001 - the orchestrator may be ending the job already
             pass
         exit_quietly(1)
@@ -161,6 +177,13 @@ class _CatchUp:
         c = self.c
         if self.depth >= len(c.nest_keys) or loop.site.key != c.nest_keys[self.depth]:
             return  # the setup's own loops, and the prefix's
+        try:
+            self._walk(loop)
+        except Divergence as stop:
+            c._stop(str(stop))
+
+    def _walk(self, loop: ActiveLoop) -> None:
+        c = self.c
         if self.fetched is None:
             self.t0 = time.perf_counter()
             self.fetched = c.rt.fetch_for_join()

@@ -15,9 +15,10 @@ NO_CODE = "no-code"
 
 # Where the no-code mode stands in this version: `baton explain`, `baton status` and the
 # failures of a no-code job say it.
-NO_CODE_MOVES = ("this version moves the ranks of a script with no code change in planned and pre-emptive moves, "
-                 "but does not yet rebuild a lost one: a lost rank ends the job (the model-aware API, README: "
-                 "'Five lines in your script', rebuilds lost ranks today)")
+NO_CODE_MOVES = ("this version moves the ranks of a script with no code change in planned and pre-emptive moves "
+                 "and rebuilds a rank lost inside a step; a loss in the script's evaluation or checkpoint after "
+                 "its step loop ends the job (the model-aware API, README: 'Five lines in your script', covers those "
+                 "with boundary functions)")
 NO_CODE_STATUS = f"Note: {NO_CODE_MOVES}."
 
 

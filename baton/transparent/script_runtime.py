@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from baton.control import messages as m
 from baton.transfer import FetchStats, TransferError, codec
-from baton.transfer.bundles import Bundle
+from baton.transfer.bundles import Bundle, encode_frame
 from baton.worker import shards, verify
 from baton.worker.group import CollectiveFailure
 from baton.worker.job import Step
@@ -37,6 +37,12 @@ from baton.worker.tracked import UsageError
 log = logging.getLogger("baton.worker")
 
 REGION = "region"  # scope between the step loop's exit and its next head
+HEAD_SEQ = 1 << 30  # a head's frame describes its boundary after any capture made for it in the step before
+
+
+class PeerLost(BaseException):
+    """Raised into the script when it goes on after a lost peer (its own `except Exception`
+    took the collective's error): a BaseException, so that the loop's head takes it."""
 
 
 class ScriptRuntime(Runtime):
@@ -45,6 +51,7 @@ class ScriptRuntime(Runtime):
         self.current: Step | None = None
         self.shard_roots: list[Any] = []  # modules the script gave fully_shard(), in order (intercept)
         self.script_section: Callable[[], dict[str, Any]] = lambda: {}  # set by the controller
+        self.head_state: dict[str, Any] | None = None  # this rank's own state at the running step's head
 
     # ---------------------------------------------------------------- the loop, as the script runs it
     def _prepare_loop(self, info: m.LoopInfo) -> None:
@@ -56,6 +63,7 @@ class ScriptRuntime(Runtime):
             raise UsageError("no optimizer found (a script with no code change must create its optimizer "
                              "after its process group)")
         for opt in self.tracked.optimizers():
+            opt.register_step_pre_hook(self._refuse_after_failure)
             opt.register_step_post_hook(self._on_optimizer_step)
         sharded = self.tracked.sharded_names()
         self.tracked.sharded = set(sharded)
@@ -106,7 +114,48 @@ class ScriptRuntime(Runtime):
             self.at_pos, self.at_pos_rng = self._capture_head()
         while not self._boundary():
             pass
+        self._start_step()
+
+    def _start_step(self, state: dict[str, Any] | None = None) -> None:
+        """Begin the step at this head: this rank's own state here, where the script stands
+        included, becomes its record of the boundary and goes to its buddies, ahead of the
+        step's own capture (a buddy holding that one holds this one: one ordered connection)."""
+        if state is None:
+            state = self._own_state(self.pos)
+            state["script"] = self.script_section()
+        self.head_state = state
+        frame = encode_frame(self.rank, self.pos, self.group.generation, HEAD_SEQ, state)
+        self.at_pos, self.at_pos_rng = frame, state["rng"]
+        if self.wards:
+            self.pusher.push(frame)
         self.current = self._begin_step(Step)
+
+    def absorb(self, in_step_loop: bool, exc: BaseException) -> bool:
+        """A lost peer reached the loop's head: recover, then run the same iteration again from
+        its head's state (the controller hands the loop's variables back). False: not a lost
+        peer, or not one this version can absorb there (the exception goes on)."""
+        if not self.loop_started or isinstance(exc, (UsageError, KeyboardInterrupt, SystemExit, GeneratorExit)) or \
+                not self.is_peer_failure(exc):
+            return False
+        if not in_step_loop or self.scope != "step" or self.head_state is None:
+            raise Divergence(f"rank {self.rank}: a peer was lost ({type(exc).__name__}: {exc}) outside a step of the "
+                             "script's step loop (in its evaluation or checkpoint after the loop, say); this version "
+                             "recovers from losses inside steps only. The job stops here: restart it from your own "
+                             "checkpoint.")
+        head, state = self.pos, self.head_state
+        self.recover(in_step=True, error=f"{type(exc).__name__}: {exc}")
+        if self.pos != head:
+            raise Divergence(f"rank {self.rank}: the others completed step {head[0]}, which this rank abandoned "
+                             "after its last collective; what its loop carried after that step was never shared. "
+                             "The job stops here: restart it from your own checkpoint.")
+        self._start_step(state)
+        return True
+
+    def _refuse_after_failure(self, *_: Any) -> None:
+        """No optimizer step after a lost peer: the script took the collective's error itself."""
+        if self.loop_started and not self.loading and (self.group.failed.is_set() or
+                                                       self.ctl.abort_generation is not None):
+            raise PeerLost(f"a peer was lost before rank {self.rank}'s optimizer step ({self.group.last_error})")
 
     def at_exit(self) -> None:
         """The step loop ended (its iterator ran out, or a break): the region after it begins."""
@@ -147,14 +196,19 @@ class ScriptRuntime(Runtime):
 
     # ---------------------------------------------------------------- a successor, at its rank's place
     def fetch_for_join(self) -> tuple[m.Form, dict[str, Any], FetchStats]:
-        """A joiner: the Form naming its target and the state it takes over (blocks until both)."""
+        """A joiner: the Form naming its target and the state it takes over (blocks until both):
+        its predecessor's own (a planned move), or the replicas' and its buddies' record of the
+        lost rank at the target (a rebuild)."""
         cmd = self.wait_for(m.Form)
         fetched = self.prefetch.take(cmd) if self.prefetch is not None else None
         state, stats = fetched if fetched is not None else self._fetch_for(cmd)
         if not (cmd.full_state or cmd.snapshot):
-            raise Divergence(f"rank {self.rank}: this version hands a rank of a script with no code change to a "
-                             "spare only in a planned move (the rank's state is served by its predecessor); an "
-                             "unplanned rebuild is not supported yet")
+            state["bundle"] = self._lost_bundle(cmd.lost, tuple(cmd.pos))  # type: ignore[arg-type]
+        if "script" not in state["bundle"]:
+            raise Divergence(f"rank {self.rank}: the rank this process replaces was lost where its place in the "
+                             f"script was never shared (step {cmd.pos[0]}: before its step loop's first boundary, or "
+                             "after its last collective of a step and before the next): it cannot be rebuilt bit "
+                             "for bit. The job stops here: restart it from your own checkpoint.")
         return cmd, state, stats
 
     def join_at_head(self, cmd: m.Form, state: dict[str, Any], stats: FetchStats, t0: float) -> None:
@@ -201,7 +255,7 @@ class ScriptRuntime(Runtime):
         self.ctl.report(m.Formed(generation=gen, pos=self.pos, bytes=stats.bytes, seconds=round(stats.seconds, 4),
                                  setup_s=round(self.setup_s, 4), fetch_wait_s=round(t_fetched - t0, 4)))
         self.joiner = False
-        self.current = self._begin_step(Step)
+        self._start_step(dict(bundle_state))
 
     # ---------------------------------------------------------------- the runtime's checks, for a script's loop
     def on_sync_backward(self, first: bool, last: bool) -> None:

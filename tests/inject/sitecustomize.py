@@ -41,6 +41,11 @@ BATON_TEST_NO_BUDDY_COPY=1: no buddy offers its copy of a ward's snapshot to the
 after a recovery, as when the failure came before the buddy had pulled the newest: each
 rank must then compare its shards with its own snapshot of the boundary.
 
+BATON_TEST_SIGNAL_MID_STEP="rank:step:SIGNAME": that rank sends itself the signal (SIGKILL, SIGSTOP)
+in that step, after its forward and before its backward, once per job (BATON_TEST_SIGNAL_MARK, a
+file path, is made when it fires): a real kill -9 or hang landing inside a step, at a point a
+test can name (one from outside lands anywhere).
+
 BATON_TEST_STEP_COUNT_SKEW="rank:step": after that rank's optimizer step at that step, baton's
 count of the steps its parameters hold is one too many, as a bug that applied a step twice
 would leave it. baton's own check must stop the job loudly (never exit 0).
@@ -226,3 +231,25 @@ if os.environ.get("BATON_TEST_NO_BUDDY_COPY"):
     from baton.worker import runtime as _runtime_no_copy
 
     _runtime_no_copy.Runtime._copy_digests = lambda self: []
+
+_signal_mid_step = os.environ.get("BATON_TEST_SIGNAL_MID_STEP")
+if _signal_mid_step:
+    import signal
+
+    import torch
+
+    _sig_rank, _sig_step, _sig_name = _signal_mid_step.split(":")
+    _sig_due = _once_at(f"{_sig_rank}:{_sig_step}")
+    _backward = torch.Tensor.backward
+
+    _sig_mark = os.environ["BATON_TEST_SIGNAL_MARK"]  # made when it fires: the rank's successor inherits the env
+
+    def _signal_then_backward(self, *args, **kwargs):  # noqa: ANN001, ANN202
+        if not os.path.exists(_sig_mark) and _sig_due():
+            open(_sig_mark, "w").close()
+            print(f"injected: {_sig_name} to rank {_sig_rank} in step {_sig_step}, before its backward",
+                  file=sys.stderr, flush=True)
+            os.kill(os.getpid(), getattr(signal, _sig_name))
+        return _backward(self, *args, **kwargs)
+
+    torch.Tensor.backward = _signal_then_backward
