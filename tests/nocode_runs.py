@@ -23,13 +23,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun(script: Path, args: list[str], nproc: int, cwd: Path, timeout: float = 170) -> str:
+def torchrun(script: Path, args: list[str], nproc: int, cwd: Path, timeout: float = 170,
+             env: dict[str, str] | None = None) -> str:
     """Run the script under torchrun; its output (asserts exit 0)."""
     torchrun_bin = Path(sys.executable).with_name("torchrun")
     launcher = [str(torchrun_bin)] if torchrun_bin.exists() else [sys.executable, "-m", "torch.distributed.run"]
     cmd = [*launcher, "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1", "--master_port",
            str(free_port()), str(script), *args]
-    proc = subprocess.Popen(cmd, cwd=cwd, env={**os.environ, **ENV}, stdout=subprocess.PIPE,
+    proc = subprocess.Popen(cmd, cwd=cwd, env={**os.environ, **ENV, **(env or {})}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout)

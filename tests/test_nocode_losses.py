@@ -1,0 +1,129 @@
+"""Lost ranks of unmodified torchrun scripts under `baton run` (tests/nocode/ shapes): a real
+kill -9 or SIGSTOP landing inside a step, on rank 0 or another rank, is absorbed: the
+survivors run the same iteration again from its head, a spare walks down the script's loops
+to the lost rank's place, and every rank ends bit for bit equal to the same file under
+torchrun, with one unplanned move resolved and no step lost. A step wrapped in the script's
+own `try/except Exception` is absorbed too. And whatever the moment a kill lands, the job
+never ends 0 with state that differs: it is exact, or it stops non-zero saying why."""
+
+from __future__ import annotations
+
+import signal
+import textwrap
+import time
+
+import pytest
+
+from tests.jobs import Job
+from tests.nocode_runs import NOCODE, differences, exports, torchrun
+
+INJECT = NOCODE.parent / "inject"
+CASES = {
+    # shape: script, arguments ({d}: the run's folder), the fault "rank:step:signal"
+    "nanogpt-sigstop": ("nanogpt_train.py", ["--out_dir={d}/out", "--max_iters=60", "--eval_interval=20"],
+                        "1:23:SIGSTOP"),  # inside gradient accumulation (a micro-batch's backward)
+    "trainer-kill": ("trainer_ddp.py", ["12", "5", "--snapshot-path", "{d}/snapshot.pt"], "1:30:SIGKILL"),
+    "imagenet-kill-rank0": ("imagenet_main.py", ["--epochs", "4", "--out-dir", "{d}/out"], "0:12:SIGKILL"),
+    "fsdp2-kill-rank0": ("fsdp2_example.py", ["--iterations", "40", "--checkpoint-dir", "{d}/ck"], "0:17:SIGKILL"),
+}
+
+
+def _compare(ref, run) -> None:
+    for rank, (a, b) in enumerate(zip(exports(ref / "export", 2), exports(run / "export", 2))):
+        assert differences(a, b) == [], f"rank {rank}"
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_rank_lost_inside_a_step_ends_bitwise_equal_to_torchrun(tmp_path, case):
+    name, args, fault = CASES[case]
+    ref = tmp_path / "torchrun"
+    ref.mkdir()
+    torchrun(NOCODE / name, [a.format(d=ref) for a in args] + ["--export", str(ref / "export")], 2, ref)
+    run = tmp_path / "baton"
+    job = Job(tmp_path, nproc=2, spares=1, script=NOCODE / name, out_arg=False, name="baton",
+              script_args=[a.format(d=run) for a in args] + ["--export", str(run / "export")],
+              env={"PYTHONPATH": str(INJECT), "BATON_TEST_SIGNAL_MID_STEP": fault,
+                   "BATON_TEST_SIGNAL_MARK": str(tmp_path / "fired")})
+    try:
+        assert job.wait(timeout=170) == 0, job.log()
+    finally:
+        job.kill()
+    assert (tmp_path / "fired").exists(), job.log()
+    _compare(ref, run)
+    events = job.events()
+    assert [(e["kind"], e["rank"], e["status"], e["steps_lost"], e["steps_rerun"]) for e in events] == [
+        ("unplanned", int(fault.split(":")[0]), "resolved", 0, 1)], events
+
+
+SWALLOWING = """
+import os, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.2), torch.nn.Linear(16, 1)))
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+data = TensorDataset(torch.randn(256, 8), torch.randn(256, 1))
+sampler = DistributedSampler(data)
+errors = 0
+for epoch in range(6):
+    sampler.set_epoch(epoch)
+    for x, y in DataLoader(data, batch_size=8, sampler=sampler):
+        try:  # a script that logs its own errors and goes on
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+        except Exception as exc:
+            errors += 1
+            print("step failed, going on:", type(exc).__name__)
+        opt.step()
+        opt.zero_grad()
+torch.save({"model": model.module.state_dict(), "rng": torch.get_rng_state(), "errors": errors},
+           os.path.join(os.environ["EXPORT"], f"rank{dist.get_rank()}.pt"))
+dist.destroy_process_group()
+"""
+
+
+def test_a_step_that_swallows_the_error_is_still_absorbed(tmp_path):
+    script = tmp_path / "swallow.py"
+    script.write_text(textwrap.dedent(SWALLOWING))
+    ref = tmp_path / "torchrun"
+    (ref / "export").mkdir(parents=True)
+    torchrun(script, [], 2, ref, env={"EXPORT": str(ref / "export")})
+    run = tmp_path / "job"
+    (run / "export").mkdir(parents=True)
+    job = Job(tmp_path, nproc=2, spares=1, script=script, out_arg=False,
+              env={"EXPORT": str(run / "export"), "PYTHONPATH": str(INJECT),
+                   "BATON_TEST_SIGNAL_MID_STEP": "1:40:SIGKILL", "BATON_TEST_SIGNAL_MARK": str(tmp_path / "fired")})
+    try:
+        assert job.wait(timeout=170) == 0, job.log()
+    finally:
+        job.kill()
+    _compare(ref, run)  # "errors" included: the swallowed error was undone with the step
+    assert [e["kind"] for e in job.events()] == ["unplanned"]
+
+
+def test_a_kill_from_outside_at_any_moment_is_exact_or_stops_the_job(tmp_path):
+    """The kill lands where it lands (inside a step, after a rank's last collective, between
+    epochs): the job ends 0 with every rank exact, or non-zero with a divergence saying why."""
+    name, args = "trainer_ddp.py", ["60", "20", "--snapshot-path", "{d}/snapshot.pt"]
+    ref = tmp_path / "torchrun"
+    ref.mkdir()
+    torchrun(NOCODE / name, [a.format(d=ref) for a in args] + ["--export", str(ref / "export")], 2, ref)
+    run = tmp_path / "baton"
+    job = Job(tmp_path, nproc=2, spares=1, script=NOCODE / name, out_arg=False, name="baton",
+              script_args=[a.format(d=run) for a in args] + ["--export", str(run / "export")])
+    try:
+        st = job.wait_step(40, timeout=120)
+        time.sleep(0.003 * (st["ranks"][0]["step"] % 7))  # somewhere in a step, whichever part
+        job.signal_rank(1, signal.SIGKILL)
+        code = job.wait(timeout=170)
+    finally:
+        job.kill()
+    events = job.events()
+    if code == 0:
+        _compare(ref, run)
+        assert [(e["kind"], e["status"]) for e in events] == [("unplanned", "resolved")], events
+    else:
+        assert any(e["kind"] == "divergence" for e in events), (events, job.log())
+        assert "restart it from your own checkpoint" in job.log(None)
