@@ -71,7 +71,8 @@ def render(report: Report, console: Console) -> None:
             if region.when == "before":
                 what = "before the inner loop: a joiner runs it again as it catches up"
             else:
-                what = "after the inner loop (evaluation, checkpoint): covered, a failure inside re-runs it"
+                what = ("after the inner loop (evaluation, checkpoint): a move waits for the next step; "
+                        "a rank lost here ends the job in this version")
             console.print(f"  {region.loop} lines {region.lines}, {what}:")
             for text in region.statements:
                 console.print(f"      {text}", markup=False, overflow="fold")
