@@ -40,6 +40,7 @@ from common import free_port
 
 BENCH = Path(__file__).resolve().parent
 WORKLOAD = BENCH / "workload.py"
+NOCODE_WORKLOAD = BENCH / "nocode_workload.py"  # the same training as a script that never imports baton
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,7 @@ class Workload:
 class Contender:
     """One way to run the workload. `python` is the interpreter of its environment."""
 
-    kind: str  # "ddp" | "baton" | "torchft"
+    kind: str  # "ddp" | "baton" | "torchft" | "plain" (torchrun, nocode_workload) | "nocode" (baton run, same file)
     python: str
     ckpt_every: int = 0  # ddp: checkpoint-restart when > 0
     spares: int = 0  # baton
@@ -108,6 +109,15 @@ def _spawn(cmd: list[str], log: Path, env: dict | None = None) -> subprocess.Pop
 
 def launch(c: Contender, w: Workload, run_dir: Path) -> Launched:
     run_dir.mkdir(parents=True, exist_ok=True)
+    if c.kind in ("plain", "nocode"):
+        script = [str(NOCODE_WORKLOAD), *w.args(), "--run-dir", str(run_dir)]
+        if c.kind == "plain":
+            cmd = [c.python, "-m", "torch.distributed.run", "--nproc-per-node", str(w.nproc),
+                   "--master-port", str(free_port()), *script]
+        else:
+            cmd = [c.python, "-m", "baton.cli", "run", "--nproc", str(w.nproc), "--spares", str(c.spares), "--quiet",
+                   "--run-dir", str(run_dir / "baton"), *script]
+        return Launched([_spawn(cmd, run_dir / "launcher.log")])
     script = [str(WORKLOAD), "--mode", c.kind, *w.args(), "--run-dir", str(run_dir)]
     if c.kind == "ddp":
         if c.restarts:

@@ -28,7 +28,6 @@ import argparse
 import itertools
 import json
 import os
-import resource
 import time
 from pathlib import Path
 
@@ -36,24 +35,11 @@ T_PROCESS_START = time.time()
 
 import torch  # noqa: E402 - T_PROCESS_START must be taken before the slow import
 import torch.distributed as dist  # noqa: E402
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
 
-
-def build_model(params_m: float, width: int = 1024) -> torch.nn.Module:
-    depth = max(1, round(params_m * 1e6 / (width * width + width)))
-    layers: list[torch.nn.Module] = [torch.nn.Linear(64, width)]
-    for _ in range(depth):
-        layers += [torch.nn.ReLU(), torch.nn.Linear(width, width)]
-    layers += [torch.nn.ReLU(), torch.nn.Linear(width, 1)]
-    return torch.nn.Sequential(*layers)
-
-
-def build_loader(world: int, rank: int, batch: int) -> DataLoader:
-    g = torch.Generator().manual_seed(1)
-    n = batch * world * 64  # a fixed-size set; training cycles through epochs
-    data = TensorDataset(torch.randn(n, 64, generator=g), torch.randn(n, 1, generator=g))
-    return DataLoader(data, batch_size=batch, drop_last=True,
-                      sampler=DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=3))
+from workload_parts import Progress, build_loader, build_model  # noqa: E402
+from workload_parts import finish as _finish  # noqa: E402
+from workload_parts import window as _window  # noqa: E402
 
 
 def batches_from(loader: DataLoader, step: int):
@@ -67,51 +53,6 @@ def batches_from(loader: DataLoader, step: int):
             yield step, batch
             step += 1
         epoch, skip = epoch + 1, 0
-
-
-def _cpu_mark(done: int, own=None) -> dict:
-    ru = resource.getrusage(resource.RUSAGE_SELF)
-    mark = {"t": time.time(), "cpu_s": ru.ru_utime + ru.ru_stime, "step": done}
-    if own is not None:  # baton's own count (job.cpu_use()): its share of this process's CPU
-        use = own()
-        mark["baton"] = {"entry_s": use.entry_s, "threads_s": use.threads_s, "baton_s": use.baton_s}
-    return mark
-
-
-class Progress:
-    """Rank 0's event log and every rank's pid and CPU files, for the drivers that kill and time."""
-
-    def __init__(self, run_dir: str | None, rank: int, window: tuple[int, int] | None = None, own=None, **tags):
-        self.dir = Path(run_dir) if run_dir else None
-        self.own = own
-        self.rank = rank
-        self.window = window  # (warmup, steps): when to read this process's CPU time
-        self.marks: dict[str, dict] = {}
-        self.tags = tags
-        self.log = None
-        if self.dir is not None:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            (self.dir / f"pid.rank{rank}").write_text(str(os.getpid()))
-            if rank == 0:
-                self.log = open(self.dir / "progress.jsonl", "a", buffering=1)
-
-    def emit(self, ev: str, **kw) -> None:
-        if self.log is not None:
-            self.log.write(json.dumps({"ev": ev, "t": time.time(), **self.tags, **kw}) + "\n")
-
-    def step(self, done: int, **kw) -> None:
-        """`done` steps are complete: read this process's CPU time at the window's edges (before
-        the event, so rank 0's event, which the harness acts on, follows every mark it pairs with)."""
-        if self.dir is not None and self.window is not None:
-            warmup, steps = self.window
-            if "warm" not in self.marks and done >= warmup:
-                self.marks["warm"] = _cpu_mark(done, self.own)
-            if "end" not in self.marks and "warm" in self.marks and done >= steps:
-                self.marks["end"] = _cpu_mark(done, self.own)
-                tmp = self.dir / f".cpu.rank{self.rank}.json.tmp"
-                tmp.write_text(json.dumps({"pid": os.getpid(), **self.marks}))
-                os.replace(tmp, self.dir / f"cpu.rank{self.rank}.json")
-        self.emit("step", step=done, **kw)
 
 
 def _latest_checkpoint(ckpt_dir: Path) -> Path | None:
@@ -258,10 +199,6 @@ def run_torchft(args) -> None:
     manager.shutdown(wait=False)
 
 
-def _window(args) -> tuple[int, int] | None:
-    return (args.warmup, args.steps) if args.warmup is not None else None
-
-
 def _wait_for_pid_files(run_dir: Path, n: int, timeout: float = 120) -> None:
     """Benchmark plumbing: the first replicas to arrive would otherwise form the first quorum
     alone (the lighthouse allows one replica fewer) and the late one would heal into the job."""
@@ -270,12 +207,6 @@ def _wait_for_pid_files(run_dir: Path, n: int, timeout: float = 120) -> None:
         if time.time() > deadline:
             raise TimeoutError("replica groups did not all start")
         time.sleep(0.05)
-
-
-def _finish(progress: Progress, rank: int, model: torch.nn.Module, args) -> None:
-    if rank == 0 and args.run_dir:
-        torch.save(model.state_dict(), Path(args.run_dir) / "final.pt")
-        progress.emit("done", step=args.steps, params=sum(p.numel() for p in model.parameters()))
 
 
 def main() -> None:

@@ -9,18 +9,23 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
 from tests.jobs import Job
 from tests.nocode_runs import NOCODE, differences, exports, torchrun
 
 SHAPES = {
-    # long enough that both moves land mid-run; {d}: the run's folder
-    "nanogpt": ("nanogpt_train.py", ["--out_dir={d}/out", "--max_iters=160", "--eval_interval=40"]),
-    "trainer": ("trainer_ddp.py", ["200", "7", "--snapshot-path", "{d}/snapshot.pt"]),
-    "imagenet": ("imagenet_main.py", ["--epochs", "16", "--out-dir", "{d}/out"]),
-    "fsdp2": ("fsdp2_example.py", ["--iterations", "160", "--checkpoint-dir", "{d}/ck"]),
+    # long enough that both moves land mid-run; {d}: the run's folder; the files the script
+    # writes, which must match torchrun's (read back: nanoGPT's holds the folder it was written to)
+    "nanogpt": ("nanogpt_train.py", ["--out_dir={d}/out", "--max_iters=160", "--eval_interval=40"], ["out/ckpt.pt"]),
+    "trainer": ("trainer_ddp.py", ["200", "7", "--snapshot-path", "{d}/snapshot.pt"], ["snapshot.pt"]),
+    "imagenet": ("imagenet_main.py", ["--epochs", "16", "--out-dir", "{d}/out"],
+                 ["out/checkpoint.pth.tar", "out/model_best.pth.tar"]),
+    "fsdp2": ("fsdp2_example.py", ["--iterations", "160", "--checkpoint-dir", "{d}/ck"], []),  # DCP folders: by time
 }
 
 
@@ -36,7 +41,7 @@ def _resolved(job: Job, count: int) -> None:
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 def test_a_planned_move_and_a_taint_end_bitwise_equal_to_torchrun(tmp_path, shape):
-    name, args = SHAPES[shape]
+    name, args, files = SHAPES[shape]
     ref = tmp_path / "torchrun"
     ref.mkdir()
     torchrun(NOCODE / name, [a.format(d=ref) for a in args] + ["--export", str(ref / "export")], 2, ref)
@@ -58,6 +63,19 @@ def test_a_planned_move_and_a_taint_end_bitwise_equal_to_torchrun(tmp_path, shap
         job.kill()
     for rank, (a, b) in enumerate(zip(exports(ref / "export", 2), exports(run / "export", 2))):
         assert differences(a, b) == [], f"rank {rank}"
+    for f in files:
+        written = [_relative(torch.load(d / f, weights_only=False), d) for d in (ref, run)]
+        assert differences(*written) == [], f
     events = job.events()
     assert [(e["kind"], e["rank"], e["status"], e["steps_lost"]) for e in events] == [
         ("planned", 1, "resolved", 0), ("pre-emptive", 0, "resolved", 0)], events
+
+
+def _relative(obj: Any, folder: Path) -> Any:
+    if isinstance(obj, str):
+        return obj.replace(str(folder), "<run>")
+    if isinstance(obj, dict):
+        return {k: _relative(v, folder) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_relative(v, folder) for v in obj)
+    return obj

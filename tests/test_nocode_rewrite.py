@@ -266,3 +266,40 @@ def test_a_scripts_modules_are_instrumented_but_never_cached(tmp_path: Path):
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["2", "True", "False"]  # the script's own module only
     assert not (tmp_path / "__pycache__").exists()
+
+
+LIVE = '''
+import time
+def estimate():
+    logits = 1          # a local of its own: does not make the loop's `logits` live
+    return logits
+best = 1e9
+t0 = time.time()
+it = 0
+while True:
+    lr = it * 0.1                       # assigned before it is read
+    if it % 10 == 0:
+        losses = estimate()
+        best = min(best, losses)        # read before assigned in the iteration
+        ckpt = {"it": it}               # built and used in one branch
+        save(ckpt)
+    for micro in range(2):
+        logits, loss = step(lr)         # read only after this
+        total = logits + loss
+    t1 = time.time()
+    dt, t0 = t1 - t0, t1                # t0 read first
+    it += 1
+    if it > 5:
+        break
+report(loss, it)                        # read after the loop: `loss` may be the last micro-batch's
+'''
+
+
+def test_only_what_is_read_after_a_head_is_carried():
+    tree = rewrite.rewrite(LIVE, "<live>")
+    assert tree is not None
+    from baton.transparent.sites import SITES
+
+    loop = next(SITES[i] for i in range(len(SITES)) if SITES[i].file == "<live>" and SITES[i].kind == "while")
+    assert set(loop.live) == {"best", "loss", "t0", "it"}
+    assert {"lr", "losses", "ckpt", "logits", "total", "micro", "t1", "dt"} <= set(loop.assigned) - set(loop.live)

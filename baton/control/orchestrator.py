@@ -808,6 +808,11 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing):
         if self.exit_code is not None:
             return
         self.exit_code = code
+        if code != 0:  # a move under way when the job ends on an error did not happen: say so in the ledger
+            why = (self.failure or f"exit code {code}").splitlines()[0][:500]
+            for ev in self.events:
+                if ev.status == "in-progress" and ev.kind != EventKind.DIVERGENCE:
+                    self._close(ev, "failed", f"the job ended before this move completed: {why}")
         for w in self.workers.values():
             if w.role in (WorkerRole.SPARE, WorkerRole.STARTING, WorkerRole.LEAVING):
                 self._post(w.id, m.Stop(reason="job ended"))

@@ -140,18 +140,21 @@ def _carried(frame_loops: FrameLoops) -> tuple[list[CarriedReport], list[refusal
     bound: dict[str, None] = {}
     for loop in frame_loops.loops:
         bound.update(dict.fromkeys(loop.site.assigned + loop.site.mutated))
-    module_level = outer.site.scope == "<module>"
     used: dict[str, None] = {}
     for loop in frame_loops.loops:
         used.update(dict.fromkeys(loop.site.reads))
-    setup_names = [n for n in (used if module_level else local_values) if n not in bound and n not in _NOT_CARRIED]
+    setup_names = [n for n in used if n not in bound and n not in _NOT_CARRIED]
     out: list[CarriedReport] = []
     refused: list[refusals.Refusal] = []
     items = {n for loop in frame_loops.loops for n in loop.site.targets}
+    live = {n for loop in frame_loops.loops for n in loop.site.live}
     for name in bound:
         if name in items:
             out.append(CarriedReport(loop=where, name=name, kind="item",
                                      detail="loop item"))
+            continue
+        if name not in live and name not in {n for loop in frame_loops.loops for n in loop.site.mutated}:
+            out.append(CarriedReport(loop=where, name=name, kind="dead", detail="overwritten before it is read"))
             continue
         if name not in values:
             out.append(CarriedReport(loop=where, name=name, kind="later",

@@ -107,6 +107,8 @@ def classify(value: Any, from_setup: bool = False, _depth: int = 0,
     if isinstance(value, _PLAIN):
         return Classified(Kind.PLAIN, type(value).__name__)
     if isinstance(value, _NOT_CARRIED_YET):
+        if from_setup:  # a Path or a date the setup made: the successor's setup makes its own
+            return Classified(Kind.SETUP, type(value).__name__)
         return Classified(Kind.REFUSED, type(value).__name__,
                           "baton hands over numbers, strings and tensors (never a pickle); keep it as a string "
                           "or a number in the loop's variables")
@@ -148,6 +150,8 @@ def classify(value: Any, from_setup: bool = False, _depth: int = 0,
                           "an iterator whose position baton cannot read or rebuild")
     attrs = getattr(value, "__dict__", None)
     if not isinstance(attrs, dict):
+        if from_setup:  # an opaque object the setup made (a compiled regex, a C extension's)
+            return Classified(Kind.SETUP, type(value).__name__)
         return Classified(Kind.REFUSED, type(value).__name__,
                           "an object without attributes baton can read (no __dict__)")
     carried = []

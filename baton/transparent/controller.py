@@ -32,8 +32,9 @@ from baton.control import messages as m
 from baton.transparent import analysis, nest, values
 from baton.transparent.importer import ScriptModules
 from baton.transparent.loops import LOOPS, ActiveLoop
+from baton.transparent.sites import SITES
 from baton.transparent.script_runtime import ScriptRuntime
-from baton.worker import rng
+from baton.worker import rng, setup_check
 from baton.worker.runtime import Divergence, exit_quietly
 from baton.worker.tracked import UsageError
 
@@ -45,6 +46,7 @@ class StepLoopController:
         self.step_loop: ActiveLoop | None = None
         self.nest_keys: list[str] = []
         self.catch_up: _CatchUp | None = None
+        self.setup: dict[str, int] = {}  # the setup's fingerprint where the nest starts (setup_check)
         self._pending: dict[int, dict[str, Any]] = {}  # id(loop) -> what its next head hands back
         rt.script_section = self.script_section
         if rt.joiner:
@@ -72,6 +74,8 @@ class StepLoopController:
         self.step_loop = found.nest.step_loop
         self.step_site = self.step_loop.site.id
         self.nest_keys = [loop.site.key for loop in found.nest.loops]
+        outermost = found.nest.loops[0]
+        self.setup = _setup_fingerprint(outermost, outermost.head_rng)
         self.rt.start_script_loop(self.step_loop.site.where, self.nest_keys)
 
     # ---------------------------------------------------------------- where the script stands
@@ -84,16 +88,16 @@ class StepLoopController:
                 continue
             frame = loop.frame
             scope = {**{n: v for n, v in frame.f_globals.items() if n in frame.f_code.co_names}, **frame.f_locals}
-            bound = tuple(n for n in loop.site.assigned if n not in loop.site.targets)
-            names = loop.site.reads if loop.site.scope == "<module>" else tuple(frame.f_locals)
-            records = {n: values.record(scope[n]) for n in names
+            bound = tuple(n for n in loop.site.live if n not in loop.site.targets)
+            # objects the setup made that the loop uses (meters, `self`), read off the loop's body
+            records = {n: values.record(scope[n]) for n in loop.site.reads
                        if n in scope and n not in bound and _is_record(scope[n])}
             it = loop.iterable
             path.append({"key": loop.site.key, "iteration": loop.iterations,
                          "range": [it.start, it.stop, it.step] if isinstance(it, range) else None,
                          "values": values.carried_names(bound, scope), "records": records,
                          "rng": loop.head_rng if loop is not self.step_loop else None})
-        return {"path": path}
+        return {"path": path, "setup": self.setup, "globals": _declared_globals()}
 
     # ---------------------------------------------------------------- the loops (loops.Controller)
     def before_item(self, loop: ActiveLoop) -> None:
@@ -103,7 +107,9 @@ class StepLoopController:
         if loop.site.id == self.step_site:
             self.step_loop = loop  # entered again (the next epoch): the same site, a new entry
             self.rt.at_head()
-        elif self.step_site is not None and loop.site.key in self.nest_keys:
+        elif (self.step_site is None and loop.iterations == 0) or loop.site.key in self.nest_keys:
+            # the streams at each head of an outer loop of the nest, and, until the nest is
+            # known, at each loop's first head (where the setup ended, for setup_check)
             loop.head_rng = rng.capture(self.rt.tracked.generators)
 
     def left(self, loop: ActiveLoop) -> None:
@@ -141,6 +147,7 @@ class StepLoopController:
         except Divergence as stop:
             self._stop(str(stop))
         assert rt.head_state is not None
+        _restore_globals(rt.head_state["script"]["globals"])
         entry = rt.head_state["script"]["path"][-1]
         self._pending[id(loop)] = entry
         LOOPS.restoring = True
@@ -156,6 +163,44 @@ class StepLoopController:
         except Exception:  # noqa: BLE001 - the orchestrator may be ending the job already
             pass
         exit_quietly(1)
+
+
+def _declared_globals() -> dict[str, dict[str, Any]]:
+    """The script's module globals some function declares `global` (wherever it is called
+    from, it may change them), by file."""
+    out: dict[str, dict[str, Any]] = {}
+    for module in list(sys.modules.values()):
+        names = SITES.globals.get(getattr(module, "__file__", None) or "")
+        if names:
+            out[module.__file__] = values.carried_names(names, vars(module))  # type: ignore[index]
+    return out
+
+
+def _restore_globals(saved: dict[str, dict[str, Any]]) -> None:
+    by_file = {getattr(mod, "__file__", None): mod for mod in list(sys.modules.values())}
+    for file, names in saved.items():
+        module = by_file.get(file)
+        if module is None:
+            raise Divergence(f"the script's module {file} is not imported here, but the rank this process "
+                             "replaces had it: the script took another way")
+        for name, value in names.items():
+            setattr(module, name, values.rebound(value, getattr(module, name, None), name))
+
+
+def _setup_fingerprint(loop: ActiveLoop, streams: dict[str, Any] | None) -> dict[str, int]:
+    """Where the nest starts: the streams at its outermost loop's first head, and what the
+    loaders, datasets and samplers its frame holds (directly, or as attributes of `self`)
+    will yield, by name."""
+    loaders: dict[str, Any] = {}
+    for name, value in sorted(loop.frame.f_locals.items()):
+        attrs = getattr(value, "__dict__", None)
+        if setup_check.is_data(value):
+            loaders.setdefault(name, value)
+        elif isinstance(attrs, dict) and _is_record(value):
+            for attr, candidate in sorted(attrs.items()):
+                if setup_check.is_data(candidate):
+                    loaders.setdefault(f"{name}.{attr}", candidate)
+    return setup_check.fingerprint(streams or {}, loaders)
 
 
 def _is_record(obj: Any) -> bool:
@@ -193,6 +238,13 @@ class _CatchUp:
             raise Divergence(f"rank {c.rt.rank}: its predecessor stood in loops {[e['key'] for e in path]}, not "
                              f"{c.nest_keys}: the script took another way (is its setup deterministic?)")
         entry = path[self.depth]
+        if self.depth == 0:  # where the nest starts: did this setup build what the predecessor's did?
+            mine = _setup_fingerprint(loop, rng.capture(c.rt.tracked.generators))
+            theirs = state["bundle"]["script"].get("setup") or {}
+            differing = setup_check.differences(mine, theirs) if theirs else []
+            if differing:
+                raise Divergence(setup_check.explain(c.rt.rank, differing))
+            _restore_globals(state["bundle"]["script"].get("globals", {}))
         if loop.site.kind == "for":
             assert loop.counted is not None
             if entry["range"] is not None and isinstance(loop.iterable, range) and \

@@ -20,6 +20,7 @@ _KIND_TEXT = {
     "setup": "rebuilt by the successor's setup",
     "later": "checked when bound",
     "item": "drawn again",
+    "dead": "not carried",
     "refused": "REFUSED",
 }
 

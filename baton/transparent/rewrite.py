@@ -34,6 +34,7 @@ from __future__ import annotations
 import ast
 from typing import Iterable
 
+from baton.transparent import liveness
 from baton.transparent.sites import SITES, LoopSite, Statement
 
 HOOKS = "__baton_loops__"  # the name rewritten code calls; the loader puts the runtime there
@@ -44,7 +45,8 @@ _COMPREHENSIONS = (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
 def rewrite(source: str | bytes, filename: str) -> ast.Module:
     """The module's syntax tree with every loop instrumented (SyntaxError as compile gives it)."""
     tree = ast.parse(source, filename=filename)
-    tree = _Instrument(filename).visit(tree)
+    SITES.declare_globals(filename, liveness.declared_global(tree))
+    tree = _Instrument(filename, tree).visit(tree)
     return ast.fix_missing_locations(tree)
 
 
@@ -162,17 +164,23 @@ def _jumps_out(stmts: list[ast.stmt]) -> bool:
 
 
 class _Instrument(ast.NodeTransformer):
-    def __init__(self, filename: str):
+    def __init__(self, filename: str, module: ast.Module):
         self.filename = filename
         self.scopes: list[str] = []
+        self.scope_nodes: list[ast.AST] = [module]  # the module, then each function the visit is in
 
     # Scope names, for the report ("Trainer._run_epoch").
     def _scoped(self, node: ast.AST) -> ast.AST:
         self.scopes.append(node.name)  # type: ignore[attr-defined]
+        function = isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        if function:
+            self.scope_nodes.append(node)
         try:
             return self.generic_visit(node)
         finally:
             self.scopes.pop()
+            if function:
+                self.scope_nodes.pop()
 
     visit_FunctionDef = visit_AsyncFunctionDef = visit_ClassDef = _scoped
 
@@ -207,10 +215,13 @@ class _Instrument(ast.NodeTransformer):
               resumable: bool) -> LoopSite:
         assigned, mutated, reads = names_of(parts)
         targets = names_of([node.target])[0] if isinstance(node, ast.For) else ()
+        live = liveness.live_at_head(node, self.scope_nodes[-1])
+        reads = tuple(dict.fromkeys([*reads, *sorted(liveness.loads(parts) - set(reads))]))
         scope = ".".join(self.scopes) or "<module>"
         return SITES.add(lambda sid: LoopSite(
             id=sid, file=self.filename, line=node.lineno, col=node.col_offset, kind=kind, scope=scope,
             header=_short(header), targets=targets, assigned=assigned, mutated=mutated, reads=reads,
+            live=tuple(n for n in assigned if n in live),
             resumable=resumable, body=tuple(_statement(s) for s in node.body)))
 
     @staticmethod

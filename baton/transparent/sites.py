@@ -38,6 +38,7 @@ class LoopSite:
     mutated: tuple[str, ...]  # names whose attributes or items the loop assigns (self.x = ..., d[k] = ...)
     reads: tuple[str, ...]  # names the loop reads (a module-level loop's meters are globals it reads)
     resumable: bool = True  # False: a while loop whose else clause jumps (kept in its plain form)
+    live: tuple[str, ...] = ()  # of `assigned`, those holding what is read after the head (liveness)
     body: tuple[Statement, ...] = field(default=(), compare=False)
 
     @property
@@ -57,6 +58,7 @@ class SiteTable:
         self._sites: list[LoopSite] = []
         self._lock = threading.Lock()
         self.files: set[str] = set()  # the files whose code was instrumented
+        self.globals: dict[str, tuple[str, ...]] = {}  # file -> names its functions declare global
 
     def add(self, make: Callable[[int], LoopSite]) -> LoopSite:
         with self._lock:
@@ -64,6 +66,12 @@ class SiteTable:
             self._sites.append(site)
             self.files.add(site.file)
             return site
+
+    def declare_globals(self, filename: str, names: tuple[str, ...]) -> None:
+        with self._lock:
+            self.files.add(filename)
+            if names:
+                self.globals[filename] = names
 
     def __getitem__(self, sid: int) -> LoopSite:
         return self._sites[sid]

@@ -39,7 +39,7 @@ from baton.transfer import FetchStats, TransferError, codec, fetch_state
 from baton.transfer.bundles import Bundle, Frame, Pos, encode_frame, newest
 from baton.transfer.protocol import FlatState
 from baton.transfer.server import PUSH, SNAPSHOT, TransferServer, connect, small_id, snapshot_key
-from baton.worker import module_state, rng, shards, verify
+from baton.worker import module_state, rng, setup_check, shards, verify
 from baton.worker.bundle import BundlePushers, StepCapture, fetch_ward_bundle
 from baton.worker.compile_watch import describe
 from baton.worker.control import ControlChannel, cpu_report
@@ -105,6 +105,7 @@ class Runtime:
                  world_size: int, joiner: bool, config: m.Registered, token: str):
         self.rank, self.world_size, self.joiner = rank, world_size, joiner
         self.assignment: m.Assign | None = None  # the orchestrator's word that made this process a rank
+        self.setup: dict[str, int] = {}  # the setup's fingerprint where the step loop starts (setup_check)
         self.ctl, self.server, self.store, self.token = ctl, server, store, token
         self.assigned_at = time.perf_counter()  # made right after the rank's assignment
         self.setup_s = 0.0
@@ -237,6 +238,9 @@ class Runtime:
             if position is not None:
                 self.feed.seek(position)
         log.info("loop: %s (tracking %s)", self.loop, sorted(self.tracked.objects))
+        # What the tracked loader will yield only: a joiner may draw other numbers before its
+        # loop on purpose (`if job.joined:` builds its model on the meta device), never other data.
+        self.setup = setup_check.fingerprint({}, {"data": self.feed.data} if self.feed.data is not None else {})
         start_bundle, start_rng = self._capture_at(self.pos)
         if self.joiner:
             self.ctl.report_now(m.Ready(loop=self.loop, bundle=_text(start_bundle), joined=True))
@@ -420,6 +424,7 @@ class Runtime:
             "data": self.feed.position_at(pos[0]),
             "modes": self.tracked.modes(),
             "volatile": self.tracked.volatile_buffers(),
+            "setup": self.setup,
         }
 
     def _capture_at(self, pos: Pos, seq: int = 0) -> tuple[Bundle, dict[str, Any]]:
@@ -866,6 +871,7 @@ class Runtime:
                     bundle_state, expected = state["bundle"], state.get("digest")
                 else:
                     bundle_state = self._lost_bundle(cmd.lost, target)
+                self._check_setup(bundle_state.get("setup"))
                 self._apply_bundle(bundle_state)
                 self.pos = target  # type: ignore[assignment]
                 self.at_pos = Bundle.of(self.rank, target, gen, 0, bundle_state)  # type: ignore[arg-type]
@@ -954,6 +960,16 @@ class Runtime:
                 here["record"] = None
             state["data"] = here
         return state
+
+    def _check_setup(self, theirs: dict[str, int] | None) -> None:
+        """A joiner: stop loudly if its setup built other data or drew other numbers than its
+        predecessor's did before the step loop (setup_check)."""
+        differing = setup_check.differences(self.setup, theirs) if theirs else []
+        if differing:
+            detail = setup_check.explain(self.rank, differing)
+            self.ctl.report_now(m.Verified(generation=self.group.generation, pos=self.pos, ok=False,
+                                           differing=[f"setup.{n}" for n in differing][:200], detail=detail))
+            raise Divergence(detail)
 
     def _lineage_broken(self) -> None:
         """Stop the job loudly: this rank's parameters are not at the step it is about to run."""

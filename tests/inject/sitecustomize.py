@@ -46,6 +46,10 @@ in that step, after its forward and before its backward, once per job (BATON_TES
 file path, is made when it fires): a real kill -9 or hang landing inside a step, at a point a
 test can name (one from outside lands anywhere).
 
+BATON_TEST_SIGNAL_IN_REGION="rank:step:SIGNAME" (with BATON_TEST_SIGNAL_MARK): the same, in the
+script's first dist.all_reduce after its step loop (an evaluation) once that rank is past that
+step: the region a no-code job does not recover yet.
+
 BATON_TEST_STEP_COUNT_SKEW="rank:step": after that rank's optimizer step at that step, baton's
 count of the steps its parameters hold is one too many, as a bug that applied a step twice
 would leave it. baton's own check must stop the job loudly (never exit 0).
@@ -253,3 +257,27 @@ if _signal_mid_step:
         return _backward(self, *args, **kwargs)
 
     torch.Tensor.backward = _signal_then_backward
+
+_signal_in_region = os.environ.get("BATON_TEST_SIGNAL_IN_REGION")
+if _signal_in_region:
+    import signal
+
+    import torch.distributed as _dist
+
+    _reg_rank, _reg_step, _reg_name = _signal_in_region.split(":")
+    _all_reduce = _dist.all_reduce
+    _reg_mark = os.environ["BATON_TEST_SIGNAL_MARK"]
+
+    def _signal_then_all_reduce(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        from baton.worker import job
+
+        rt = job._RUNTIME[0]
+        if rt is not None and rt.rank == int(_reg_rank) and rt.pos[0] >= int(_reg_step) and \
+                rt.scope == "region" and not os.path.exists(_reg_mark):
+            open(_reg_mark, "w").close()
+            print(f"injected: {_reg_name} to rank {_reg_rank} in the region after step {rt.pos[0]}",
+                  file=sys.stderr, flush=True)
+            os.kill(os.getpid(), getattr(signal, _reg_name))
+        return _all_reduce(*args, **kwargs)
+
+    _dist.all_reduce = _signal_then_all_reduce

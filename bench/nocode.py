@@ -1,0 +1,168 @@
+"""No code change against its model-aware port and torchrun, side by side in one run.
+
+    PYTHONPATH=. python bench/nocode.py --rounds 3     # writes bench/results/nocode-<ts>.json
+                                                       # and the README's <!-- nocode --> sentence
+
+Three contenders train the same model on the same batches (bench/workload_parts.py):
+  torchrun      bench/nocode_workload.py under torchrun: a script that never imports baton
+  no-code       the same file under `baton run --spares 1`
+  model-aware   its port to baton's API (bench/workload.py --mode baton) under `baton run --spares 1`
+
+Steady state (runs without failures, interleaved, order rotated each round): median step
+time and the CPU-seconds of the whole process tree per step over the same window (see
+contenders.py); ratios are taken within each round, reported as median (min-max) over
+rounds. Moves (one run per baton contender and round): a planned move of rank 1 at step
+`--move-at`, then a kill -9 of rank 1 at step `--kill-at`: the planned downtime and the
+new rank's setup from the ledger, the unplanned stall (from the kill to the next step
+beyond the one reached) from the progress log, the same measure for both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from common import interleave, median_range, write_readme_sentence
+from contenders import Contender, Workload, _read_events, launch, run_job
+
+BENCH = Path(__file__).resolve().parent
+README = BENCH.parent / "README.md"
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def _moves(c: Contender, w: Workload, run_dir: Path, move_at: int, kill_at: int, timeout: float = 600) -> dict:
+    """One run: a planned move of rank 1 at `move_at`, a kill -9 of rank 1 at `kill_at`."""
+    job = launch(c, w, run_dir)
+    progress, offset, reached = run_dir / "progress.jsonl", 0, 0
+    moved = killed = None
+    t0 = time.time()
+    try:
+        while job.running():
+            if time.time() - t0 > timeout:
+                raise TimeoutError(f"{c.key} did not finish: see {run_dir}")
+            events, offset = _read_events(progress, offset)
+            steps = [e for e in events if e["ev"] == "step"]
+            reached = max([reached, *(e["step"] for e in steps)])
+            if killed is not None and killed["regained"] is None:
+                after = next((e for e in steps if e["t"] > killed["t"] and e["step"] > killed["step"]), None)
+                if after is not None:
+                    killed["regained"] = after["t"]
+            if moved is None and reached >= move_at:
+                moved = subprocess.run([sys.executable, "-m", "baton.cli", "migrate", "--rank", "1", "--run-dir",
+                                        str(run_dir / "baton")], capture_output=True, text=True, timeout=60)
+            if killed is None and reached >= kill_at and _ledger(run_dir) and \
+                    all(e["status"] != "in-progress" for e in _ledger(run_dir)):
+                pid = int((run_dir / "pid.rank1").read_text())
+                os.kill(pid, signal.SIGKILL)
+                killed = {"t": time.time(), "step": reached, "regained": None}
+            time.sleep(0.002)
+    finally:
+        job.kill_all()
+    ledger = _ledger(run_dir)
+    planned = next((e for e in ledger if e["kind"] == "planned"), {})
+    unplanned = next((e for e in ledger if e["kind"] == "unplanned"), {})
+    return {"ledger": ledger,
+            "planned_downtime_s": planned.get("downtime_s"), "planned_setup_s": planned.get("joiner_setup_s"),
+            "unplanned_downtime_s": unplanned.get("downtime_s"), "unplanned_setup_s": unplanned.get("joiner_setup_s"),
+            "unplanned_stall_s": killed["regained"] - killed["t"] if killed and killed["regained"] else None,
+            "exact": all(e["status"] == "resolved" and e["steps_lost"] == 0 for e in ledger) and len(ledger) == 2}
+
+
+def _ledger(run_dir: Path) -> list[dict]:
+    out = subprocess.run([sys.executable, "-m", "baton.cli", "events", "--json", "--run-dir", str(run_dir / "baton")],
+                         capture_output=True, text=True, timeout=60)
+    try:
+        return json.loads(out.stdout).get("events", [])
+    except ValueError:
+        return []
+
+
+def _fmt(r: dict, pct: bool = True) -> str:
+    if r["median"] is None:
+        return "n/a"
+    if pct:
+        return f"{r['median']:.3f}x ({r['min']:.3f}-{r['max']:.3f})"
+    return f"{r['median']:.3f}s ({r['min']:.3f}-{r['max']:.3f})"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--params-m", type=float, default=2.0)
+    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--warmup", type=int, default=30)
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--move-at", type=int, default=40)
+    p.add_argument("--kill-at", type=int, default=100)
+    p.add_argument("--results-dir", type=Path, default=BENCH / "results")
+    p.add_argument("--no-readme", action="store_true")
+    args = p.parse_args()
+    py = sys.executable
+    w = Workload(params_m=args.params_m, steps=args.steps, nproc=args.nproc, warmup=args.warmup)
+    tmp = args.results_dir / "tmp" / f"nocode-{int(time.time())}"
+    contenders = {"torchrun": Contender("plain", py), "no-code": Contender("nocode", py, spares=1),
+                  "model-aware": Contender("baton", py, spares=1)}
+    steady = interleave(list(contenders), args.rounds,
+                        lambda key, i: run_job(contenders[key], w, tmp / f"steady-{key}-{i}", cpu_window=True))
+    moves = interleave(["no-code", "model-aware"], args.rounds,
+                       lambda key, i: _moves(contenders[key], w, tmp / f"moves-{key}-{i}", args.move_at, args.kill_at))
+    summary = {
+        "step_ratio_nocode_vs_aware": median_range(_ratio(r["no-code"]["step_s"], r["model-aware"]["step_s"])
+                                                   for r in steady),
+        "cpu_ratio_nocode_vs_aware": median_range(_ratio(r["no-code"].get("cpu_s_per_step"),
+                                                         r["model-aware"].get("cpu_s_per_step")) for r in steady),
+        "step_ratio_nocode_vs_torchrun": median_range(_ratio(r["no-code"]["step_s"], r["torchrun"]["step_s"])
+                                                      for r in steady),
+        "cpu_ratio_nocode_vs_torchrun": median_range(_ratio(r["no-code"].get("cpu_s_per_step"),
+                                                            r["torchrun"].get("cpu_s_per_step")) for r in steady),
+        "step_s": {k: median_range(r[k]["step_s"] for r in steady) for k in contenders},
+        "cpu_s_per_step": {k: median_range(r[k].get("cpu_s_per_step") for r in steady) for k in contenders},
+    }
+    for key in ("planned_downtime_s", "unplanned_stall_s", "unplanned_downtime_s", "planned_setup_s",
+                "unplanned_setup_s"):
+        summary[key] = {k: median_range(r[k][key] for r in moves) for k in ("no-code", "model-aware")}
+    summary["planned_ratio"] = median_range(_ratio(r["no-code"]["planned_downtime_s"],
+                                                   r["model-aware"]["planned_downtime_s"]) for r in moves)
+    summary["unplanned_ratio"] = median_range(_ratio(r["no-code"]["unplanned_stall_s"],
+                                                     r["model-aware"]["unplanned_stall_s"]) for r in moves)
+    summary["all_moves_exact"] = all(r[k]["exact"] for r in moves for k in r)
+    out = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+           "workload": vars(args) | {"results_dir": str(args.results_dir)}, "summary": summary,
+           "steady": steady, "moves": [{k: {x: y for x, y in v.items() if x != "ledger"} for k, v in r.items()}
+                                       for r in moves]}
+    args.results_dir.mkdir(parents=True, exist_ok=True)
+    path = args.results_dir / f"nocode-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps(out, indent=2, default=str))
+    s = summary
+    text = (f" Measured with `bench/nocode.py` ({path.name}: {args.nproc} ranks, a {args.params_m:g}M-parameter MLP, "
+            f"{args.rounds} interleaved rounds, medians with min-max): against its model-aware port, the unmodified "
+            f"script's step time is {_fmt(s['step_ratio_nocode_vs_aware'])} and its whole tree's CPU per step "
+            f"{_fmt(s['cpu_ratio_nocode_vs_aware'])} (against torchrun: {_fmt(s['step_ratio_nocode_vs_torchrun'])} "
+            f"and {_fmt(s['cpu_ratio_nocode_vs_torchrun'])}); a planned move's downtime "
+            f"{_fmt(s['planned_downtime_s']['no-code'], pct=False)} against "
+            f"{_fmt(s['planned_downtime_s']['model-aware'], pct=False)}, a kill -9's stall "
+            f"{_fmt(s['unplanned_stall_s']['no-code'], pct=False)} against "
+            f"{_fmt(s['unplanned_stall_s']['model-aware'], pct=False)} (the new rank's setup in it: "
+            f"{_fmt(s['unplanned_setup_s']['no-code'], pct=False)} against "
+            f"{_fmt(s['unplanned_setup_s']['model-aware'], pct=False)}); every move "
+            f"{'exact' if s['all_moves_exact'] else 'NOT all exact'}. ")
+    print(text)
+    if not args.no_readme:
+        write_readme_sentence(README, "nocode", "bench/nocode.py", text)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(BENCH))
+    raise SystemExit(main())
