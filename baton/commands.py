@@ -80,6 +80,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--control-grace", type=float, default=600.0, metavar="S",
                    help="with --server: how long the job keeps training and retrying while the server is "
                         "unreachable (restart, failover), default 600")
+    p.add_argument("--mode", choices=("auto", "model-aware", "no-code"), default="auto",
+                   help="auto (default): model-aware if the script or a module of its directory imports baton, "
+                        "else no code change; name it where the script loads baton some other way")
     p.add_argument("--no-migration", action="store_true",
                    help="a script that does not use baton: run it as torchrun would, with no moves; the first "
                         "failure ends the job promptly (restart from your own checkpoint)")
@@ -214,7 +217,7 @@ def _mode(args: argparse.Namespace, script_args: list[str]) -> str | int:
     if not Path(args.script).is_file():
         return MODEL_AWARE  # the launcher says so
     try:
-        model_aware = mode_of(args.script) == MODEL_AWARE
+        model_aware = mode_of(args.script) == MODEL_AWARE if args.mode == "auto" else args.mode == MODEL_AWARE
     except SyntaxError:
         return MODEL_AWARE  # its first worker shows the error with its traceback, and the job ends
     if not args.no_migration:

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+import baton  # noqa: F401 - model-aware: llama.main() below calls baton.init(), and baton run sees it here
+
 _spec = importlib.util.spec_from_file_location(
     "llama", Path(__file__).resolve().parent.parent / "baton" / "examples" / "llama.py")
 llama = sys.modules["llama"] = importlib.util.module_from_spec(_spec)  # (its dataclasses look it up)

@@ -145,13 +145,16 @@ for x, y in torch.utils.data.DataLoader(Stream(), batch_size=8):
     assert "IterableDataset without state" in refusal["what"] and "state_dict()" in refusal["fix"]
 
 
-@pytest.mark.parametrize("value, what", [
-    ("log = open(os.devnull, 'a')", "TextIOWrapper"),
-    ("scale = lambda t: t * 2", "<lambda>"),
+@pytest.mark.parametrize("use, value, what", [
+    ("print(i, file=log)", "log = open(os.devnull, 'a')", "TextIOWrapper"),
+    ("scale(torch.ones(1))", "scale = lambda t: t * 2", "<lambda>"),
 ])
-def test_refused_a_value_the_loop_carries_that_cannot_move(tmp_path, value, what):
+def test_refused_a_value_the_loop_carries_that_cannot_move(tmp_path, use, value, what):
+    """Carried: the next iteration uses what this one made (one it never reads is not carried)."""
     refusal, _, script = _refused(tmp_path, SETUP + f"""
 for i in range(10):
+    if i:
+        {use}
     {value}
     step(torch.randn(8, 4), torch.randn(8, 1))
 """)

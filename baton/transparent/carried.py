@@ -148,6 +148,8 @@ def classify(value: Any, from_setup: bool = False, _depth: int = 0,
     if hasattr(value, "__next__"):
         return Classified(Kind.REFUSED, type(value).__name__,
                           "an iterator whose position baton cannot read or rebuild")
+    if not _script_record_type(type(value)):  # a logger, a progress bar, a library's object: the setup's
+        return Classified(Kind.SETUP, type(value).__name__)
     attrs = getattr(value, "__dict__", None)
     if not isinstance(attrs, dict):
         if from_setup:  # an opaque object the setup made (a compiled regex, a C extension's)
@@ -163,6 +165,20 @@ def classify(value: Any, from_setup: bool = False, _depth: int = 0,
             carried.append(name)
     shown = ", ".join(carried[:6]) + (", ..." if len(carried) > 6 else "")
     return Classified(Kind.RECORD, f"{type(value).__name__}: {shown}" if carried else type(value).__name__)
+
+
+def _script_record_type(cls: type) -> bool:
+    """Objects whose attributes are carried: of a class the script's own modules define (a
+    meter, a Trainer, a config dataclass), or a namespace of values (argparse's, types')."""
+    import argparse
+    import sys
+
+    from baton.transparent.sites import SITES
+
+    if cls in (argparse.Namespace, types.SimpleNamespace):
+        return True
+    module = sys.modules.get(cls.__module__)
+    return getattr(module, "__file__", None) in SITES.files
 
 
 def _container(value: Any, from_setup: bool, depth: int, seen: set[int]) -> Classified:

@@ -26,29 +26,34 @@ class RestoreError(RuntimeError):
     """The successor's objects do not have the structure its predecessor's had."""
 
 
-def value(obj: Any, _depth: int = 0) -> Any:
-    """`obj` as the codec carries it (tensors copied: the script may change them in place)."""
+def value(obj: Any, _seen: frozenset[int] = frozenset()) -> Any:
+    """`obj` as the codec carries it (tensors copied: the script may change them in place),
+    for an object classify() said can be carried."""
     if isinstance(obj, torch.Tensor):
         return obj.detach().clone()
     if isinstance(obj, (list, tuple)):
-        return type(obj)(value(x, _depth + 1) for x in obj) if isinstance(obj, list) else \
-            tuple(value(x, _depth + 1) for x in obj)
+        items = [value(x, _seen) for x in obj]
+        return items if isinstance(obj, list) else tuple(items)
     if isinstance(obj, dict):
-        return {k: value(v, _depth + 1) for k, v in obj.items()}
-    if hasattr(obj, "__dict__") and not isinstance(obj, (type, enum.Enum)) and _depth < 4:
-        return record(obj, _depth)
+        return {k: value(v, _seen) for k, v in obj.items()}
+    if hasattr(obj, "__dict__") and not isinstance(obj, (type, enum.Enum)):
+        return record(obj, _seen)
     return obj
 
 
-def record(obj: Any, _depth: int = 0) -> dict[str, Any]:
+def record(obj: Any, _seen: frozenset[int] = frozenset()) -> dict[str, Any]:
     """The attributes of an object of plain values (a meter, `self`) that change: numbers,
-    strings, tensors, and objects of such; the rest (its model, loader, functions, enums)
-    is the setup's."""
+    strings, tensors, and objects of such; the rest (its model, loader, functions, enums,
+    a logger: what the setup made) is the successor's own. An object met again inside
+    itself is left where it is."""
+    seen = _seen | {id(obj)}
     attrs = {}
     for name, attr in vars(obj).items():
+        if id(attr) in seen:
+            continue
         got = classify(attr, from_setup=True)
         if got.kind in CARRIED_KINDS and not isinstance(attr, enum.Enum):
-            attrs[name] = value(attr, _depth + 1)
+            attrs[name] = value(attr, seen)
     return {RECORD: type(obj).__qualname__, "attrs": attrs}
 
 

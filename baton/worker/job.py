@@ -296,6 +296,10 @@ def init() -> Job:
     A warm spare blocks here, with torch imported and its transfer endpoint open, until
     the orchestrator gives it a rank. The script's random streams are left untouched.
     """
+    if _RUNTIME[0] is not None:
+        raise UsageError("baton.init() in a script that `baton run` started with no code change (it found no "
+                         "`import baton` in the script or the modules of its directory: is baton loaded some other "
+                         "way?): run it with `baton run --mode model-aware`")
     return Job(join(Runtime))
 
 
@@ -309,6 +313,11 @@ def join(runtime_class: type[Runtime]) -> Runtime:
     if os.environ.get("BATON_LOG"):
         logging.basicConfig(level=os.environ["BATON_LOG"],
                             format=f"%(created).3f [{os.environ.get(ENV_WORKER)}] %(name)s: %(message)s")
+    else:
+        # A script that sets the root logger to INFO (hydra does) would otherwise get a line per
+        # control-plane request (httpx) and baton's own notes among its prints.
+        for name in ("baton", "httpx", "httpcore"):
+            logging.getLogger(name).setLevel(logging.WARNING)
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     discover.install()
     token = os.environ[ENV_TOKEN]
