@@ -91,7 +91,7 @@ class StepLoopController:
             bound = tuple(n for n in loop.site.live if n not in loop.site.targets)
             # objects the setup made that the loop uses (meters, `self`), read off the loop's body
             records = {n: values.record(scope[n]) for n in loop.site.reads
-                       if n in scope and n not in bound and _is_record(scope[n])}
+                       if n in scope and n not in bound and _is_object_record(scope[n])}
             it = loop.iterable
             path.append({"key": loop.site.key, "iteration": loop.iterations,
                          "range": [it.start, it.stop, it.step] if isinstance(it, range) else None,
@@ -201,6 +201,11 @@ def _setup_fingerprint(loop: ActiveLoop, streams: dict[str, Any] | None) -> dict
                 if setup_check.is_data(candidate):
                     loaders.setdefault(f"{name}.{attr}", candidate)
     return setup_check.fingerprint(streams or {}, loaders)
+
+
+def _is_object_record(obj: Any) -> bool:
+    """An object (not a container) whose attributes are carried: a meter, `self`."""
+    return isinstance(getattr(obj, "__dict__", None), dict) and not isinstance(obj, type) and _is_record(obj)
 
 
 def _is_record(obj: Any) -> bool:
