@@ -102,7 +102,10 @@ class RunDir:
             self._lock = None
 
     def write_endpoint(self, url: str) -> None:
-        self.endpoint_file.write_text(url)
+        """Atomically: a reader (`baton status`, a test) never sees it half written, empty."""
+        tmp = self.endpoint_file.with_name(f".{self.endpoint_file.name}.tmp")
+        tmp.write_text(url)
+        os.replace(tmp, self.endpoint_file)
 
     def read(self) -> tuple[str, str]:
         if not self.endpoint_file.exists() or not self.token_file.exists():

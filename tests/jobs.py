@@ -50,6 +50,8 @@ class Job:
             while True:
                 try:
                     url, token = RunDir(self.run_dir).read()
+                    if not url or not token:  # read while the launcher was writing it
+                        raise FileNotFoundError(self.run_dir)
                     self._client = ApiClient(url, token)
                     break
                 except FileNotFoundError:

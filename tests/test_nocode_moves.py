@@ -1,9 +1,12 @@
-"""Moves of unmodified torchrun scripts under `baton run` (tests/nocode/: the shapes of
-nanoGPT's train.py, the DDP tutorial's Trainer, imagenet's main.py and the FSDP2 example):
-a planned move of one rank, then a taint of rank 0's slot (a pre-emptive move), each taken
-wherever the script stands (mid-epoch, at an epoch's end, after an evaluation), end with
-every rank bit for bit equal to the same file under torchrun, and a ledger of two moves
-resolved with no step lost."""
+"""Every kind of move, in unmodified torchrun scripts under `baton run` (tests/nocode/: the
+shapes of nanoGPT's train.py, the DDP tutorial's Trainer, imagenet's main.py and the FSDP2
+example). In one run of each: a planned move of rank 1, then a taint of rank 0's slot (a
+pre-emptive move), then a real kill -9 or SIGSTOP landing inside a step (rank 0 in two of
+them; nanoGPT's inside its gradient accumulation; FSDP2's rebuilt from a buddy's copy),
+each taken wherever the script stands (mid-epoch, at an epoch's end, after an evaluation).
+Every rank ends bit for bit equal to the same file under torchrun, the files it wrote too,
+and the ledger holds the three moves, resolved with no step lost. `baton status` says the
+job runs with no code change and where its step loop is."""
 
 from __future__ import annotations
 
@@ -18,14 +21,16 @@ import torch
 from tests.jobs import Job
 from tests.nocode_runs import NOCODE, differences, exports, torchrun
 
+INJECT = NOCODE.parent / "inject"
 SHAPES = {
-    # long enough that both moves land mid-run; {d}: the run's folder; the files the script
-    # writes, which must match torchrun's (read back: nanoGPT's holds the folder it was written to)
-    "nanogpt": ("nanogpt_train.py", ["--out_dir={d}/out", "--max_iters=160", "--eval_interval=40"], ["out/ckpt.pt"]),
-    "trainer": ("trainer_ddp.py", ["200", "7", "--snapshot-path", "{d}/snapshot.pt"], ["snapshot.pt"]),
-    "imagenet": ("imagenet_main.py", ["--epochs", "16", "--out-dir", "{d}/out"],
-                 ["out/checkpoint.pth.tar", "out/model_best.pth.tar"]),
-    "fsdp2": ("fsdp2_example.py", ["--iterations", "160", "--checkpoint-dir", "{d}/ck"], []),  # DCP folders: by time
+    # script, its arguments ({d}: the run's folder), the files it writes (compared with torchrun's;
+    # read back: nanoGPT's holds the folder it was written to), the loss: "rank:signal"
+    "nanogpt": ("nanogpt_train.py", ["--out_dir={d}/out", "--max_iters=120", "--eval_interval=30"],
+                ["out/ckpt.pt"], "1:SIGSTOP"),
+    "trainer": ("trainer_ddp.py", ["100", "7", "--snapshot-path", "{d}/snapshot.pt"], ["snapshot.pt"], "1:SIGKILL"),
+    "imagenet": ("imagenet_main.py", ["--epochs", "12", "--out-dir", "{d}/out"],
+                 ["out/checkpoint.pth.tar", "out/model_best.pth.tar"], "0:SIGKILL"),
+    "fsdp2": ("fsdp2_example.py", ["--iterations", "120", "--checkpoint-dir", "{d}/ck"], [], "0:SIGKILL"),  # DCP folders: by time
 }
 
 
@@ -34,33 +39,39 @@ def _cli(job: Job, *args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=60, cwd=job.dir)
 
 
-def _resolved(job: Job, count: int) -> None:
-    job.wait_until(lambda st: st["operation"] is None and len([e for e in job.events() if e["status"] == "resolved"])
-                   >= count, timeout=120, what=f"{count} resolved move(s)")
+def _resolved(job: Job, count: int) -> dict[str, Any]:
+    return job.wait_until(lambda st: st["operation"] is None and len(
+        [e for e in job.events() if e["status"] == "resolved"]) >= count, timeout=120, what=f"{count} resolved move(s)")
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
-def test_a_planned_move_and_a_taint_end_bitwise_equal_to_torchrun(tmp_path, shape):
-    name, args, files = SHAPES[shape]
+def test_a_planned_move_a_taint_and_a_lost_rank_end_bitwise_equal_to_torchrun(tmp_path, shape):
+    name, args, files, loss = SHAPES[shape]
     ref = tmp_path / "torchrun"
     ref.mkdir()
     torchrun(NOCODE / name, [a.format(d=ref) for a in args] + ["--export", str(ref / "export")], 2, ref)
-    run = tmp_path / "baton"
-    job = Job(tmp_path, nproc=2, spares=2, script=NOCODE / name, out_arg=False, name="baton",  # the taint needs a warm spare too
-              script_args=[a.format(d=run) for a in args] + ["--export", str(run / "export")])
+    run, go = tmp_path / "baton", tmp_path / "go"
+    victim, signal_name = loss.split(":")
+    job = Job(tmp_path, nproc=2, spares=2, script=NOCODE / name, out_arg=False, name="baton",  # the taint's is warm
+              script_args=[a.format(d=run) for a in args] + ["--export", str(run / "export")],
+              env={"PYTHONPATH": str(INJECT), "BATON_TEST_SIGNAL_MID_STEP": f"{victim}:go:{signal_name}",
+                   "BATON_TEST_SIGNAL_GO": str(go), "BATON_TEST_SIGNAL_MARK": str(tmp_path / "fired")})
     try:
-        st = job.wait_step(12, timeout=120)
+        st = job.wait_step(8, timeout=120)
+        assert st["mode"] == "no-code" and st["step_loop"].startswith(f"{NOCODE / name}:")
+        assert f"mode: no code change, step loop at {st['step_loop']}" in _cli(job, "status").stdout
         moved = _cli(job, "migrate", "--rank", "1")
         assert moved.returncode == 0, moved.stderr
-        _resolved(job, 1)
-        st = job.wait_step(st["ranks"][0]["step"] + 25, timeout=120)
+        st = _resolved(job, 1)
         slot = next(r["slot"] for r in st["ranks"] if r["rank"] == 0)
         tainted = _cli(job, "taint", slot, "--reason", "ecc")
         assert tainted.returncode == 0, tainted.stderr
         _resolved(job, 2)
+        go.touch()  # the loss lands in the victim's next step, after its forward
         assert job.wait(timeout=170) == 0, job.log()
     finally:
         job.kill()
+    assert (tmp_path / "fired").exists(), job.log()
     for rank, (a, b) in enumerate(zip(exports(ref / "export", 2), exports(run / "export", 2))):
         assert differences(a, b) == [], f"rank {rank}"
     for f in files:
@@ -68,7 +79,9 @@ def test_a_planned_move_and_a_taint_end_bitwise_equal_to_torchrun(tmp_path, shap
         assert differences(*written) == [], f
     events = job.events()
     assert [(e["kind"], e["rank"], e["status"], e["steps_lost"]) for e in events] == [
-        ("planned", 1, "resolved", 0), ("pre-emptive", 0, "resolved", 0)], events
+        ("planned", 1, "resolved", 0), ("pre-emptive", 0, "resolved", 0),
+        ("unplanned", int(victim), "resolved", 0)], events
+    assert events[2]["steps_rerun"] == 1
 
 
 def _relative(obj: Any, folder: Path) -> Any:

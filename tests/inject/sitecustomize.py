@@ -43,7 +43,8 @@ rank must then compare its shards with its own snapshot of the boundary.
 
 BATON_TEST_SIGNAL_MID_STEP="rank:step:SIGNAME": that rank sends itself the signal (SIGKILL, SIGSTOP)
 in that step, after its forward and before its backward, once per job (BATON_TEST_SIGNAL_MARK, a
-file path, is made when it fires): a real kill -9 or hang landing inside a step, at a point a
+file path, is made when it fires); "rank:go:SIGNAME" with BATON_TEST_SIGNAL_GO (a file path): in
+the first step of that rank's once the test has made that file: a real kill -9 or hang landing inside a step, at a point a
 test can name (one from outside lands anywhere).
 
 BATON_TEST_SIGNAL_IN_REGION="rank:step:SIGNAME" (with BATON_TEST_SIGNAL_MARK): the same, in the
@@ -243,13 +244,22 @@ if _signal_mid_step:
     import torch
 
     _sig_rank, _sig_step, _sig_name = _signal_mid_step.split(":")
-    _sig_due = _once_at(f"{_sig_rank}:{_sig_step}")
+    _sig_due = _once_at(f"{_sig_rank}:{_sig_step}") if _sig_step != "go" else None
     _backward = torch.Tensor.backward
 
     _sig_mark = os.environ["BATON_TEST_SIGNAL_MARK"]  # made when it fires: the rank's successor inherits the env
 
+    _sig_go = os.environ.get("BATON_TEST_SIGNAL_GO")  # with it, "rank:go:SIGNAME": once that file exists
+
+    def _go_due() -> bool:
+        from baton.worker import job
+
+        rt = job._RUNTIME[0]
+        return rt is not None and rt.rank == int(_sig_rank) and rt.scope == "step" and os.path.exists(_sig_go)
+
     def _signal_then_backward(self, *args, **kwargs):  # noqa: ANN001, ANN202
-        if not os.path.exists(_sig_mark) and _sig_due():
+        due = _go_due if _sig_step == "go" else _sig_due
+        if not os.path.exists(_sig_mark) and due():
             open(_sig_mark, "w").close()
             print(f"injected: {_sig_name} to rank {_sig_rank} in step {_sig_step}, before its backward",
                   file=sys.stderr, flush=True)
