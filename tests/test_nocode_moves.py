@@ -23,14 +23,15 @@ from tests.nocode_runs import NOCODE, differences, exports, torchrun
 
 INJECT = NOCODE.parent / "inject"
 SHAPES = {
-    # script, its arguments ({d}: the run's folder), the files it writes (compared with torchrun's;
+    # script, its arguments ({d}: the run's folder; long enough that three moves land before the
+    # end on a busy machine, or a move is cancelled as the job finished first), the files it writes (compared with torchrun's;
     # read back: nanoGPT's holds the folder it was written to), the loss: "rank:signal"
-    "nanogpt": ("nanogpt_train.py", ["--out_dir={d}/out", "--max_iters=120", "--eval_interval=30"],
+    "nanogpt": ("nanogpt_train.py", ["--out_dir={d}/out", "--max_iters=200", "--eval_interval=40"],
                 ["out/ckpt.pt"], "1:SIGSTOP"),
     "trainer": ("trainer_ddp.py", ["100", "7", "--snapshot-path", "{d}/snapshot.pt"], ["snapshot.pt"], "1:SIGKILL"),
-    "imagenet": ("imagenet_main.py", ["--epochs", "12", "--out-dir", "{d}/out"],
+    "imagenet": ("imagenet_main.py", ["--epochs", "24", "--out-dir", "{d}/out"],
                  ["out/checkpoint.pth.tar", "out/model_best.pth.tar"], "0:SIGKILL"),
-    "fsdp2": ("fsdp2_example.py", ["--iterations", "120", "--checkpoint-dir", "{d}/ck"], [], "0:SIGKILL"),  # DCP folders: by time
+    "fsdp2": ("fsdp2_example.py", ["--iterations", "200", "--checkpoint-dir", "{d}/ck"], [], "0:SIGKILL"),  # DCP folders: by time
 }
 
 
