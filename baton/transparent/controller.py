@@ -165,15 +165,18 @@ class StepLoopController:
         exit_quietly(1)
 
 
+_GLOBAL_MODULES: dict[str, Any] = {}  # file -> the module whose functions declare globals (found once)
+
+
 def _declared_globals() -> dict[str, dict[str, Any]]:
     """The script's module globals some function declares `global` (wherever it is called
-    from, it may change them), by file."""
-    out: dict[str, dict[str, Any]] = {}
-    for module in list(sys.modules.values()):
-        names = SITES.globals.get(getattr(module, "__file__", None) or "")
-        if names:
-            out[module.__file__] = values.carried_names(names, vars(module))  # type: ignore[index]
-    return out
+    from, it may change them), by file. Read at every head: the modules holding them are
+    looked up in sys.modules only when a new such file was instrumented."""
+    if _GLOBAL_MODULES.keys() != SITES.globals.keys():
+        by_file = {getattr(mod, "__file__", None): mod for mod in list(sys.modules.values())}
+        _GLOBAL_MODULES.clear()
+        _GLOBAL_MODULES.update({f: by_file[f] for f in SITES.globals if f in by_file})
+    return {file: values.carried_names(SITES.globals[file], vars(module)) for file, module in _GLOBAL_MODULES.items()}
 
 
 def _restore_globals(saved: dict[str, dict[str, Any]]) -> None:

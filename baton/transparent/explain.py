@@ -11,7 +11,6 @@ before its first step.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import subprocess

@@ -26,7 +26,7 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from baton.control import messages as m
-from baton.transfer import FetchStats, TransferError, codec
+from baton.transfer import FetchStats, TransferError
 from baton.transfer.bundles import Bundle, encode_frame
 from baton.worker import shards, verify
 from baton.worker.group import CollectiveFailure
@@ -58,24 +58,9 @@ class ScriptRuntime(Runtime):
         """What enter_loop() sets up, for a loop found (or, in a joiner, reached) while running."""
         self.loop_started = True
         self._track_sharded_models()
-        self.tracked.add_discovered()
-        if not self.tracked.optimizers():
-            raise UsageError("no optimizer found (a script with no code change must create its optimizer "
-                             "after its process group)")
-        for opt in self.tracked.optimizers():
-            opt.register_step_pre_hook(self._refuse_after_failure)
-            opt.register_step_post_hook(self._on_optimizer_step)
-        sharded = self.tracked.sharded_names()
-        self.tracked.sharded = set(sharded)
-        self.tracked.note_loop_start()
-        self.replicas = shards.replica_peers(self.tracked)
-        if self._snapshotting():
-            self.snapshots.light = bool(self.replicas)
-            for opt in self.tracked.optimizers():
-                opt.register_step_pre_hook(self._before_optimizer_step)
-            if not self.joiner:
-                self.snapshots.set_wards(self.ward_addrs, light=bool(self.replicas))
-        codec.encode(self.tracked.replicated())  # refuse untransferable state now, not mid-failure
+        # The lost-peer refusal first: before baton's own wait for its buddies' snapshots.
+        sharded = self._prepare_tracking("a script with no code change must create it after its process group",
+                                         first_pre_hook=self._refuse_after_failure)
         self.loop = info.model_copy(update={"sharded": sharded})
 
     def start_script_loop(self, step_loop: str, nest: list[str]) -> None:

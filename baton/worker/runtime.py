@@ -208,23 +208,7 @@ class Runtime:
             raise UsageError("job.steps()/job.epochs() can be used once per job")
         self.loop_started = True
         self.total = total
-        self.tracked.add_discovered()
-        if not self.tracked.optimizers():
-            raise UsageError("no optimizer found: baton needs the optimizer whose step() commits each "
-                             "step (create it after baton.init(), or pass it to job.track)")
-        for opt in self.tracked.optimizers():
-            opt.register_step_post_hook(self._on_optimizer_step)
-        sharded = self.tracked.sharded_names()
-        self.tracked.sharded = set(sharded)
-        self.tracked.note_loop_start()
-        self.replicas = shards.replica_peers(self.tracked)
-        if self._snapshotting():
-            self.snapshots.light = bool(self.replicas)  # before the first boundary, a joiner's too
-            for opt in self.tracked.optimizers():
-                opt.register_step_pre_hook(self._before_optimizer_step)
-            if not self.joiner:  # a joiner starts pulling when it forms its first generation
-                self.snapshots.set_wards(self.ward_addrs, light=bool(self.replicas))
-        codec.encode(self.tracked.replicated())  # refuse untransferable state now, not mid-failure
+        sharded = self._prepare_tracking("create it after baton.init(), or pass it to job.track")
         self.spe = self.feed.steps_per_epoch()
         if not 0 <= start <= total:
             raise ValueError(f"the loop's start ({start}) must lie between 0 and its total ({total})")
@@ -248,6 +232,31 @@ class Runtime:
         else:
             self.at_pos, self.at_pos_rng = start_bundle, start_rng
             self.ctl.report_now(m.Ready(loop=self.loop, bundle=_text(start_bundle)))
+
+    def _prepare_tracking(self, where_optimizers: str, first_pre_hook: Callable[..., Any] | None = None) -> list[str]:
+        """What a step loop needs as it begins: the tracked objects found, the optimizers'
+        hooks (`first_pre_hook` before baton's own), the sharded ones and their snapshots, and
+        the state checked to be transferable now rather than mid-failure. The sharded names."""
+        self.tracked.add_discovered()
+        if not self.tracked.optimizers():
+            raise UsageError(f"no optimizer found: baton needs the optimizer whose step() commits each step "
+                             f"({where_optimizers})")
+        for opt in self.tracked.optimizers():
+            if first_pre_hook is not None:
+                opt.register_step_pre_hook(first_pre_hook)
+            opt.register_step_post_hook(self._on_optimizer_step)
+        sharded = self.tracked.sharded_names()
+        self.tracked.sharded = set(sharded)
+        self.tracked.note_loop_start()
+        self.replicas = shards.replica_peers(self.tracked)
+        if self._snapshotting():
+            self.snapshots.light = bool(self.replicas)  # before the first boundary, a joiner's too
+            for opt in self.tracked.optimizers():
+                opt.register_step_pre_hook(self._before_optimizer_step)
+            if not self.joiner:  # a joiner starts pulling when it forms its first generation
+                self.snapshots.set_wards(self.ward_addrs, light=bool(self.replicas))
+        codec.encode(self.tracked.replicated())
+        return sharded
 
     def _boundary(self) -> bool:
         """The hot-path check before each step: one uncontended lock and a few reads."""
