@@ -1,8 +1,9 @@
 """Lost ranks of unmodified torchrun scripts under `baton run`, beyond the four shapes'
 (test_nocode_moves): a step wrapped in the script's own `try/except Exception`, and a module
 global a function changes, end bit for bit equal to torchrun after a kill -9 inside a step.
-Where a loss cannot be absorbed exactly (in the evaluation after the step loop; a spare
-whose setup built other data) the job stops non-zero saying why, with the move closed as
+A rank lost in the evaluation after the step loop is replaced there, bit for bit. Where a
+loss cannot be absorbed exactly (a spare whose setup built other data) the job stops non-zero
+saying why, with the move closed as
 failed; and whatever the moment a kill lands, the job never ends 0 with state that
 differs: it is exact, or it stops non-zero saying why."""
 
@@ -13,6 +14,7 @@ import textwrap
 import time
 
 import pytest
+import torch
 
 from tests.jobs import Job
 from tests.nocode_runs import NOCODE, differences, exports, torchrun
@@ -121,17 +123,32 @@ def test_a_step_that_swallows_the_error_or_changes_a_global_is_still_exact(tmp_p
     assert [e["kind"] for e in job.events()] == ["unplanned"]
 
 
-def test_a_rank_lost_in_the_evaluation_after_the_step_loop_stops_the_job_saying_why(tmp_path):
-    """Not recovered in this version: the job must stop non-zero, with the move it could not
-    make closed as failed in the ledger, never go on with state that may differ."""
-    code, job = _faulted(tmp_path, NOCODE / "imagenet_main.py", "1:8:SIGKILL", where="IN_REGION",
-                         script_args=["--epochs", "4", "--out-dir", str(tmp_path / "out")])
-    log = job.log(None)
-    assert code != 0 and (tmp_path / "fired").exists(), log[-3000:]
-    assert "outside a step of the script's step loop" in log and "restart it from your own checkpoint" in log
-    events = job.events()
-    assert [(e["kind"], e["status"]) for e in events] == [("unplanned", "failed"), ("divergence", "failed")], events
-    assert events[0]["note"].startswith("the job ended before this move completed")
+@pytest.mark.parametrize("where, fault", [("IN_REGION", "1:8:SIGKILL"), ("IN_REGION", "0:8:SIGSTOP"),
+                                          ("IN_SAVE", "0:8:SIGKILL")])
+def test_a_rank_lost_in_the_evaluation_or_checkpoint_after_the_step_loop_is_replaced_bit_for_bit(
+        tmp_path, where, fault):
+    """In imagenet's shape: the rank dies (or hangs) in validate()'s all_reduce after its epoch's
+    step loop, or rank 0 dies writing its checkpoint. A survivor waiting in the all_reduce
+    recovers inside it and issues it again; one that went on to the next epoch recovers in
+    its step. The spare runs the region from the step loop's exit, its collectives (DDP's
+    buffer broadcast, the meters' all_reduces) answered from the survivor's record, and
+    joins where the record runs out. Every rank and the checkpoints rank 0 writes end equal
+    to torchrun's."""
+    args = ["--epochs", "5"]
+    ref = tmp_path / "torchrun"
+    (ref / "export").mkdir(parents=True)
+    torchrun(NOCODE / "imagenet_main.py", [*args, "--out-dir", str(ref / "out"), "--export", str(ref / "export")],
+             2, ref)
+    run = tmp_path / "job"
+    (run / "export").mkdir(parents=True)
+    code, job = _faulted(tmp_path, NOCODE / "imagenet_main.py", fault, where=where,
+                         script_args=[*args, "--out-dir", str(run / "out"), "--export", str(run / "export")])
+    assert code == 0 and (tmp_path / "fired").exists(), job.log()
+    _compare(ref, run)
+    for name in ("checkpoint.pth.tar", "model_best.pth.tar"):
+        written = [torch.load(d / "out" / name, weights_only=False) for d in (ref, run)]
+        assert differences(*written) == [], name
+    assert [(e["kind"], e["status"]) for e in job.events()] == [("unplanned", "resolved")], job.events()
 
 
 UNSEEDED_SPLIT = """

@@ -35,7 +35,7 @@ from baton.transparent.loops import LOOPS, ActiveLoop
 from baton.transparent.sites import SITES
 from baton.transparent.script_runtime import ScriptRuntime
 from baton.worker import rng, setup_check
-from baton.worker.runtime import Divergence, exit_quietly
+from baton.worker.runtime import Divergence
 from baton.worker.tracked import UsageError
 
 
@@ -48,6 +48,7 @@ class StepLoopController:
         self.catch_up: _CatchUp | None = None
         self.setup: dict[str, int] = {}  # the setup's fingerprint where the nest starts (setup_check)
         self._pending: dict[int, dict[str, Any]] = {}  # id(loop) -> what its next head hands back
+        self._pending_exit: dict[int, dict[str, Any]] = {}  # site id -> what the code after the loop takes back
         rt.script_section = self.script_section
         if rt.joiner:
             assert rt.assignment is not None and rt.assignment.loop is not None, "a joiner is told the loop"
@@ -79,24 +80,29 @@ class StepLoopController:
         self.rt.start_script_loop(self.step_loop.site.where, self.nest_keys)
 
     # ---------------------------------------------------------------- where the script stands
-    def script_section(self) -> dict[str, Any]:
+    def script_section(self, exiting: ActiveLoop | None = None) -> dict[str, Any]:
         """Each loop of the nest, outermost first: its place, its variables, the objects of
-        plain values its frame holds, and the streams at its head (outer loops)."""
+        plain values its frame holds, and the streams at its head (outer loops). With
+        `exiting`, the step loop that just ended: last, with what it assigned as it left it."""
         path = []
-        for loop in LOOPS.enclosing(sys._getframe()):
+        for loop in [*LOOPS.enclosing(sys._getframe()), *([exiting] if exiting is not None else [])]:
             if loop.site.key not in self.nest_keys:
                 continue
             frame = loop.frame
             scope = {**{n: v for n, v in frame.f_globals.items() if n in frame.f_code.co_names}, **frame.f_locals}
-            bound = tuple(n for n in loop.site.live if n not in loop.site.targets)
+            bound = loop.site.assigned if loop is exiting else \
+                tuple(n for n in loop.site.live if n not in loop.site.targets)
             # objects the setup made that the loop uses (meters, `self`), read off the loop's body
             records = {n: values.record(scope[n]) for n in loop.site.reads
                        if n in scope and n not in bound and _is_object_record(scope[n])}
             it = loop.iterable
-            path.append({"key": loop.site.key, "iteration": loop.iterations,
-                         "range": [it.start, it.stop, it.step] if isinstance(it, range) else None,
-                         "values": values.carried_names(bound, scope), "records": records,
-                         "rng": loop.head_rng if loop is not self.step_loop else None})
+            entry = {"key": loop.site.key, "iteration": loop.iterations,
+                     "range": [it.start, it.stop, it.step] if isinstance(it, range) else None,
+                     "values": values.carried_names(bound, scope), "records": records,
+                     "rng": loop.head_rng if loop is not self.step_loop and loop is not exiting else None}
+            if loop is exiting:
+                entry["exit"] = "ran_out" if loop.ran_out else "break"
+            path.append(entry)
         return {"path": path, "setup": self.setup, "globals": _declared_globals()}
 
     # ---------------------------------------------------------------- the loops (loops.Controller)
@@ -113,22 +119,31 @@ class StepLoopController:
             loop.head_rng = rng.capture(self.rt.tracked.generators)
 
     def left(self, loop: ActiveLoop) -> None:
-        if loop.site.id == self.step_site and self.catch_up is None:
-            self.rt.at_exit()
+        if self.catch_up is not None and self.catch_up.exiting is loop:
+            self.catch_up.arrive_at_exit(loop)
+        elif loop.site.id == self.step_site and self.catch_up is None:
+            self.rt.at_exit(self.script_section(exiting=loop))
 
     def restore(self, loop: ActiveLoop) -> dict[str, Any] | None:
         if self.catch_up is not None or self._pending:
-            return self._hand_back(loop)
-        LOOPS.restoring = False
+            entry = self._pending.pop(id(loop), None)
+            self._restoring_done()
+            return self._hand_back(entry, loop.frame) if entry is not None else None
+        self._restoring_done()
         return None
 
-    def _hand_back(self, loop: ActiveLoop) -> dict[str, Any] | None:
-        entry = self._pending.pop(id(loop), None)
-        if not self._pending:
+    def restore_exit(self, sid: int, frame: Any) -> dict[str, Any] | None:
+        entry = self._pending_exit.pop(sid, None)
+        self._restoring_done()
+        return self._hand_back(entry, frame) if entry is not None else None
+
+    def _restoring_done(self) -> None:
+        if not self._pending and not self._pending_exit:
             LOOPS.restoring = False
-        if entry is None:
-            return None
-        frame = loop.frame
+
+    def _hand_back(self, entry: dict[str, Any], frame: Any) -> dict[str, Any]:
+        """Put back what `entry` recorded of a loop: the objects in place, and the variables
+        for the rewritten code to rebind."""
         scope = {**{n: v for n, v in frame.f_globals.items() if n in frame.f_code.co_names}, **frame.f_locals}
         for name, saved in entry["records"].items():
             if name in scope:
@@ -145,25 +160,13 @@ class StepLoopController:
             if not rt.absorb(loop.site.id == self.step_site, exc):
                 return False
         except Divergence as stop:
-            self._stop(str(stop))
+            rt.stop(str(stop))
         assert rt.head_state is not None
         _restore_globals(rt.head_state["script"]["globals"])
         entry = rt.head_state["script"]["path"][-1]
         self._pending[id(loop)] = entry
         LOOPS.restoring = True
         return True
-
-    def _stop(self, detail: str) -> None:
-        """End the job now, non-zero, saying why (never go on with state that may differ)."""
-        rt = self.rt
-        print(f"[baton] {detail}", file=sys.__stderr__, flush=True)
-        try:
-            rt.ctl.report_now(m.Verified(generation=rt.group.generation, pos=rt.pos, ok=False,
-                                         differing=["script"], detail=detail[:60000]))
-        except Exception:  # noqa: BLE001 - the orchestrator may be ending the job already
-            pass
-        exit_quietly(1)
-
 
 _GLOBAL_MODULES: dict[str, Any] = {}  # file -> the module whose functions declare globals (found once)
 
@@ -225,6 +228,7 @@ class _CatchUp:
         self.depth = 0
         self.fetched: tuple[m.Form, dict[str, Any], Any] | None = None
         self.t0 = 0.0
+        self.exiting: ActiveLoop | None = None  # the step loop, ending at once: the rank was lost after it
 
     def head(self, loop: ActiveLoop) -> None:
         c = self.c
@@ -233,7 +237,7 @@ class _CatchUp:
         try:
             self._walk(loop)
         except Divergence as stop:
-            c._stop(str(stop))
+            c.rt.stop(str(stop))
 
     def _walk(self, loop: ActiveLoop) -> None:
         c = self.c
@@ -253,6 +257,9 @@ class _CatchUp:
             if differing:
                 raise Divergence(setup_check.explain(c.rt.rank, differing))
             _restore_globals(state["bundle"]["script"].get("globals", {}))
+        if entry.get("exit"):
+            self._end(loop, entry)
+            return
         if loop.site.kind == "for":
             assert loop.counted is not None
             if entry["range"] is not None and isinstance(loop.iterable, range) and \
@@ -269,6 +276,30 @@ class _CatchUp:
         self.depth += 1
         if self.depth == len(c.nest_keys):
             self._arrive(loop)
+
+    def _end(self, loop: ActiveLoop, entry: dict[str, Any]) -> None:
+        """The predecessor was lost after its step loop had ended: end this one at once
+        (nothing drawn), then take the rank over right after it (`arrive_at_exit`)."""
+        if self.depth != len(self.c.nest_keys) - 1 or loop.site.kind != "for" or entry["exit"] != "ran_out":
+            raise Divergence(f"rank {self.c.rt.rank} was lost after its step loop ({loop.site.where}) had ended "
+                             "by a break, a return or an exception: this version takes a rank over after a for "
+                             "loop whose iterator ran out only. The job stops here: restart it from your own "
+                             "checkpoint.")
+        loop.exhausted = True
+        self.exiting = loop
+        self.c._pending_exit[loop.site.id] = entry
+        LOOPS.restoring = True
+
+    def arrive_at_exit(self, loop: ActiveLoop) -> None:
+        c = self.c
+        assert self.fetched is not None
+        cmd, state, stats = self.fetched
+        c.step_loop, c.step_site = loop, loop.site.id
+        c.catch_up = None
+        try:
+            c.rt.join_in_region(cmd, state, stats, self.t0)
+        except Divergence as stop:
+            c.rt.stop(str(stop))
 
     def _arrive(self, loop: ActiveLoop) -> None:
         c = self.c

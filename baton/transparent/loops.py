@@ -8,7 +8,8 @@ simply the top of the list.
 
 A `Controller` (the no-code runtime) may be attached: it is told of every head before the
 next item is drawn (where a step boundary is), may hand a loop's variables back at a head
-(`restore`), and decides whether an exception out of a loop's body is a lost peer to
+(`restore`) or right after the loop (`restore_exit`: a successor taking over where the
+step loop had ended), and decides whether an exception out of a loop's body is a lost peer to
 absorb (`absorb`): the same iteration then runs again, on the same item. With none
 attached (`baton explain`), the loops behave exactly as written.
 """
@@ -34,6 +35,7 @@ class ActiveLoop:
     item: Any = field(default=None, repr=False)  # the item of the running iteration
     again: bool = False  # hand `item` once more: the iteration runs again after a recovery
     exhausted: bool = False  # end the loop at the next head (a successor reaching a loop's exit)
+    ran_out: bool = False  # a for loop's iterator ran out (its exit was not a break, return or exception)
     counted: "_Counted | None" = field(default=None, repr=False)  # a for loop's iterator (positioned by a successor)
     head_rng: Any = field(default=None, repr=False)  # the random streams at this iteration's head (nest loops)
 
@@ -48,6 +50,8 @@ class Controller(Protocol):
     def absorb(self, loop: ActiveLoop, exc: BaseException) -> bool: ...
 
     def left(self, loop: ActiveLoop) -> None: ...
+
+    def restore_exit(self, sid: int, frame: FrameType) -> dict[str, Any] | None: ...
 
 
 class _Counted:
@@ -73,7 +77,11 @@ class _Counted:
         if loop.exhausted:
             loop.exhausted = False
             raise StopIteration
-        loop.item = item = next(self._it)
+        try:
+            loop.item = item = next(self._it)
+        except StopIteration:
+            loop.ran_out = True
+            raise
         loop.iterations += 1
         return item
 
@@ -143,6 +151,12 @@ class Loops:
         if self.controller is None:
             return None
         return self.controller.restore(self._current(sid, sys._getframe(1)))
+
+    def restore_exit(self, sid: int) -> dict[str, Any] | None:
+        """After a loop, in its frame: the variables a successor takes over at the loop's exit."""
+        if self.controller is None:
+            return None
+        return self.controller.restore_exit(sid, sys._getframe(1))
 
     def absorb(self, sid: int, exc: BaseException) -> bool:
         if self.controller is None:

@@ -18,6 +18,9 @@ Each `for` statement becomes
             <else>
     finally:
         __baton_loops__.leave(ID)
+    if __baton_loops__.restoring:                        # rebind what the loop assigned, as
+        __baton_v__ = __baton_loops__.restore_exit(ID)   # it was left (a successor taking over
+        ...                                              # in the region after the step loop)
 
 and a `while` the same, its test moved after the head so restored variables are read.
 The runtime (`loops`) thus knows, at any moment, which loops each frame is in, how many
@@ -140,6 +143,14 @@ def _restore(site: LoopSite, at: ast.AST) -> list[ast.stmt]:
                   f"    if __baton_v__ is not None:\n        pass{assign}\n    del __baton_v__", at)
 
 
+def _restore_after(site: LoopSite, at: ast.AST) -> list[ast.stmt]:
+    """Right after the loop: rebind what it assigned, as the loop had left it (a successor
+    taking a rank over in the region after its step loop); skipped like `_restore`."""
+    assign = "".join(f"\n        if {n!r} in __baton_v__: {n} = __baton_v__[{n!r}]" for n in site.assigned)
+    return _stmts(f"if {HOOKS}.restoring:\n    __baton_v__ = {HOOKS}.restore_exit({site.id})\n"
+                  f"    if __baton_v__ is not None:\n        pass{assign}\n    del __baton_v__", at)
+
+
 def _absorbing(body: list[ast.stmt], site: LoopSite, at: ast.AST) -> ast.Try:
     """The body, with a lost peer absorbed: the runtime recovers and the loop goes on with
     the same iteration (`continue`: its iterator hands the same item again)."""
@@ -229,4 +240,4 @@ class _Instrument(ast.NodeTransformer):
         enter = ast.copy_location(ast.Expr(_hook_call("enter", ast.Constant(site.id))), node)
         leave = ast.copy_location(ast.Expr(_hook_call("leave", ast.Constant(site.id))), node)
         guarded = ast.copy_location(ast.Try(body=[node], handlers=[], orelse=[], finalbody=[leave]), node)
-        return [enter, guarded]
+        return [enter, guarded, *_restore_after(site, node)]

@@ -6,8 +6,8 @@ hand-over, finishing): what differs is who says where the boundaries are. Here t
 controller does, from the instrumented loops: the step loop is known only at the first
 `optimizer.step()`, which runs inside the first step; each later head of the step loop
 whose previous iteration committed (an optimizer step ran) is a boundary; what runs
-after the step loop (the evaluation, the checkpoint) is a region, where collectives are
-the script's business.
+after the step loop (the evaluation, the checkpoint) is a region (`region`): its
+collectives are the script's, recorded, and retried in place after a lost peer.
 
 At a boundary where a move may happen, the rank's own state also holds `script`: where
 each loop of the nest stands and what it carries (`controller.script_section`), which a
@@ -20,24 +20,30 @@ like torchrun's: nothing is captured, and nothing can move yet.
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from typing import Any, Callable
 
+import torch
 import torch.distributed as dist
 
 from baton.control import messages as m
 from baton.transfer import FetchStats, TransferError
 from baton.transfer.bundles import Bundle, encode_frame
+from baton.transparent.region import SAME_EVERYWHERE, Region, RegionGroup, load_small_state
 from baton.worker import shards, verify
 from baton.worker.group import CollectiveFailure
 from baton.worker.job import Step
-from baton.worker.runtime import Divergence, Runtime, _text
+from baton.worker.runtime import Divergence, Runtime, _text, exit_quietly
 from baton.worker.tracked import UsageError
 
 log = logging.getLogger("baton.worker")
 
 REGION = "region"  # scope between the step loop's exit and its next head
-HEAD_SEQ = 1 << 30  # a head's frame describes its boundary after any capture made for it in the step before
+# A head's frame describes its boundary after any capture made for it in the step before; at
+# one position the frames that follow (the step loop's exit, the next head after the region)
+# count on from there, so the latest is the newest.
+HEAD_SEQ = 1 << 30
 
 
 class PeerLost(BaseException):
@@ -52,6 +58,9 @@ class ScriptRuntime(Runtime):
         self.shard_roots: list[Any] = []  # modules the script gave fully_shard(), in order (intercept)
         self.script_section: Callable[[], dict[str, Any]] = lambda: {}  # set by the controller
         self.head_state: dict[str, Any] | None = None  # this rank's own state at the running step's head
+        self.region: Region | None = None  # since the step loop's latest exit (kept through the next steps)
+        self._region_group: RegionGroup | None = None
+        self._frame_at: tuple[Any, int] = ((-1, 0), HEAD_SEQ)  # the latest frame's position and sequence
 
     # ---------------------------------------------------------------- the loop, as the script runs it
     def _prepare_loop(self, info: m.LoopInfo) -> None:
@@ -91,6 +100,9 @@ class ScriptRuntime(Runtime):
 
     def at_head(self) -> None:
         """A head of the step loop, before its next item is drawn."""
+        if self.region is not None and self.region.active:
+            self.region.active = False
+            self._join_if_deferred()  # a successor that ran the region: the survivors stand here
         if self.scope == "step":
             if not self.committed:
                 return  # no optimizer step yet (gradient accumulation): the same step goes on
@@ -109,7 +121,7 @@ class ScriptRuntime(Runtime):
             state = self._own_state(self.pos)
             state["script"] = self.script_section()
         self.head_state = state
-        frame = encode_frame(self.rank, self.pos, self.group.generation, HEAD_SEQ, state)
+        frame = encode_frame(self.rank, self.pos, self.group.generation, self._next_seq(), state)
         self.at_pos, self.at_pos_rng = frame, state["rng"]
         if self.wards:
             self.pusher.push(frame)
@@ -136,19 +148,50 @@ class ScriptRuntime(Runtime):
         self._start_step(state)
         return True
 
+    def recover_in_region(self, exc: BaseException) -> None:
+        """A survivor whose collective in the region failed: recover where it stands (the
+        collective is then issued again, see region.RegionGroup)."""
+        try:
+            self.recover(in_step=False, error=f"{type(exc).__name__}: {exc}")
+        except Divergence as stop:
+            self.stop(str(stop))
+        self.scope = self.tracked.scope = REGION
+
+    def stop(self, detail: str) -> None:
+        """End the job now, non-zero, saying why (never go on with state that may differ)."""
+        print(f"[baton] {detail}", file=sys.__stderr__, flush=True)
+        try:
+            self.ctl.report_now(m.Verified(generation=self.group.generation, pos=self.pos, ok=False,
+                                           differing=["script"], detail=detail[:60000]))
+        except Exception:  # noqa: BLE001 - the orchestrator may be ending the job already
+            pass
+        exit_quietly(1)
+
     def _refuse_after_failure(self, *_: Any) -> None:
         """No optimizer step after a lost peer: the script took the collective's error itself."""
         if self.loop_started and not self.loading and (self.group.failed.is_set() or
                                                        self.ctl.abort_generation is not None):
             raise PeerLost(f"a peer was lost before rank {self.rank}'s optimizer step ({self.group.last_error})")
 
-    def at_exit(self) -> None:
-        """The step loop ended (its iterator ran out, or a break): the region after it begins."""
+    def at_exit(self, section: dict[str, Any]) -> None:
+        """The step loop ended (its iterator ran out, or a break): the region after it begins.
+        This rank's own state here, with where the script stands (`section`), goes to the
+        buddies: a successor replaying the region starts from it."""
         if self.scope == "step" and self.committed:
             self._complete_step()
         # A step begun at the last head, where the iterator then ran out, never ran.
         self.scope = self.tracked.scope = REGION
         self.current = None
+        self.region = Region.at_exit(self.pos, self.tracked)
+        state = self._own_state(self.pos)
+        state["script"] = section
+        if self.wards:
+            self.pusher.push(encode_frame(self.rank, self.pos, self.group.generation, self._next_seq(), state))
+
+    def _next_seq(self) -> int:
+        pos, seq = self._frame_at
+        self._frame_at = (self.pos, seq + 1 if pos == self.pos else HEAD_SEQ)
+        return self._frame_at[1]
 
     def _complete_step(self) -> None:
         step = self.current
@@ -173,6 +216,7 @@ class ScriptRuntime(Runtime):
         """The script is done training (it destroyed its process group, or is exiting)."""
         if self.finished:
             return
+        self._join_if_deferred()
         if self.scope == "step" and self.committed:
             self._complete_step()
         self.loop_done = True
@@ -242,6 +286,108 @@ class ScriptRuntime(Runtime):
         self.joiner = False
         self._start_step(dict(bundle_state))
 
+    def join_in_region(self, cmd: m.Form, state: dict[str, Any], stats: FetchStats, t0: float) -> None:
+        """The joiner reached the exit of its rank's step loop (its predecessor was lost in the
+        region after it): take the rank's state there over, then run the region, its
+        collectives answered from a survivor's record; the group forms where they run out."""
+        assert self.assignment is not None and self.assignment.loop is not None
+        self.setup_s = time.perf_counter() - self.assigned_at
+        self._prepare_loop(self.assignment.loop)
+        assert self.loop is not None
+        self.ctl.report_now(m.Ready(loop=self.loop, bundle=_text(self._capture_at(self.pos)[0]), joined=True))
+        if self.prefetch is not None:
+            self.prefetch.close()
+            self.ctl.watch_forms(None)
+        served = state.get("region")
+        target = tuple(cmd.pos)
+        if self.tracked.sharded or served is None or tuple(served["pos"]) != target or served["not_replayable"]:
+            why = ("its models are sharded (FSDP2): this version replays regions of replicated models only"
+                   if self.tracked.sharded else
+                   f"the region runs {served['not_replayable']}, whose result differs by rank"
+                   if served is not None and served["not_replayable"] else
+                   "the survivors hold no record of the region it was lost in")
+            self.stop(f"rank {self.rank} was lost in the region after its step loop (at step {target[0]}) and "
+                      f"cannot be rebuilt bit for bit there: {why}. The job stops here: restart it from your own "
+                      "checkpoint.")
+        t_fetched = time.perf_counter()
+        self._load_replicated(state)
+        region = Region.from_served(served)
+        load_small_state(self.tracked, region.small)
+        for ddp, sync in zip(self.tracked.ddps, region.forward_sync):
+            ddp.require_forward_param_sync = sync
+        bundle_state = state["bundle"]
+        self._apply_bundle(bundle_state)
+        self.loop = self.loop.model_copy(update={"start_step": int(state["loop_start"])})
+        self.pos = target  # type: ignore[assignment]
+        self.params_step = target[0]
+        self.at_pos = Bundle.of(self.rank, self.pos, cmd.generation, 0, bundle_state)
+        self.at_pos_rng = bundle_state["rng"]
+        self.scope = self.tracked.scope = REGION
+        self.current = None
+        region.join = lambda: self._join_deferred(cmd, stats, t0, t_fetched)
+        self.region = region
+        log.info("took rank %d over at its step loop's exit (step %d): %d collectives of the region to answer",
+                 self.rank, target[0], len(region.replay))
+
+    def _join_if_deferred(self) -> None:
+        if self.region is not None and self.region.join is not None:
+            join, self.region.join = self.region.join, None
+            join()
+
+    def _join_deferred(self, cmd: m.Form, stats: FetchStats, t0: float, t_fetched: float) -> None:
+        """Form the generation with the survivors where this successor caught up with them."""
+        gen = cmd.generation
+        try:
+            self._clear_abort(gen)
+            self.form(cmd)
+            self.verify_state(gen, None)
+        except (CollectiveFailure, dist.DistError, TransferError, OSError, Divergence) as exc:
+            self.stop(f"rank {self.rank}: joining generation {gen} failed after running the region to where the "
+                      f"survivors stand ({exc}); the job cannot go on bit for bit")
+        log.info("joined generation %s where the survivors stood in the region after step %s, or at its next "
+                 "head", gen, self.pos[0])
+        self.ctl.report(m.Formed(generation=gen, pos=self.pos, bytes=stats.bytes, seconds=round(stats.seconds, 4),
+                                 setup_s=round(self.setup_s, 4), fetch_wait_s=round(t_fetched - t0, 4)))
+        self.joiner = False
+
+    def _state(self, full: bool, digest: bool = True, encoded: bool = False) -> dict[str, Any]:
+        """As the model-aware runtime's, with the record of the latest region: a successor
+        of a rank lost there runs it again."""
+        state = super()._state(full, digest, encoded)
+        if self.region is not None:
+            state["region"] = self.region.served()
+        return state
+
+    def verify_state(self, generation: int, expected: int | None, periodic: bool = False,
+                     bundle_state: dict[str, Any] | None = None, sharded_expected: int | None = None) -> None:
+        if not periodic:
+            self._agree_on_place(generation)
+        super().verify_state(generation, expected, periodic, bundle_state, sharded_expected)
+
+    def _agree_on_place(self, generation: int) -> None:
+        """Every rank of a new generation stands at the same place: all at a head, or all in a
+        region after the same number of its collectives (a successor replaying a region
+        stops answering where its record ends: a survivor elsewhere would pair other
+        collectives with its)."""
+        here = self.region.place() if self.region is not None else (0, 0)
+        t = torch.tensor(here, dtype=torch.int64)
+        out = [torch.zeros_like(t) for _ in range(self.world_size)]
+        with self.group.internal():
+            self._wait_internal(self.group.allgather([out], [t]), "the place check")
+        places = [tuple(x.tolist()) for x in out]
+        if len(set(places)) > 1:
+            where = ", ".join(f"rank {r}: " + (f"{n} collectives into the region" if a else "at a head")
+                              for r, (a, n) in enumerate(places))
+            detail = (f"the ranks of generation {generation} stand at different places ({where}): they cannot go "
+                      "on together bit for bit")
+            self.ctl.report_now(m.Verified(generation=generation, pos=self.pos, ok=False, differing=["place"],
+                                           detail=detail))
+            raise Divergence(detail)
+
+    def buffers_sync_internally(self) -> bool:
+        """DDP's buffer broadcast before an evaluation forward is the script's in a region."""
+        return self.scope != REGION
+
     # ---------------------------------------------------------------- the runtime's checks, for a script's loop
     def on_sync_backward(self, first: bool, last: bool) -> None:
         if self.loop_started and self.scope == "step":
@@ -255,11 +401,30 @@ class ScriptRuntime(Runtime):
         """A forward may run anywhere: the script's evaluation is a region, not a boundary function."""
 
     def _guard(self, op: str) -> dist.ProcessGroup | None:
+        if self.loop_started and self.scope == REGION and self.region is not None:
+            return self._region_collective(op)
         if not self.loop_started or self.scope != "step":
             if not self.loop_started and self.joiner:
                 return super()._guard(op)
-            return None  # the script's own collectives outside steps (a region, its setup)
+            return None  # the script's own collectives outside steps (its setup)
         return super()._guard(op)
+
+    def _region_collective(self, op: str) -> dist.ProcessGroup | None:
+        """Where a collective of the region runs: recorded (region.RegionGroup), or live
+        only, when its result differs by rank (a loss after it cannot be replayed)."""
+        region = self.region
+        assert region is not None
+        if op in SAME_EVERYWHERE:
+            if self._region_group is None:
+                self._region_group = RegionGroup(self)
+            return self._region_group
+        if len(region.ops) < len(region.replay):
+            self.stop(f"rank {self.rank}: the region after the step loop runs {op} here where the survivors ran "
+                      f"{region.replay[len(region.ops)].op}: it took another way. The job stops here: restart it "
+                      "from your own checkpoint.")
+        self._join_if_deferred()
+        region.not_replayable = region.not_replayable or op
+        return None
 
     def _check_no_stray_draws(self, where: str) -> None:
         """The script may draw between steps (a loader's iterator, its evaluation): not a rule here."""

@@ -54,6 +54,9 @@ class LiveDDP(DistributedDataParallel):
         # DDP syncs buffers from rank 0 before a forward exactly when it would under torchrun.
         rt = self._baton_rt
         rt.check_forward_placement()
+        if not rt.buffers_sync_internally():
+            dist._broadcast_coalesced(rt.group, tensors, buffer_size, authoritative_rank)
+            return
         with rt.group.internal():
             dist._broadcast_coalesced(rt.group, tensors, buffer_size, authoritative_rank)
 

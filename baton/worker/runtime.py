@@ -538,6 +538,10 @@ class Runtime:
             # boundary, complete): FSDP2's many collectives per step capture nothing.
         return None
 
+    def buffers_sync_internally(self) -> bool:
+        """Whether DDP's buffer broadcast before a forward is baton's own collective (unguarded)."""
+        return True
+
     @selfcost.counted
     def check_forward_placement(self) -> None:
         if self.loop_started and self.scope is None and not self.loop_done:

@@ -49,7 +49,11 @@ test can name (one from outside lands anywhere).
 
 BATON_TEST_SIGNAL_IN_REGION="rank:step:SIGNAME" (with BATON_TEST_SIGNAL_MARK): the same, in the
 script's first dist.all_reduce after its step loop (an evaluation) once that rank is past that
-step: the region a no-code job does not recover yet.
+step (an evaluation).
+
+BATON_TEST_SIGNAL_IN_SAVE="rank:step:SIGNAME" (with BATON_TEST_SIGNAL_MARK): the same, in the
+script's first torch.save in the region after its step loop once that rank is past that step
+(rank 0 writing its checkpoint).
 
 BATON_TEST_STEP_COUNT_SKEW="rank:step": after that rank's optimizer step at that step, baton's
 count of the steps its parameters hold is one too many, as a bug that applied a step twice
@@ -291,3 +295,27 @@ if _signal_in_region:
         return _all_reduce(*args, **kwargs)
 
     _dist.all_reduce = _signal_then_all_reduce
+
+_signal_in_save = os.environ.get("BATON_TEST_SIGNAL_IN_SAVE")
+if _signal_in_save:
+    import signal
+
+    import torch as _torch
+
+    _save_rank, _save_step, _save_name = _signal_in_save.split(":")
+    _save = _torch.save
+    _save_mark = os.environ["BATON_TEST_SIGNAL_MARK"]
+
+    def _signal_in_torch_save(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        from baton.worker import job
+
+        rt = job._RUNTIME[0]
+        if rt is not None and rt.rank == int(_save_rank) and rt.pos[0] >= int(_save_step) and \
+                rt.scope == "region" and not os.path.exists(_save_mark):
+            open(_save_mark, "w").close()
+            print(f"injected: {_save_name} to rank {_save_rank} saving in the region after step {rt.pos[0]}",
+                  file=sys.stderr, flush=True)
+            os.kill(os.getpid(), getattr(signal, _save_name))
+        return _save(*args, **kwargs)
+
+    _torch.save = _signal_in_torch_save
