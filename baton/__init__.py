@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import os as _os
 from typing import Any
 
 __version__ = "0.1.0"
@@ -22,3 +23,9 @@ def __getattr__(name: str) -> Any:
 
         return getattr(job, name)
     raise AttributeError(f"module 'baton' has no attribute {name!r}")
+
+
+if _os.environ.get("BATON_WORKER_ID") and _os.environ.get("BATON_MODE") == "model-aware":
+    from baton.worker import rank_env as _rank_env
+
+    _rank_env.install()  # RANK, WORLD_SIZE ... read before baton.init() join the job first, as torchrun sets them

@@ -74,7 +74,7 @@ class EventPrinter:
 
     def __call__(self, kind: str, data: dict[str, Any]) -> None:
         self.log.write(json.dumps({"t": time.time(), "event": kind, "data": data}) + "\n")
-        if self.quiet or kind in ("spare",):
+        if self.quiet or kind in ("spare", "ledger"):
             return
         if kind == "resolved":
             text = (f"{data['kind']} move of rank {data['rank']} {data['from_slot']} -> {data['to_slot']} "
@@ -167,7 +167,7 @@ def worker_env(opts: RunOptions, url: str, token: str, store_addr: str, store_po
     env.update(opts.env)
     env.update(BATON_URL=url, BATON_TOKEN=token, BATON_STORE=f"{store_addr}:{store_port}",
                TORCH_DIST_INIT_BARRIER="0", MASTER_ADDR=store_addr, MASTER_PORT=str(store_port),
-               BATON_JOB_ID=opts.job_id)
+               BATON_JOB_ID=opts.job_id, BATON_MODE=opts.mode)
     env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does for several ranks per node
     return env
 

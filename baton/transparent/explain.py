@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from baton.transparent.mode import MODEL_AWARE, mode_of
-from baton.transparent.torchrun_env import free_port, torchrun_env
+from baton.worker.torchrun_env import free_port, torchrun_env
 
 ENV_OUT = "BATON_EXPLAIN_OUT"
 

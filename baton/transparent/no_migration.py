@@ -19,7 +19,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from baton.transparent.torchrun_env import free_port, torchrun_env
+from baton.worker.torchrun_env import free_port, torchrun_env
 
 PR_SET_PDEATHSIG = 1
 POLL_S = 0.1

@@ -12,10 +12,7 @@ handed to the runtime (`controller`). The process exits with the script's exit c
 
 from __future__ import annotations
 
-import os
 import sys
-
-from baton.transparent.torchrun_env import torchrun_env
 
 
 def main(argv: list[str]) -> None:
@@ -30,13 +27,8 @@ def main(argv: list[str]) -> None:
     from baton.worker import job as job_mod
     from baton.worker.runtime import exit_quietly
 
-    rt = job_mod.join(ScriptRuntime)
+    rt = job_mod.join(ScriptRuntime)  # which sets torchrun's environment
     assert isinstance(rt, ScriptRuntime)
-    local = int(os.environ.get("LOCAL_WORLD_SIZE") or rt.world_size)
-    os.environ.update(torchrun_env(rt.rank, rt.world_size, os.environ.get("MASTER_ADDR", "127.0.0.1"),
-                                   int(os.environ.get("MASTER_PORT", "29500")),
-                                   os.environ.get("BATON_JOB_ID", "baton"), local_world_size=local,
-                                   node_rank=rt.rank // local, nodes=max(1, rt.world_size // local)))
     controller = StepLoopController(rt, ScriptModules(script_dir_of(script)), script, args)
     intercept.install(rt, job_mod.Job(rt), rt.finish_script)
     controller.attach()

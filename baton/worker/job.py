@@ -46,6 +46,7 @@ from baton.worker import discover, orphan
 from baton.worker.control import ControlChannel, OrchestratorGone
 from baton.worker.data import DataFeed
 from baton.worker.runtime import Runtime, Unit, exit_quietly
+from baton.worker.torchrun_env import torchrun_env
 from baton.worker.tracked import _BATON_OWNED, LocalValues, UsageError
 
 if TYPE_CHECKING:
@@ -295,12 +296,17 @@ def init() -> Job:
 
     A warm spare blocks here, with torch imported and its transfer endpoint open, until
     the orchestrator gives it a rank. The script's random streams are left untouched.
+    Called again (or after the script read RANK, which joins the job: rank_env), it returns
+    the same job.
     """
+    if _JOB[0] is not None:
+        return _JOB[0]
     if _RUNTIME[0] is not None:
         raise UsageError("baton.init() in a script that `baton run` started with no code change (it found no "
                          "`import baton` in the script or the modules of its directory: is baton loaded some other "
                          "way?): run it with `baton run --mode model-aware`")
-    return Job(join(Runtime))
+    _JOB[0] = Job(join(Runtime))
+    return _JOB[0]
 
 
 def join(runtime_class: type[Runtime]) -> Runtime:
@@ -343,12 +349,26 @@ def join(runtime_class: type[Runtime]) -> Runtime:
         selfcost.count_spare_time()
     host, port = os.environ[ENV_STORE].rsplit(":", 1)
     store = RendezvousClient(host, int(port), config.formation_timeout_s)
-    os.environ.update(RANK=str(cmd.rank), WORLD_SIZE=str(cmd.world_size), LOCAL_RANK=str(cmd.rank),
-                      LOCAL_WORLD_SIZE=str(cmd.world_size))
+    local = config.ranks_per_node or cmd.world_size
+    os.environ.update(torchrun_env(cmd.rank, cmd.world_size, os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                                   int(os.environ.get("MASTER_PORT", "29500")), os.environ.get("BATON_JOB_ID", "baton"),
+                                   local_world_size=local, node_rank=cmd.rank // local,
+                                   nodes=max(1, cmd.world_size // local)))
     rt = runtime_class(ctl, server, store, cmd.rank, cmd.world_size, cmd.joiner, config, token)
     rt.assignment = cmd
     _RUNTIME[0] = rt
+    atexit.register(_report_exit_step, rt)
     return rt
+
+
+def _report_exit_step(rt: Runtime) -> None:
+    """A script leaving without job.finish(): the job learns the step it left at (the
+    message ending the job names it), not only the one of its last heartbeat."""
+    if not rt.finished:
+        try:
+            rt.ctl.report_now(m.Heartbeat(step=rt.pos[0]))
+        except Exception:  # noqa: BLE001 - the orchestrator may be gone: nothing to tell
+            pass
 
 
 def _warm_up() -> None:
@@ -377,6 +397,7 @@ def _warm_up() -> None:
 
 _EXIT_CODE = [0]
 _RUNTIME: list[Runtime | None] = [None]
+_JOB: list[Job | None] = [None]  # a model-aware script's job (init() returns it again)
 # A rank whose script died of a lost peer (not of its own bug) exits with this code, and the
 # orchestrator recovers it like any lost rank instead of ending the job as a script error.
 EXIT_PEER_LOST = 75
