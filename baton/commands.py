@@ -351,16 +351,48 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def _events_offline(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The ended job's ledger: from state.db, or, where that cannot be read (damaged, or
+    never written), from the copy in events.jsonl."""
     run_dir = RunDir(args.run_dir or default_dir())
-    if args.url or not run_dir.db.exists():
+    if args.url:
         return None
     from baton.control.state import yoco_ratio
-    from baton.store.sqlite import SqliteStore
 
-    store = SqliteStore(run_dir.db)
-    events = store.events()
-    store.close()
+    events = None
+    if run_dir.db.exists():
+        import sqlite3
+
+        from baton.store.sqlite import SqliteStore
+
+        try:
+            store = SqliteStore(run_dir.db)
+            try:
+                events = store.events()
+            finally:
+                store.close()
+        except sqlite3.DatabaseError as exc:
+            print(f"baton: {run_dir.db} cannot be read ({exc}); the ledger below is the copy in events.jsonl",
+                  file=sys.stderr)
+    if events is None:
+        events = _ledger_from_log(run_dir.path / "events.jsonl")
+    if events is None:
+        return None
     return {"events": events, "yoco_ratio": yoco_ratio(events)}
+
+
+def _ledger_from_log(path: Path) -> list[dict[str, Any]] | None:
+    """Each ledger entry as last written to events.jsonl (a torn last line is skipped)."""
+    if not path.exists():
+        return None
+    latest: dict[int, dict[str, Any]] = {}
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and record.get("event") == "ledger" and isinstance(record.get("data"), dict):
+            latest[int(record["data"].get("id", 0))] = record["data"]
+    return [latest[k] for k in sorted(latest)]
 
 
 def cmd_events(args: argparse.Namespace) -> int:

@@ -248,3 +248,28 @@ def test_a_report_cut_off_by_its_senders_death_leaves_no_traceback(running):
     assert after["state"] == "running" and after["operation"] is None
     assert [(r["rank"], r["pid"]) for r in after["ranks"]] == [(r["rank"], r["pid"]) for r in before["ranks"]]
     assert running.events() == []
+
+
+def test_the_ledger_says_why_the_job_ended_and_survives_a_damaged_database(tmp_path):
+    """A rank that leaves early ends the job: the ledger holds that end (never empty), with the
+    step the rank left at; with state.db damaged, `baton events` reads the copy in events.jsonl."""
+    out = _run(tmp_path, "import sys, torch, baton\njob = baton.init()\nmodel = job.wrap(torch.nn.Linear(2, 1))\n"
+                         "opt = torch.optim.SGD(model.parameters(), lr=0.1)\nfor step in job.steps(3):\n"
+                         "    with step:\n        model(torch.ones(4, 2)).sum().backward()\n        opt.step()\n"
+                         "sys.exit(0)\n")
+    assert out.returncode == 1, out.stderr
+    assert "exited with code 0 at step 3" in out.stderr, out.stderr
+
+    def events() -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "baton.cli", "events", "--json", "--run-dir",
+                               str(tmp_path / "run")], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+
+    read = events()
+    assert read.returncode == 0, read.stderr
+    ledger = json.loads(read.stdout)["events"]
+    assert [(e["kind"], e["status"]) for e in ledger] == [("fatal", "failed")], ledger
+    assert "before job.finish()" in ledger[0]["cause"]
+    (tmp_path / "run" / "state.db").write_bytes(b"this is not an SQLite database" * 200)
+    again = events()
+    assert again.returncode == 0, again.stderr
+    assert "cannot be read" in again.stderr and json.loads(again.stdout)["events"] == ledger

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 
 import pytest
 
@@ -99,9 +100,13 @@ def test_sigstop_hang_is_detected_and_replaced(tmp_path, reference):
               run_args=["--op-timeout", "2", "--heartbeat-timeout", "2"])
     try:
         job.wait_step(8)
+        stopped_at = time.time()
         job.signal_rank(1, signal.SIGSTOP)
         events = _check(job, reference, "unplanned", rerun_max=1)
         assert events[0]["rank"] == 1 and "hung" in events[0]["cause"]
+        # Its downtime starts where the others blocked on it, not at its last heartbeat (up to
+        # half a second earlier here, before the hang)
+        assert events[0]["detected_at"] >= stopped_at - 0.15, (events[0]["detected_at"], stopped_at)
     finally:
         job.kill()
 

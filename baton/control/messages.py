@@ -133,6 +133,9 @@ class Recover(_Msg):
     in_step: bool = False
     unit_reported: bool = False
     error: Text = ""
+    # How long this rank had waited in the collective that failed (where the job stopped
+    # progressing for it: a hung peer's downtime starts there, not at its last heartbeat).
+    blocked_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
     # Sharded jobs with redundancy: the boundaries this rank holds its own shard snapshot of,
     # and those it holds for its wards (rank -> boundaries).
     snapshots: list[Pos] = []

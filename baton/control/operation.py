@@ -65,6 +65,9 @@ class Operation:
     rerun: bool = False  # some survivor discarded a partial step and re-runs it
     target: tuple[int, int] | None = None  # the position the new generation forms at
     failed_at: float | None = None  # when the failure happened (not when it was detected)
+    # When the first survivor blocked in the collective that failed: where a hung rank's
+    # downtime starts (its last heartbeat, `failed_at`, came before the hang).
+    stalled_at: float | None = None
     form_tries: int = 0  # generations that did not form in time (each retry gets twice the time)
     agree_tries: int = 0  # pause requests sent again to ranks that had not answered
 

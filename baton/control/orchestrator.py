@@ -125,6 +125,7 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing):
         self._last_persist = 0.0
         self.loop: m.LoopInfo | None = None  # the loop every rank agreed on
         self.listeners: list[Callable[[str, dict[str, Any]], None]] = []
+        self._script_failed = False  # the job ends on the script's own error (not a failure for the ledger)
         self.lives = 0  # earlier lives of this job's control plane (restarts from its store)
         self.helper_cpu: Callable[[], float] = lambda: 0.0  # CPU of its helper processes (the store)
 
@@ -218,6 +219,11 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing):
                     log.exception("listener failed")
         elif isinstance(effect, fx.WriteEvent):
             self.store.put_event(effect.event_id, effect.body)
+            for fn in self.listeners:  # events.jsonl keeps the ledger too: read when state.db is not
+                try:
+                    fn("ledger", effect.body)
+                except Exception:
+                    log.exception("listener failed")
         elif isinstance(effect, fx.WriteRows):
             self.store.put_many(effect.rows)
         elif isinstance(effect, fx.ProbeNode):
@@ -528,6 +534,7 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing):
             return  # a worker already replaced or stopped: what it says no longer matters
         text = rep.traceback[-20000:]
         self.failure = text
+        self._script_failed = True
         if w.rank is not None:
             self.ranks[w.rank].state = RankState.FAILED
         self._emit("user-error", {"rank": w.rank, "phase": rep.phase, "traceback": text})
@@ -573,6 +580,7 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing):
         elif returncode > 0 and prev == WorkerRole.RANK:
             # The script ended with an error of its own: a bug, not a hardware failure.
             self.failure = self.failure or f"rank {w.rank} exited with code {returncode}"
+            self._script_failed = True
             self._emit("user-error", {"rank": w.rank, "exit_code": returncode})
             w.role = WorkerRole.GONE
             self._end(returncode)
@@ -614,6 +622,7 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing):
             return
         self.failure = (f"worker {w.id} on {w.slot} exited with code {returncode} before baton.init(): "
                         "the script failed while starting (its traceback is above)")
+        self._script_failed = True
         self._emit("user-error", {"rank": w.intended_rank, "exit_code": returncode, "phase": "startup"})
         self._end(returncode)
 
@@ -743,6 +752,9 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing):
             self.ranks[rank].worker = joiner.id
             ev.to_slot = joiner.slot
             ev.resumed_at = now
+            if op.kind == EventKind.UNPLANNED and "(hung)" in ev.cause and op.stalled_at is not None:
+                # its last heartbeat came before the hang: training stopped where the survivors blocked
+                ev.detected_at = max(ev.detected_at, op.stalled_at)
             start = ev.detected_at if op.kind == EventKind.UNPLANNED else first_stop
             ev.downtime_s = round(now - start, 4)
             ev.step = op.target_step
@@ -813,6 +825,10 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing):
             for ev in self.events:
                 if ev.status == "in-progress" and ev.kind != EventKind.DIVERGENCE:
                     self._close(ev, "failed", f"the job ended before this move completed: {why}")
+            if not self._script_failed and not any(ev.status == "failed" for ev in self.events):
+                # Nothing in the ledger says why the job ended (a rank lost while starting, one
+                # that exited early): the end itself is the entry.
+                self._close(self._new_event(EventKind.FATAL, why, None, None), "failed", "the job ended here")
         for w in self.workers.values():
             if w.role in (WorkerRole.SPARE, WorkerRole.STARTING, WorkerRole.LEAVING):
                 self._post(w.id, m.Stop(reason="job ended"))

@@ -51,7 +51,8 @@ class Recovery:
             # the culprit is found by heartbeats or by not reporting.
             self._open_recovery(cause=f"rank {w.rank} saw a failed collective: {rep.error[:200]}")
             op = self.op
-        assert op is not None
+        if op is None:
+            return  # the job has ended (a fatal error): a survivor's late report changes nothing
         if rep.generation < op.generation:
             # Sent before this rank heard of the current generation (its Abort is on the way):
             # its state may change before that Abort reaches it, so wait for the next report.
@@ -66,6 +67,9 @@ class Recovery:
             op.held[w.rank] = {int(r): {tuple(p) for p in ps} for r, ps in rep.held.items()}  # type: ignore[misc]
             op.replicas[w.rank] = set(rep.replicas)
             op.rerun = op.rerun or rep.in_step
+            if rep.blocked_s is not None:
+                stalled = time.time() - rep.blocked_s
+                op.stalled_at = min(op.stalled_at or stalled, stalled)
         self._advance_collect()
 
     def _unit_durable_everywhere(self, pos: tuple[int, int]) -> bool:

@@ -159,7 +159,7 @@ def _config(spec: m.AttachJob) -> Config:
 
 def _printer(job_id: str) -> Callable[[str, dict[str, Any]], None]:
     def emit(kind: str, data: dict[str, Any]) -> None:
-        if kind != "spare":
+        if kind not in ("spare", "ledger"):
             print(f"[baton serve] job {job_id}: {kind} " + " ".join(f"{k}={v}" for k, v in data.items()),
                   file=sys.stderr, flush=True)
     return emit

@@ -37,6 +37,7 @@ class EventKind(str, enum.Enum):
     PREEMPTIVE = "pre-emptive"
     UNPLANNED = "unplanned"
     DIVERGENCE = "divergence"  # a state check found replicas (or a joiner) that differ
+    FATAL = "fatal"  # the job ended on a failure no move could take (a rank lost while starting, one that left early)
 
 
 @dataclass
@@ -118,7 +119,7 @@ def yoco_ratio(events: list[dict[str, Any]]) -> float | None:
 
     Moves still in progress or cancelled (the job finished first) are not failures to count.
     """
-    done = [e for e in events if e.get("status") in ("resolved", "failed") and e.get("kind") != "divergence"]
+    done = [e for e in events if e.get("status") in ("resolved", "failed") and e.get("kind") not in ("divergence", "fatal")]
     if not done:
         return None
     good = [e for e in done if e.get("resolved_without_rollback") and e.get("steps_lost") == 0]

@@ -183,6 +183,7 @@ class LiveGroup(dist.ProcessGroup):
         self._store: RendezvousClient | None = None
         self._op_timeout_s = 60.0
         self.failed = threading.Event()  # set when any collective of this generation failed
+        self.issued_at = 0.0  # when the latest collective was issued (a failed one: where this rank blocked)
         self.last_error: str = ""
         # Called with the op name before every collective the script issues (not baton's own):
         # the step loop uses it to capture this rank's bundle and enforce where collectives go.
@@ -367,6 +368,7 @@ class LiveGroup(dist.ProcessGroup):
         return self._world
 
     def _backend(self, op: str = "") -> dist.ProcessGroup:
+        self.root.issued_at = time.time()
         if op and self.guard is not None and not getattr(self._internal, "depth", 0):
             substitute = self.guard(op)
             if substitute is not None:

@@ -709,6 +709,8 @@ class Runtime:
                 unit: tuple[Pos, Any, Bundle | None, Any, bool] | None = None) -> None:
         """Absorb a lost peer: report where this rank's state is, then follow the plan."""
         ctl = self.ctl
+        issued = self.group.issued_at
+        blocked = round(max(0.0, time.time() - issued), 4) if issued else None
         self.scope = self.tracked.scope = None
         self._reset_ddp()
         self.group.drop()
@@ -725,7 +727,7 @@ class Runtime:
             snaps, held = self.snapshots.report() if self._snapshotting() else ([], {})
             ctl.report(m.Recover(generation=known, pos=pos, in_step=in_step,
                                  unit_reported=unit_reported, error=error[:2000], snapshots=snaps, held=held,
-                                 replicas=self.replicas))
+                                 replicas=self.replicas, blocked_s=blocked))
             cmd = self.wait_for(m.Form, m.Abort)
             if isinstance(cmd, m.Abort) or cmd.generation < known:
                 continue  # a plan made before the latest restart: the next one follows the report
