@@ -86,6 +86,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-migration", action="store_true",
                    help="a script that does not use baton: run it as torchrun would, with no moves; the first "
                         "failure ends the job promptly (restart from your own checkpoint)")
+    p.add_argument("--no-tail-copies", action="store_true",
+                   help="no code change: do not copy each step's parameters and gradient buckets (a rank lost "
+                        "after its last collective of a step then stops the job instead of being replaced)")
     p.add_argument("script", help="training script")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     p.set_defaults(func=cmd_run)
@@ -188,7 +191,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     mode = _mode(args, script_args)
     if isinstance(mode, int):
         return mode
-    opts = RunOptions(mode=mode, script=args.script, script_args=script_args, nproc=args.nproc, spares=args.spares,
+    opts = RunOptions(mode=mode, tail_copies=not args.no_tail_copies, script=args.script, script_args=script_args, nproc=args.nproc, spares=args.spares,
                       slots=args.slots, run_dir=args.run_dir or default_dir(),
                       op_timeout_s=args.op_timeout, heartbeat_timeout_s=args.heartbeat_timeout,
                       formation_timeout_s=args.formation_timeout, verify_every=args.verify_every,

@@ -63,6 +63,7 @@ class RunOptions:
     borrow_partition: str | None = None  # the partition to ask in (default: the allocation's)
     gpu_limits: GpuThresholds = GpuThresholds()  # NVML readings past these taint a slot
     mode: str = "model-aware"  # "no-code": the script does not import baton (baton.transparent.worker runs it)
+    tail_copies: bool = True  # no-code: each step's parameters and buckets kept (baton.transparent.tail)
 
 
 class EventPrinter:
@@ -167,7 +168,7 @@ def worker_env(opts: RunOptions, url: str, token: str, store_addr: str, store_po
     env.update(opts.env)
     env.update(BATON_URL=url, BATON_TOKEN=token, BATON_STORE=f"{store_addr}:{store_port}",
                TORCH_DIST_INIT_BARRIER="0", MASTER_ADDR=store_addr, MASTER_PORT=str(store_port),
-               BATON_JOB_ID=opts.job_id, BATON_MODE=opts.mode)
+               BATON_JOB_ID=opts.job_id, BATON_MODE=opts.mode, BATON_TAIL_COPIES="1" if opts.tail_copies else "0")
     env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does for several ranks per node
     return env
 

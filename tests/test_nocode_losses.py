@@ -151,6 +151,32 @@ def test_a_rank_lost_in_the_evaluation_or_checkpoint_after_the_step_loop_is_repl
     assert [(e["kind"], e["status"]) for e in job.events()] == [("unplanned", "resolved")], job.events()
 
 
+@pytest.mark.parametrize("name, args, fault", [
+    ("imagenet_main.py", ["--epochs", "4"], "1:10:SIGKILL"),
+    ("nanogpt_train.py", ["--max_iters=40", "--eval_interval=20"], "0:15:SIGKILL"),
+    ("trainer_ddp.py", ["12", "5"], "1:9:SIGSTOP"),
+])
+def test_a_rank_lost_after_its_optimizer_step_is_replaced_bit_for_bit(tmp_path, name, args, fault):
+    """The rank dies (or hangs) right after its optimizer step: after its last collective of the
+    step, before the lines after it (counters, meters, a scheduler) and the next head. The
+    survivors finish that step and fail in the next one; the spare runs the lost step again
+    from the rank's last head, with the survivors' record of it (parameters at the head, the
+    gradient buckets, DDP's buffer broadcast), its optimizer step replaced by the survivors'
+    result, and joins at the next head: every rank ends equal to torchrun's."""
+    ref = tmp_path / "torchrun"
+    (ref / "export").mkdir(parents=True)
+    outs = {"imagenet_main.py": ["--out-dir", "{d}/out"], "nanogpt_train.py": ["--out_dir={d}/out"],
+            "trainer_ddp.py": ["--snapshot-path", "{d}/snapshot.pt"]}[name]
+    torchrun(NOCODE / name, [*args, *[a.format(d=ref) for a in outs], "--export", str(ref / "export")], 2, ref)
+    run = tmp_path / "job"
+    (run / "export").mkdir(parents=True)
+    code, job = _faulted(tmp_path, NOCODE / name, fault, where="AFTER_STEP",
+                         script_args=[*args, *[a.format(d=run) for a in outs], "--export", str(run / "export")])
+    assert code == 0 and (tmp_path / "fired").exists(), job.log()
+    _compare(ref, run)
+    assert [(e["kind"], e["status"]) for e in job.events()] == [("unplanned", "resolved")], job.events()
+
+
 UNSEEDED_SPLIT = """
 import os, random, torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP

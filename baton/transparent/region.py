@@ -13,56 +13,38 @@ forward. Every rank records what each of them gave it. When a rank is lost there
   runs out where the survivors stand: there it joins the new generation, and from there
   on the collectives run live with everyone.
 
-Only collectives whose result is the same on every rank are answered from another rank's
-record (all-reduce, broadcast, all-gather, barrier). A region that runs another kind
-(reduce, gather, scatter, point-to-point, FSDP2's flat-shard collectives) still runs, live,
-but a loss after it cannot be replayed: the job stops there, saying so.
+A region that runs a collective whose result differs by rank (reduce, gather, scatter,
+point-to-point, FSDP2's flat-shard collectives) still runs, live, but a loss after it
+cannot be replayed: the job stops there, saying so. The recording itself is `collectives`.
 """
 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
-import torch.distributed as dist
-import torch._C._distributed_c10d as _c10d
 
 from baton.transfer.bundles import Pos
-from baton.worker.group import _Done
+from baton.transparent.collectives import Record
 from baton.worker.tracked import Tracked, _is_scheduler
 
-if TYPE_CHECKING:
-    from baton.transparent.script_runtime import ScriptRuntime
-
-# LiveGroup's names for the collectives whose outputs are equal on every rank
-SAME_EVERYWHERE = frozenset({"allreduce", "allreduce_coalesced", "broadcast", "allgather", "allgather_base",
-                             "barrier"})
-
 
 @dataclass
-class Recorded:
-    op: str
-    outputs: list[torch.Tensor]
-
-
-@dataclass
-class Region:
+class Region(Record):
     """One region: from the step loop's exit at `pos` to its next head."""
 
-    pos: Pos
-    small: dict[str, Any]  # the optimizers' hyper-parameters, schedulers and scalers at the exit
-    forward_sync: list[bool]  # each DDP's "broadcast buffers before the next forward" at the exit
-    ops: list[Recorded] = field(default_factory=list)  # what each collective gave, in order
+    pos: Pos = (0, 0)
+    small: dict[str, Any] | None = None  # the optimizers' hyper-parameters, schedulers and scalers at the exit
+    forward_sync: list[bool] | None = None  # each DDP's "broadcast buffers before the next forward" at the exit
     not_replayable: str = ""  # the first collective run here whose result differs by rank
     active: bool = True  # until the next head of the step loop
-    replay: list[Recorded] = field(default_factory=list)  # a successor's answers, in order
-    join: Callable[[], None] | None = None  # a successor's join, run where its answers run out
 
     @classmethod
     def at_exit(cls, pos: Pos, tracked: Tracked) -> "Region":
-        return cls(pos, small_state(tracked), [bool(d.require_forward_param_sync) for d in tracked.ddps])
+        return cls(pos=pos, small=small_state(tracked),
+                   forward_sync=[bool(d.require_forward_param_sync) for d in tracked.ddps])
 
     def place(self) -> tuple[int, int]:
         """Where a rank stands, for the check that a new generation's ranks agree on it."""
@@ -71,15 +53,13 @@ class Region:
     def served(self) -> dict[str, Any]:
         """What a successor needs to run this region again (plain values and tensors)."""
         return {"pos": list(self.pos), "small": self.small, "forward_sync": self.forward_sync,
-                "ops": [r.op for r in self.ops], "outputs": [r.outputs for r in self.ops],
-                "not_replayable": self.not_replayable}
+                "not_replayable": self.not_replayable, **self.served_ops()}
 
     @classmethod
     def from_served(cls, served: dict[str, Any]) -> "Region":
-        region = cls(tuple(served["pos"]), served["small"], list(served["forward_sync"]),  # type: ignore[arg-type]
-                     not_replayable=served["not_replayable"])
-        region.replay = [Recorded(op, list(outs)) for op, outs in zip(served["ops"], served["outputs"])]
-        return region
+        return cls(pos=tuple(served["pos"]), small=served["small"],  # type: ignore[arg-type]
+                   forward_sync=list(served["forward_sync"]), not_replayable=served["not_replayable"],
+                   replay=Record.replay_of(served))
 
 
 def small_state(tracked: Tracked) -> dict[str, Any]:
@@ -104,89 +84,3 @@ def load_small_state(tracked: Tracked, small: dict[str, Any]) -> None:
                 group.update(values)
         else:
             obj.load_state_dict(saved["state"])
-
-
-class RegionGroup(dist.ProcessGroup):
-    """What the live group runs a region's collectives on (its guard hands this one out):
-    each runs to completion here, recorded; a lost peer is recovered from in place and the
-    collective issued again; a successor's are answered from the record it was given."""
-
-    def __init__(self, rt: "ScriptRuntime"):
-        super().__init__(rt.group.rank(), rt.group.size())
-        self.rt = rt
-
-    def getBackendName(self) -> str:  # noqa: N802 (torch's name)
-        return "baton-region"
-
-    def rank(self) -> int:
-        return self.rt.group.rank()
-
-    def size(self) -> int:
-        return self.rt.group.size()
-
-    def allreduce(self, tensors, opts=None):  # type: ignore[override]  # noqa: ANN001
-        opts = opts if opts is not None else dist.AllreduceOptions()
-        return self._run("allreduce", tensors, tensors, lambda g: g.allreduce(tensors, opts))
-
-    def allreduce_coalesced(self, tensors, opts=None):  # type: ignore[override]  # noqa: ANN001
-        opts = opts if opts is not None else dist.AllreduceCoalescedOptions()
-        return self._run("allreduce_coalesced", tensors, tensors, lambda g: g.allreduce_coalesced(tensors, opts))
-
-    def broadcast(self, tensors, opts=None):  # type: ignore[override]  # noqa: ANN001
-        opts = opts if opts is not None else dist.BroadcastOptions()
-        return self._run("broadcast", tensors, tensors, lambda g: g.broadcast(tensors, opts))
-
-    def allgather(self, output_tensors, input_tensors, opts=None):  # type: ignore[override]  # noqa: ANN001
-        opts = opts if opts is not None else _c10d.AllgatherOptions()
-        outputs = [t for per_input in output_tensors for t in per_input]
-        return self._run("allgather", outputs, input_tensors,
-                         lambda g: g.allgather(output_tensors, input_tensors, opts))
-
-    def _allgather_base(self, output, input, opts=None):  # type: ignore[override]  # noqa: ANN001,A002
-        opts = opts if opts is not None else _c10d.AllgatherOptions()
-        return self._run("allgather_base", [output], [input], lambda g: g._allgather_base(output, input, opts))
-
-    def barrier(self, opts=None):  # type: ignore[override]  # noqa: ANN001
-        opts = opts if opts is not None else dist.BarrierOptions()
-        return self._run("barrier", [], [], lambda g: g.barrier(opts))
-
-    def _run(self, op: str, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
-             issue: Callable[[dist.ProcessGroup], dist.Work]) -> dist.Work:
-        rt = self.rt
-        region = rt.region
-        assert region is not None
-        if len(region.ops) < len(region.replay):
-            return self._answer(region, op, outputs)
-        if region.join is not None:  # a successor: its record ends here, where the survivors stand
-            join, region.join = region.join, None
-            join()
-        saved = [t.detach().clone() for t in inputs]  # gloo reduces in place: a failed attempt leaves partial sums
-        while True:
-            try:
-                issue(rt.group._backend()).wait()
-                break
-            except (RuntimeError, dist.DistError) as exc:
-                rt.group.note_failure(exc)
-                if not rt.is_peer_failure(exc):
-                    raise
-                rt.recover_in_region(exc)
-                with torch.no_grad():
-                    for t, s in zip(inputs, saved):
-                        t.copy_(s)
-        region.ops.append(Recorded(op, [t.detach().clone() for t in outputs]))
-        return _Done(outputs)
-
-    def _answer(self, region: Region, op: str, outputs: list[torch.Tensor]) -> dist.Work:
-        n = len(region.ops)
-        recorded = region.replay[n]
-        shapes = [(tuple(t.shape), t.dtype) for t in outputs]
-        if recorded.op != op or shapes != [(tuple(t.shape), t.dtype) for t in recorded.outputs]:
-            self.rt.stop(f"rank {self.rt.rank}: the region after the step loop took another way in this process "
-                         f"than in the survivors: its collective #{n + 1} is {op} of {shapes}, theirs was "
-                         f"{recorded.op} of {[(tuple(t.shape), t.dtype) for t in recorded.outputs]} (is the "
-                         "evaluation deterministic?). The job stops here: restart it from your own checkpoint.")
-        with torch.no_grad():
-            for t, r in zip(outputs, recorded.outputs):
-                t.copy_(r)
-        region.ops.append(recorded)
-        return _Done(outputs)

@@ -20,8 +20,10 @@ like torchrun's: nothing is captured, and nothing can move yet.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -30,7 +32,10 @@ import torch.distributed as dist
 from baton.control import messages as m
 from baton.transfer import FetchStats, TransferError
 from baton.transfer.bundles import Bundle, encode_frame
-from baton.transparent.region import SAME_EVERYWHERE, Region, RegionGroup, load_small_state
+from baton.transparent import tail
+from baton.transparent.collectives import SAME_EVERYWHERE, Record, Recorded, RecordingGroup
+from baton.transparent.region import Region, load_small_state, small_state
+from baton.transparent.tail import StepRecord
 from baton.worker import shards, verify
 from baton.worker.group import CollectiveFailure
 from baton.worker.job import Step
@@ -46,6 +51,19 @@ REGION = "region"  # scope between the step loop's exit and its next head
 HEAD_SEQ = 1 << 30
 
 
+@dataclass
+class _Replay:
+    """A successor running again the step its predecessor was lost after (tail)."""
+
+    cmd: m.Form
+    stats: FetchStats
+    t0: float
+    t_fetched: float
+    replicated: dict[str, Any]  # the survivors' state after the step: what the optimizer steps give
+    patched: list[Any] = field(default_factory=list)  # the optimizers whose step() takes it instead
+    stepped: int = 0
+
+
 class PeerLost(BaseException):
     """Raised into the script when it goes on after a lost peer (its own `except Exception`
     took the collective's error): a BaseException, so that the loop's head takes it."""
@@ -59,7 +77,13 @@ class ScriptRuntime(Runtime):
         self.script_section: Callable[[], dict[str, Any]] = lambda: {}  # set by the controller
         self.head_state: dict[str, Any] | None = None  # this rank's own state at the running step's head
         self.region: Region | None = None  # since the step loop's latest exit (kept through the next steps)
-        self._region_group: RegionGroup | None = None
+        self._recording_group: RecordingGroup | None = None
+        # What this rank records of each step (tail): the running one's, and the one before,
+        # kept until the running one commits (a rank lost after that one is rebuilt from it).
+        self.tail_copies = os.environ.get("BATON_TAIL_COPIES", "1") != "0"
+        self.step_record: StepRecord | None = None
+        self.prev_record: StepRecord | None = None
+        self.replay: _Replay | None = None  # a successor running again the step its predecessor was lost after
         self._frame_at: tuple[Any, int] = ((-1, 0), HEAD_SEQ)  # the latest frame's position and sequence
 
     # ---------------------------------------------------------------- the loop, as the script runs it
@@ -69,7 +93,7 @@ class ScriptRuntime(Runtime):
         self._track_sharded_models()
         # The lost-peer refusal first: before baton's own wait for its buddies' snapshots.
         sharded = self._prepare_tracking("a script with no code change must create it after its process group",
-                                         first_pre_hook=self._refuse_after_failure)
+                                         first_pre_hook=self._before_optimizer_step_script)
         self.loop = info.model_copy(update={"sharded": sharded})
 
     def start_script_loop(self, step_loop: str, nest: list[str]) -> None:
@@ -100,6 +124,10 @@ class ScriptRuntime(Runtime):
 
     def at_head(self) -> None:
         """A head of the step loop, before its next item is drawn."""
+        if self.replay is not None:  # a successor that ran its predecessor's last step again
+            self._end_replay()
+            self._start_step()
+            return
         if self.region is not None and self.region.active:
             self.region.active = False
             self._join_if_deferred()  # a successor that ran the region: the survivors stand here
@@ -121,6 +149,7 @@ class ScriptRuntime(Runtime):
             state = self._own_state(self.pos)
             state["script"] = self.script_section()
         self.head_state = state
+        self._record_step()
         frame = encode_frame(self.rank, self.pos, self.group.generation, self._next_seq(), state)
         self.at_pos, self.at_pos_rng = frame, state["rng"]
         if self.wards:
@@ -188,6 +217,26 @@ class ScriptRuntime(Runtime):
         if self.wards:
             self.pusher.push(encode_frame(self.rank, self.pos, self.group.generation, self._next_seq(), state))
 
+    def _record_step(self) -> None:
+        """The record of the step beginning here (tail): a new position rotates the records;
+        the same one again (a re-run after a recovery) starts its record afresh."""
+        if not self.tail_copies or self.tracked.sharded:
+            return
+        if self.step_record is None or self.step_record.pos != self.pos:
+            self.prev_record = self.step_record
+        self.step_record = StepRecord(pos=self.pos, small=small_state(self.tracked),
+                                      forward_sync=[bool(d.require_forward_param_sync) for d in self.tracked.ddps])
+
+    def _before_optimizer_step_script(self, *args: Any) -> None:
+        """Before each optimizer step: none after a lost peer; the first one of a step copies
+        the parameters as they were at its head (tail). The step before's record is then no
+        longer needed: every rank reached this step's gradients, so none was lost after it."""
+        self._refuse_after_failure(*args)
+        rec = self.step_record
+        if rec is not None and rec.params is None and self.scope == "step" and not self.loading:
+            rec.params = tail.param_copies(self.tracked)
+            self.prev_record = None
+
     def _next_seq(self) -> int:
         pos, seq = self._frame_at
         self._frame_at = (self.pos, seq + 1 if pos == self.pos else HEAD_SEQ)
@@ -233,6 +282,8 @@ class ScriptRuntime(Runtime):
         state, stats = fetched if fetched is not None else self._fetch_for(cmd)
         if not (cmd.full_state or cmd.snapshot):
             state["bundle"] = self._lost_bundle(cmd.lost, tuple(cmd.pos))  # type: ignore[arg-type]
+            if "script" not in state["bundle"]:
+                self._tail_bundle(cmd, state)
         if "script" not in state["bundle"]:
             raise Divergence(f"rank {self.rank}: the rank this process replaces was lost where its place in the "
                              f"script was never shared (step {cmd.pos[0]}: before its step loop's first boundary, or "
@@ -240,9 +291,33 @@ class ScriptRuntime(Runtime):
                              "for bit. The job stops here: restart it from your own checkpoint.")
         return cmd, state, stats
 
+    def _tail_bundle(self, cmd: m.Form, state: dict[str, Any]) -> None:
+        """The rank was lost after its last collective of the step before the target: its
+        head there, to run that step again from, where the survivors recorded it (tail)."""
+        served = state.get("tail")
+        target = tuple(cmd.pos)
+        before = (target[0] - 1, 0)
+        if served is None or tuple(served["pos"]) != before or served["params"] is None:
+            return
+        if served["not_replayable"]:
+            raise Divergence(f"rank {self.rank} was lost after its last collective of step {before[0]}, which ran "
+                             f"{served['not_replayable']} (its result differs by rank): that step cannot be run "
+                             "again here. The job stops here: restart it from your own checkpoint.")
+        try:
+            head = self._lost_bundle(cmd.lost, before)  # type: ignore[arg-type]
+        except TransferError:
+            return
+        if "script" in head:
+            state["bundle"], state["replay_tail"] = head, True
+            log.info("rank %d was lost after its last collective of step %d: running that step again",
+                     self.rank, before[0])
+
     def join_at_head(self, cmd: m.Form, state: dict[str, Any], stats: FetchStats, t0: float) -> None:
         """The joiner reached its rank's step loop head (the controller walked it there): take
         the state over, form the generation with the others, check, and report (as _join())."""
+        if state.get("replay_tail"):
+            self._replay_step(cmd, state, stats, t0)
+            return
         assert self.assignment is not None and self.assignment.loop is not None
         self.setup_s = time.perf_counter() - self.assigned_at
         self._prepare_loop(self.assignment.loop)
@@ -285,6 +360,79 @@ class ScriptRuntime(Runtime):
                                  setup_s=round(self.setup_s, 4), fetch_wait_s=round(t_fetched - t0, 4)))
         self.joiner = False
         self._start_step(dict(bundle_state))
+
+    def _replay_step(self, cmd: m.Form, state: dict[str, Any], stats: FetchStats, t0: float) -> None:
+        """At the lost rank's head N (target N+1): its state there, the step's collectives
+        answered from the survivors' record, its optimizer steps replaced by the survivors'
+        result; it joins at head N+1 (`_end_replay`)."""
+        assert self.assignment is not None and self.assignment.loop is not None
+        self.setup_s = time.perf_counter() - self.assigned_at
+        self._prepare_loop(self.assignment.loop)
+        assert self.loop is not None
+        self.ctl.report_now(m.Ready(loop=self.loop, bundle=_text(self._capture_at(self.pos)[0]), joined=True))
+        if self.prefetch is not None:
+            self.prefetch.close()
+            self.ctl.watch_forms(None)
+        t_fetched = time.perf_counter()
+        rec = StepRecord.from_served(state["tail"])
+        self._load_replicated(state)
+        tail.load_params(self.tracked, rec.params or {})
+        load_small_state(self.tracked, rec.small or {})
+        for ddp, sync in zip(self.tracked.ddps, rec.forward_sync or []):
+            ddp.require_forward_param_sync = sync
+        self._apply_bundle(state["bundle"])
+        self.loop = self.loop.model_copy(update={"start_step": int(state["loop_start"])})
+        self.pos = tuple(rec.pos)  # type: ignore[assignment]
+        self.params_step = self.pos[0]
+        self.replay = _Replay(cmd, stats, t0, t_fetched, state["replicated"])
+        for opt in self.tracked.optimizers():
+            previous = opt.__dict__.get("step")
+            opt.step = self._stepped_instead(opt)  # type: ignore[method-assign]
+            self.replay.patched.append((opt, previous))
+        self.step_record = rec
+        self.scope = self.tracked.scope = "step"
+        self.committed, self.current = False, None
+
+    def _stepped_instead(self, opt: torch.optim.Optimizer) -> Callable[..., None]:
+        def step(*_: Any, **__: Any) -> None:
+            assert self.replay is not None
+            groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+            tail.load_stepped(self.tracked, opt, self.replay.replicated, groups)
+            self.replay.stepped += 1
+        return step
+
+    def _end_replay(self) -> None:
+        """Head N+1 after running step N again: join the survivors there."""
+        replay, rec = self.replay, self.step_record
+        assert replay is not None and rec is not None
+        for opt, previous in replay.patched:
+            if previous is None:
+                del opt.step
+            else:
+                opt.step = previous
+        if rec.answering() or rec.grads.answering() or not replay.stepped:
+            self.stop(f"rank {self.rank}: running again step {rec.pos[0]}, the step its predecessor was lost "
+                      f"after, the script took another way than the survivors (collectives answered "
+                      f"{len(rec.ops)} of {len(rec.replay)}, gradient buckets {len(rec.grads.ops)} of "
+                      f"{len(rec.grads.replay)}, optimizer steps {replay.stepped}). The job stops here: restart "
+                      "it from your own checkpoint.")
+        self.replay = None
+        self.step_record = None
+        self.pos = (rec.pos[0] + 1, 0)
+        self.params_step = self.pos[0]
+        gen = replay.cmd.generation
+        try:
+            self._clear_abort(gen)
+            self.form(replay.cmd)
+            self.verify_state(gen, None)
+        except (CollectiveFailure, dist.DistError, TransferError, OSError, Divergence) as exc:
+            self.stop(f"rank {self.rank}: joining generation {gen} failed after running step {rec.pos[0]} again "
+                      f"({exc}); the job cannot go on bit for bit")
+        log.info("joined generation %s at %s after running step %s again", gen, self.pos, rec.pos[0])
+        self.ctl.report(m.Formed(generation=gen, pos=self.pos, bytes=replay.stats.bytes,
+                                 seconds=round(replay.stats.seconds, 4), setup_s=round(self.setup_s, 4),
+                                 fetch_wait_s=round(replay.t_fetched - replay.t0, 4)))
+        self.joiner = False
 
     def join_in_region(self, cmd: m.Form, state: dict[str, Any], stats: FetchStats, t0: float) -> None:
         """The joiner reached the exit of its rank's step loop (its predecessor was lost in the
@@ -356,6 +504,10 @@ class ScriptRuntime(Runtime):
         state = super()._state(full, digest, encoded)
         if self.region is not None:
             state["region"] = self.region.served()
+        prev = self.prev_record
+        if not full and not encoded and prev is not None and prev.params is not None and \
+                tuple(prev.pos) == (self.pos[0] - 1, 0):
+            state["tail"] = prev.served()  # a rank lost after that step runs it again from this
         return state
 
     def verify_state(self, generation: int, expected: int | None, periodic: bool = False,
@@ -384,17 +536,13 @@ class ScriptRuntime(Runtime):
                                            detail=detail))
             raise Divergence(detail)
 
-    def buffers_sync_internally(self) -> bool:
-        """DDP's buffer broadcast before an evaluation forward is the script's in a region."""
-        return self.scope != REGION
-
     # ---------------------------------------------------------------- the runtime's checks, for a script's loop
     def on_sync_backward(self, first: bool, last: bool) -> None:
-        if self.loop_started and self.scope == "step":
+        if self.loop_started and self.scope == "step" and self.replay is None:
             super().on_sync_backward(first, last)
 
     def watch_backward_start(self, out: Any) -> None:
-        if self.loop_started:
+        if self.loop_started and self.replay is None:
             super().watch_backward_start(out)
 
     def check_forward_placement(self) -> None:
@@ -407,17 +555,76 @@ class ScriptRuntime(Runtime):
             if not self.loop_started and self.joiner:
                 return super()._guard(op)
             return None  # the script's own collectives outside steps (its setup)
-        return super()._guard(op)
+        rec = self.step_record
+        if self.replay is not None:
+            assert rec is not None
+            if op not in SAME_EVERYWHERE or not rec.answering():
+                self.stop(f"rank {self.rank}: running again the step its predecessor was lost after, the script "
+                          f"calls {op} where the survivors' record of that step has "
+                          f"{'nothing more' if not rec.answering() else rec.replay[len(rec.ops)].op}: it took "
+                          "another way. The job stops here: restart it from your own checkpoint.")
+            return self._recording()
+        group = super()._guard(op)
+        if rec is None:
+            return group
+        if op in SAME_EVERYWHERE:
+            return self._recording()
+        rec.not_replayable = rec.not_replayable or op
+        return group
+
+    def _recording(self) -> RecordingGroup:
+        if self._recording_group is None:
+            self._recording_group = RecordingGroup(self)
+        return self._recording_group
+
+    def collective_record(self) -> tuple[Record, bool]:
+        """The record the script's collective goes to, and whether a lost peer is retried in
+        place (in a region) rather than taken at the loop's head (in a step)."""
+        if self.scope == REGION:
+            assert self.region is not None
+            return self.region, True
+        assert self.step_record is not None
+        return self.step_record, False
+
+    def sync_buffers(self, tensors: list[torch.Tensor], buffer_size: int, authoritative_rank: int) -> None:
+        """DDP's buffer broadcast: the script's in a region (recorded, retried); recorded in a
+        step, or answered where this process runs its predecessor's last step again."""
+        if self.loop_started and self.scope == REGION:
+            dist._broadcast_coalesced(self.group, tensors, buffer_size, authoritative_rank)
+            return
+        rec = self.step_record if self.scope == "step" else None
+        if self.replay is not None and rec is not None:
+            rec.answer(self, "buffers", tensors)
+            return
+        super().sync_buffers(tensors, buffer_size, authoritative_rank)
+        if rec is not None:
+            rec.ops.append(Recorded("buffers", [t.detach().clone() for t in tensors]))
+
+    def reduce_bucket(self, buffer: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+        rec = self.step_record if self.scope == "step" else None
+        if rec is None:
+            return super().reduce_bucket(buffer)
+        if self.replay is not None:
+            rec.grads.answer(self, "bucket", [buffer])
+            done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+            done.set_result(buffer)
+            return done
+        return super().reduce_bucket(buffer).then(self._record_bucket)
+
+    def _record_bucket(self, f: torch.futures.Future) -> torch.Tensor:
+        """A bucket's result, kept (on gloo's thread: buckets complete in the order issued)."""
+        bucket = f.value()
+        if self.step_record is not None:
+            self.step_record.grads.ops.append(Recorded("bucket", [bucket.detach().clone()]))
+        return bucket
 
     def _region_collective(self, op: str) -> dist.ProcessGroup | None:
-        """Where a collective of the region runs: recorded (region.RegionGroup), or live
-        only, when its result differs by rank (a loss after it cannot be replayed)."""
+        """Where a collective of the region runs: recorded (collectives.RecordingGroup), or
+        live only, when its result differs by rank (a loss after it cannot be replayed)."""
         region = self.region
         assert region is not None
         if op in SAME_EVERYWHERE:
-            if self._region_group is None:
-                self._region_group = RegionGroup(self)
-            return self._region_group
+            return self._recording()
         if len(region.ops) < len(region.replay):
             self.stop(f"rank {self.rank}: the region after the step loop runs {op} here where the survivors ran "
                       f"{region.replay[len(region.ops)].op}: it took another way. The job stops here: restart it "

@@ -54,11 +54,7 @@ class LiveDDP(DistributedDataParallel):
         # DDP syncs buffers from rank 0 before a forward exactly when it would under torchrun.
         rt = self._baton_rt
         rt.check_forward_placement()
-        if not rt.buffers_sync_internally():
-            dist._broadcast_coalesced(rt.group, tensors, buffer_size, authoritative_rank)
-            return
-        with rt.group.internal():
-            dist._broadcast_coalesced(rt.group, tensors, buffer_size, authoritative_rank)
+        rt.sync_buffers(tensors, buffer_size, authoritative_rank)
 
 
 def build(rt: "Runtime", model: torch.nn.Module, **ddp_kwargs: Any) -> LiveDDP:
@@ -89,7 +85,7 @@ def allreduce_hook(rt, bucket):  # DDP inspects real annotations; see below
     buffer = bucket.buffer()
     with selfcost.outside():  # what DDP's reducer does without a hook: not baton's cost
         buffer.mul_(1.0 / rt.world_size)
-    return rt.group.reduce_gradients(buffer)
+    return rt.reduce_bucket(buffer)
 
 
 allreduce_hook.__annotations__ = {"bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}

@@ -216,7 +216,8 @@ class Job:
 
     def at_epoch_end(self, fn: Callable) -> Callable:
         """Decorator: run the function after the last step of every epoch (validation,
-        scheduler.step(), rank 0's checkpoint). Covered like job.every."""
+        scheduler.step(), rank 0's checkpoint). Covered like job.every. It is called with one
+        argument: `.step` (steps done) and `.epoch` (the epoch that just ended, from 0)."""
         self._add_unit(Unit(fn, epoch_end=True))
         return fn
 
@@ -248,7 +249,8 @@ class Job:
 
     def epochs(self, total: int, batches_per_step: int = 1, start: int = 0) -> Iterator[Epoch]:
         """Yield epochs `start`..`total`-1, each iterating its steps over the tracked loader
-        (`start`: the epoch a resume block loaded); a joiner starts in the epoch its rank was in."""
+        (`start`: the epoch a resume block loaded); a joiner starts in the epoch its rank was in.
+        Epochs count from 0; the loader's sampler gets set_epoch(e) before epoch e (do not call it)."""
         return selfcost.counted_iter(self._epochs(total, batches_per_step, start))
 
     def _epochs(self, total: int, batches_per_step: int, start: int) -> Iterator[Epoch]:

@@ -538,9 +538,14 @@ class Runtime:
             # boundary, complete): FSDP2's many collectives per step capture nothing.
         return None
 
-    def buffers_sync_internally(self) -> bool:
-        """Whether DDP's buffer broadcast before a forward is baton's own collective (unguarded)."""
-        return True
+    def sync_buffers(self, tensors: list[torch.Tensor], buffer_size: int, authoritative_rank: int) -> None:
+        """DDP's buffer broadcast before a forward: baton's own collective (unguarded)."""
+        with self.group.internal():
+            dist._broadcast_coalesced(self.group, tensors, buffer_size, authoritative_rank)
+
+    def reduce_bucket(self, buffer: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+        """A gradient bucket's all-reduce (from DDP's comm hook)."""
+        return self.group.reduce_gradients(buffer)
 
     @selfcost.counted
     def check_forward_placement(self) -> None:

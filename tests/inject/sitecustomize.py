@@ -55,6 +55,10 @@ BATON_TEST_SIGNAL_IN_SAVE="rank:step:SIGNAME" (with BATON_TEST_SIGNAL_MARK): the
 script's first torch.save in the region after its step loop once that rank is past that step
 (rank 0 writing its checkpoint).
 
+BATON_TEST_SIGNAL_AFTER_STEP="rank:step:SIGNAME" (with BATON_TEST_SIGNAL_MARK): the same, right
+after that rank's optimizer step in that step: after its last collective, before the next head
+(the lines after the optimizer step never run).
+
 BATON_TEST_STEP_COUNT_SKEW="rank:step": after that rank's optimizer step at that step, baton's
 count of the steps its parameters hold is one too many, as a bug that applied a step twice
 would leave it. baton's own check must stop the job loudly (never exit 0).
@@ -319,3 +323,25 @@ if _signal_in_save:
         return _save(*args, **kwargs)
 
     _torch.save = _signal_in_torch_save
+
+_signal_after_step = os.environ.get("BATON_TEST_SIGNAL_AFTER_STEP")
+if _signal_after_step:
+    import signal
+
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    _after_rank, _after_step, _after_name = _signal_after_step.split(":")
+    _after_mark = os.environ["BATON_TEST_SIGNAL_MARK"]
+
+    def _signal_after_optimizer_step(*_args):  # noqa: ANN002, ANN202
+        from baton.worker import job
+
+        rt = job._RUNTIME[0]
+        if rt is not None and rt.rank == int(_after_rank) and rt.pos[0] == int(_after_step) and \
+                rt.scope == "step" and not os.path.exists(_after_mark):
+            open(_after_mark, "w").close()
+            print(f"injected: {_after_name} to rank {_after_rank} after its optimizer step in step {rt.pos[0]}",
+                  file=sys.stderr, flush=True)
+            os.kill(os.getpid(), getattr(signal, _after_name))
+
+    register_optimizer_step_post_hook(_signal_after_optimizer_step)
