@@ -68,6 +68,7 @@ class Contender:
     spares: int = 0  # baton
     verify_every: int = 0  # baton: `--verify-every N`, the periodic replica-agreement check
     restarts: int = 0  # ddp (whole job) / torchft (per replica group)
+    tail_copies: bool = True  # nocode: `--no-tail-copies` when False
 
     @property
     def key(self) -> str:
@@ -75,6 +76,8 @@ class Contender:
             return f"ckpt-k{self.ckpt_every}"
         if self.kind == "baton" and self.verify_every:
             return "baton-verify"
+        if self.kind == "nocode" and not self.tail_copies:
+            return "nocode-no-tail"
         return self.kind
 
 
@@ -116,7 +119,7 @@ def launch(c: Contender, w: Workload, run_dir: Path) -> Launched:
                    "--master-port", str(free_port()), *script]
         else:
             cmd = [c.python, "-m", "baton.cli", "run", "--nproc", str(w.nproc), "--spares", str(c.spares), "--quiet",
-                   "--run-dir", str(run_dir / "baton"), *script]
+                   *([] if c.tail_copies else ["--no-tail-copies"]), "--run-dir", str(run_dir / "baton"), *script]
         return Launched([_spawn(cmd, run_dir / "launcher.log")])
     script = [str(WORKLOAD), "--mode", c.kind, *w.args(), "--run-dir", str(run_dir)]
     if c.kind == "ddp":

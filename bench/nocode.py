@@ -3,9 +3,11 @@
     PYTHONPATH=. python bench/nocode.py --rounds 3     # writes bench/results/nocode-<ts>.json
                                                        # and the README's <!-- nocode --> sentence
 
-Three contenders train the same model on the same batches (bench/workload_parts.py):
+Four contenders train the same model on the same batches (bench/workload_parts.py):
   torchrun      bench/nocode_workload.py under torchrun: a script that never imports baton
   no-code       the same file under `baton run --spares 1`
+  no-tail       the same, with `--no-tail-copies` (steady state only: what the per-step copies cost
+                that let a rank lost after its last collective of a step be replaced)
   model-aware   its port to baton's API (bench/workload.py --mode baton) under `baton run --spares 1`
 
 Steady state (runs without failures, interleaved, order rotated each round): median step
@@ -113,6 +115,7 @@ def main() -> int:
     w = Workload(params_m=args.params_m, steps=args.steps, nproc=args.nproc, warmup=args.warmup)
     tmp = args.results_dir / "tmp" / f"nocode-{int(time.time())}"
     contenders = {"torchrun": Contender("plain", py), "no-code": Contender("nocode", py, spares=1),
+                  "no-tail": Contender("nocode", py, spares=1, tail_copies=False),
                   "model-aware": Contender("baton", py, spares=1)}
     steady = interleave(list(contenders), args.rounds,
                         lambda key, i: run_job(contenders[key], w, tmp / f"steady-{key}-{i}", cpu_window=True))
@@ -127,6 +130,12 @@ def main() -> int:
                                                       for r in steady),
         "cpu_ratio_nocode_vs_torchrun": median_range(_ratio(r["no-code"].get("cpu_s_per_step"),
                                                             r["torchrun"].get("cpu_s_per_step")) for r in steady),
+        "step_ratio_nocode_vs_no_tail": median_range(_ratio(r["no-code"]["step_s"], r["no-tail"]["step_s"])
+                                                     for r in steady),
+        "cpu_ratio_nocode_vs_no_tail": median_range(_ratio(r["no-code"].get("cpu_s_per_step"),
+                                                           r["no-tail"].get("cpu_s_per_step")) for r in steady),
+        "step_ratio_no_tail_vs_aware": median_range(_ratio(r["no-tail"]["step_s"], r["model-aware"]["step_s"])
+                                                    for r in steady),
         "step_s": {k: median_range(r[k]["step_s"] for r in steady) for k in contenders},
         "cpu_s_per_step": {k: median_range(r[k].get("cpu_s_per_step") for r in steady) for k in contenders},
     }
@@ -152,7 +161,10 @@ def main() -> int:
             f"{args.rounds} interleaved rounds, medians with min-max): against its model-aware port, the unmodified "
             f"script's step time is {_fmt(s['step_ratio_nocode_vs_aware'])} and its whole tree's CPU per step "
             f"{_fmt(s['cpu_ratio_nocode_vs_aware'])} (against torchrun: {_fmt(s['step_ratio_nocode_vs_torchrun'])} "
-            f"and {_fmt(s['cpu_ratio_nocode_vs_torchrun'])}); a planned move's downtime "
+            f"and {_fmt(s['cpu_ratio_nocode_vs_torchrun'])}); of that, the per-step copies that let a rank lost after "
+            f"its last collective of a step be replaced cost {_fmt(s['step_ratio_nocode_vs_no_tail'])} in step time "
+            f"and {_fmt(s['cpu_ratio_nocode_vs_no_tail'])} in CPU (against `--no-tail-copies`, whose step time is "
+            f"{_fmt(s['step_ratio_no_tail_vs_aware'])} the port's); a planned move's downtime "
             f"{_fmt(s['planned_downtime_s']['no-code'], pct=False)} against "
             f"{_fmt(s['planned_downtime_s']['model-aware'], pct=False)}, a kill -9's stall "
             f"{_fmt(s['unplanned_stall_s']['no-code'], pct=False)} against "
@@ -160,8 +172,9 @@ def main() -> int:
             f"{_fmt(s['unplanned_setup_s']['no-code'], pct=False)} against "
             f"{_fmt(s['unplanned_setup_s']['model-aware'], pct=False)}). Kills from outside absorbed bit for bit: "
             f"{s['kills_absorbed']['no-code']} of {s['kills']} for the unmodified script, "
-            f"{s['kills_absorbed']['model-aware']} of {s['kills']} for the port; each other one landed between "
-            "the rank's last collective of a step and its next iteration, and the job stopped non-zero saying so. ")
+            f"{s['kills_absorbed']['model-aware']} of {s['kills']} for the port"
+            + ("" if s["kills_absorbed"]["no-code"] == s["kills"] else
+               "; each other one stopped the job non-zero, saying why it could not be exact") + ". ")
     print(text)
     if not args.no_readme:
         write_readme_sentence(README, "nocode", "bench/nocode.py", text)

@@ -1,0 +1,143 @@
+"""The script's collectives, recorded and answered, so that a successor can run again code
+that the rank it replaces had run with the others: the script's setup before its step loop
+(the record goes to a spare with its assignment), the region after the step loop
+(baton.transparent.region), or the step a rank was lost after (baton.transparent.tail).
+
+Each rank records what every collective of such a span gave it. A successor replaying the
+span gets a survivor's record: its collectives are answered from it, in order, until the
+record runs out, where the survivors stand; there it joins them and the rest runs live.
+Only collectives whose result is the same on every rank can be answered from another rank's
+record (all-reduce, broadcast, all-gather, barrier: `SAME_EVERYWHERE`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch._C._distributed_c10d as _c10d
+
+from baton.worker.group import _Done
+
+if TYPE_CHECKING:
+    from baton.worker.runtime import Runtime
+
+# LiveGroup's names for the collectives whose outputs are equal on every rank
+SAME_EVERYWHERE = frozenset({"allreduce", "allreduce_coalesced", "broadcast", "allgather", "allgather_base",
+                             "barrier", "all_gather_single", "allgather_into_tensor_coalesced"})
+
+
+@dataclass
+class Recorded:
+    op: str
+    outputs: list[torch.Tensor]
+
+
+@dataclass
+class Record:
+    """The collectives of one span, in order; for a successor, the answers it was given."""
+
+    ops: list[Recorded] = field(default_factory=list)
+    replay: list[Recorded] = field(default_factory=list)
+    join: Callable[[], None] | None = None  # a successor's join, run where its answers run out
+    not_replayable: str = ""  # the first collective run here whose result differs by rank (or why none is kept)
+
+    def answering(self) -> bool:
+        return len(self.ops) < len(self.replay)
+
+    def served_ops(self) -> dict[str, Any]:
+        return {"ops": [r.op for r in self.ops], "outputs": [r.outputs for r in self.ops]}
+
+    @staticmethod
+    def replay_of(served: dict[str, Any]) -> list[Recorded]:
+        return [Recorded(op, list(outs)) for op, outs in zip(served["ops"], served["outputs"])]
+
+    def answer(self, rt: "Runtime", op: str, outputs: list[torch.Tensor]) -> None:
+        """Fill `outputs` with the next recorded answer (it must be the same collective)."""
+        n = len(self.ops)
+        recorded = self.replay[n]
+        shapes = [(tuple(t.shape), t.dtype) for t in outputs]
+        if recorded.op != op or shapes != [(tuple(t.shape), t.dtype) for t in recorded.outputs]:
+            rt.stop(f"rank {rt.rank}: the script took another way in this process than in the survivors: its "
+                    f"collective #{n + 1} here is {op} of {shapes}, theirs was {recorded.op} of "
+                    f"{[(tuple(t.shape), t.dtype) for t in recorded.outputs]} (is the code deterministic?). "
+                    "The job stops here: restart it from your own checkpoint.")
+        with torch.no_grad():
+            for t, r in zip(outputs, recorded.outputs):
+                t.copy_(r)
+        self.ops.append(recorded)
+
+
+class RecordingGroup(dist.ProcessGroup):
+    """What the live group runs the script's recorded collectives on (its guard hands this one
+    out): each runs to completion here and is recorded, or is answered from a successor's
+    record. A lost peer: where the state cannot go back to a head (a region, the lines after
+    a step's optimizer step), the survivor recovers in place and issues the collective again
+    (`retry`); before a step's optimizer step, the failure goes on to the loop's head."""
+
+    def __init__(self, rt: "Runtime"):
+        super().__init__(rt.group.rank(), rt.group.size())
+        self.rt = rt
+
+    def getBackendName(self) -> str:  # noqa: N802 (torch's name)
+        return "baton-recording"
+
+    def rank(self) -> int:
+        return self.rt.group.rank()
+
+    def size(self) -> int:
+        return self.rt.group.size()
+
+    def allreduce(self, tensors, opts=None):  # type: ignore[override]  # noqa: ANN001
+        opts = opts if opts is not None else dist.AllreduceOptions()
+        return self._run("allreduce", tensors, tensors, lambda g: g.allreduce(tensors, opts))
+
+    def allreduce_coalesced(self, tensors, opts=None):  # type: ignore[override]  # noqa: ANN001
+        opts = opts if opts is not None else dist.AllreduceCoalescedOptions()
+        return self._run("allreduce_coalesced", tensors, tensors, lambda g: g.allreduce_coalesced(tensors, opts))
+
+    def broadcast(self, tensors, opts=None):  # type: ignore[override]  # noqa: ANN001
+        opts = opts if opts is not None else dist.BroadcastOptions()
+        return self._run("broadcast", tensors, tensors, lambda g: g.broadcast(tensors, opts))
+
+    def allgather(self, output_tensors, input_tensors, opts=None):  # type: ignore[override]  # noqa: ANN001
+        opts = opts if opts is not None else _c10d.AllgatherOptions()
+        outputs = [t for per_input in output_tensors for t in per_input]
+        return self._run("allgather", outputs, input_tensors,
+                         lambda g: g.allgather(output_tensors, input_tensors, opts))
+
+    def _allgather_base(self, output, input, opts=None):  # type: ignore[override]  # noqa: ANN001,A002
+        opts = opts if opts is not None else _c10d.AllgatherOptions()
+        return self._run("allgather_base", [output], [input], lambda g: g._allgather_base(output, input, opts))
+
+    def barrier(self, opts=None):  # type: ignore[override]  # noqa: ANN001
+        opts = opts if opts is not None else dist.BarrierOptions()
+        return self._run("barrier", [], [], lambda g: g.barrier(opts))
+
+    def _run(self, op: str, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+             issue: Callable[[dist.ProcessGroup], dist.Work]) -> dist.Work:
+        rt = self.rt
+        record, retry = rt.collective_record()
+        if record.answering():
+            record.answer(rt, op, outputs)
+            return _Done(outputs)
+        if record.join is not None:  # a successor: its record ends here, where the survivors stand
+            join, record.join = record.join, None
+            join()
+        saved = [t.detach().clone() for t in inputs] if retry else []  # gloo reduces in place
+        while True:
+            try:
+                issue(rt.group._backend()).wait()
+                break
+            except (RuntimeError, dist.DistError) as exc:
+                rt.group.note_failure(exc)
+                if not retry or not rt.is_peer_failure(exc):
+                    raise
+                rt.recover_in_place(exc)
+                with torch.no_grad():
+                    for t, s in zip(inputs, saved):
+                        t.copy_(s)
+        record.ops.append(Recorded(op, [t.detach().clone() for t in outputs]))
+        return _Done(outputs)
