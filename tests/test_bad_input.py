@@ -172,8 +172,8 @@ def test_a_script_that_never_calls_init_gets_told_what_to_add(tmp_path):
 def test_a_script_without_baton_runs_as_under_torchrun(tmp_path):
     """No code change: a script that never imports baton runs on every rank with torchrun's
     environment, and its exit code is the job's."""
-    out = _run(tmp_path, "import os, sys, torch\nprint('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'])\n"
-                         "sys.exit(0)\n")
+    out = _run(tmp_path, "import os, sys, torch\nsys.stdout.write(f\"rank {os.environ['RANK']} of "
+                         "{os.environ['WORLD_SIZE']}\\n\")\nsys.exit(0)\n")  # one write a line: no interleaving
     assert out.returncode == 0, out.stderr
     assert sorted(line for line in out.stdout.splitlines() if line.startswith("rank")) == ["rank 0 of 2", "rank 1 of 2"]
 

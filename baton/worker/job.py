@@ -359,18 +359,23 @@ def join(runtime_class: type[Runtime]) -> Runtime:
     rt = runtime_class(ctl, server, store, cmd.rank, cmd.world_size, cmd.joiner, config, token)
     rt.assignment = cmd
     _RUNTIME[0] = rt
-    atexit.register(_report_exit_step, rt)
+    sys.exit = _exit_with  # type: ignore[assignment]  # the script's exit code, for _left_early
+    atexit.register(_left_early, rt)
     return rt
 
 
-def _report_exit_step(rt: Runtime) -> None:
-    """A script leaving without job.finish(): the job learns the step it left at (the
-    message ending the job names it), not only the one of its last heartbeat."""
-    if not rt.finished:
-        try:
-            rt.ctl.report_now(m.Heartbeat(step=rt.pos[0]))
-        except Exception:  # noqa: BLE001 - the orchestrator may be gone: nothing to tell
-            pass
+def _left_early(rt: Runtime) -> None:
+    """A script leaving without job.finish() (an error for the job: the others would wait
+    for it): the job learns the step it left at, which the message ending the job names,
+    and the process leaves without interpreter teardown, which can hang in gloo's
+    destructors (it would then look hung, not exited)."""
+    if rt.finished:
+        return
+    try:
+        rt.ctl.report_now(m.Heartbeat(step=rt.pos[0]))
+    except Exception:  # noqa: BLE001 - the orchestrator may be gone: nothing to tell
+        pass
+    _exit_now()
 
 
 def _warm_up() -> None:
