@@ -177,6 +177,56 @@ def test_a_rank_lost_after_its_optimizer_step_is_replaced_bit_for_bit(tmp_path, 
     assert [(e["kind"], e["status"]) for e in job.events()] == [("unplanned", "resolved")], job.events()
 
 
+LOGS_AFTER_STEP = """
+import os, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.2), torch.nn.Linear(16, 1)))
+opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+sched = torch.optim.lr_scheduler.StepLR(opt, step_size=10, gamma=0.5)
+data = TensorDataset(torch.randn(256, 8), torch.randn(256, 1))
+sampler = DistributedSampler(data)
+mean_losses = []
+for epoch in range(5):
+    sampler.set_epoch(epoch)
+    for x, y in DataLoader(data, batch_size=8, sampler=sampler):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        logged = loss.detach().clone()
+        dist.all_reduce(logged)  # after the optimizer step: the mean loss, for the log
+        mean_losses.append(float(logged) / dist.get_world_size())
+torch.save({"model": model.module.state_dict(), "opt": opt.state_dict(), "rng": torch.get_rng_state(),
+            "losses": torch.tensor(mean_losses)}, os.path.join(os.environ["EXPORT"], f"rank{dist.get_rank()}.pt"))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("fault", ["1:25:SIGKILL", "0:33:SIGSTOP"])
+def test_a_collective_after_the_optimizer_step_is_recorded_and_retried(tmp_path, fault):
+    """A script that all-reduces its loss for the log after its optimizer step (and steps its
+    scheduler): the rank dies (or hangs) right after its optimizer step, so the survivor fails
+    in that all_reduce. It recovers there and issues it again; the spare runs the step again
+    from the rank's head up to that all_reduce, joins there, and every rank ends equal to
+    torchrun's, the logged losses included."""
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(LOGS_AFTER_STEP))
+    ref = tmp_path / "torchrun"
+    (ref / "export").mkdir(parents=True)
+    torchrun(script, [], 2, ref, env={"EXPORT": str(ref / "export")})
+    run = tmp_path / "job"
+    (run / "export").mkdir(parents=True)
+    code, job = _faulted(tmp_path, script, fault, where="AFTER_STEP", env={"EXPORT": str(run / "export")})
+    assert code == 0 and (tmp_path / "fired").exists(), job.log()
+    _compare(ref, run)
+    assert [(e["kind"], e["status"]) for e in job.events()] == [("unplanned", "resolved")], job.events()
+
+
 UNSEEDED_SPLIT = """
 import os, random, torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -238,3 +288,4 @@ def test_a_kill_from_outside_at_any_moment_is_exact_or_stops_the_job(tmp_path):
         assert any(e["kind"] == "divergence" for e in events), (events, job.log())
         assert "restart it from your own checkpoint" in job.log(None)
         assert not [e for e in events if e["status"] == "in-progress"], events
+

@@ -97,6 +97,9 @@ class Ready(_Msg):
     loop: LoopInfo
     bundle: BundleText
     joined: bool = False
+    # What the collectives of the rank's setup (before its step loop) gave it: rank 0's goes
+    # to each joiner with its assignment, whose own setup's collectives are answered from it.
+    setup: BundleText | None = None
 
 
 class UnitDone(_Msg):
@@ -222,6 +225,7 @@ class Assign(_Msg):
     generation: int
     joiner: bool
     loop: LoopInfo | None = None  # a joiner of a script with no code change: the loops to walk down to its place
+    setup: BundleText | None = None  # a joiner: rank 0's record of its setup's collectives (Ready.setup)
 
 
 class Pause(_Msg):

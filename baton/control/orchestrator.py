@@ -126,6 +126,7 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing):
         self.loop: m.LoopInfo | None = None  # the loop every rank agreed on
         self.listeners: list[Callable[[str, dict[str, Any]], None]] = []
         self._script_failed = False  # the job ends on the script's own error (not a failure for the ledger)
+        self.setup_record: m.BundleText | None = None  # rank 0's record of its setup's collectives
         self.lives = 0  # earlier lives of this job's control plane (restarts from its store)
         self.helper_cpu: Callable[[], float] = lambda: 0.0  # CPU of its helper processes (the store)
 
@@ -424,6 +425,8 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing):
             info.held = rep.bundle.model_dump()
             self._persist_held(w.rank)
         info.loop = rep.loop.model_dump()
+        if not rep.joined and w.rank == 0:
+            self.setup_record = rep.setup  # handed to every joiner with its assignment
         # A joiner skips the script's resume block, so only the loop's shape must agree.
         if self.loop is not None and rep.loop.model_copy(update={"start_step": self.loop.start_step}) != self.loop:
             self._fail(f"rank {w.rank} computed a different loop ({_loop_text(rep.loop)}) than the others "

@@ -21,7 +21,7 @@ class SparePool:
         spare.rank = rank
         spare.held_rank = True
         self._post(spare.id, m.Assign(rank=rank, generation=op.generation, world_size=self.config.world_size,
-                                      joiner=True, loop=self.loop))
+                                      joiner=True, loop=self.loop, setup=self.setup_record))
 
     def _on_spare_available(self) -> None:
         op = self.op

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from baton.transfer.bundles import Pos
-from baton.transparent.collectives import Record
+from baton.worker.collectives import Record
 from baton.worker.tracked import Tracked, _is_scheduler
 
 
@@ -38,7 +38,6 @@ class Region(Record):
     pos: Pos = (0, 0)
     small: dict[str, Any] | None = None  # the optimizers' hyper-parameters, schedulers and scalers at the exit
     forward_sync: list[bool] | None = None  # each DDP's "broadcast buffers before the next forward" at the exit
-    not_replayable: str = ""  # the first collective run here whose result differs by rank
     active: bool = True  # until the next head of the step loop
 
     @classmethod

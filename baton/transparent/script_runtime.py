@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -33,13 +32,13 @@ from baton.control import messages as m
 from baton.transfer import FetchStats, TransferError
 from baton.transfer.bundles import Bundle, encode_frame
 from baton.transparent import tail
-from baton.transparent.collectives import SAME_EVERYWHERE, Record, Recorded, RecordingGroup
+from baton.worker.collectives import SAME_EVERYWHERE, Record, Recorded
 from baton.transparent.region import Region, load_small_state, small_state
 from baton.transparent.tail import StepRecord
 from baton.worker import shards, verify
 from baton.worker.group import CollectiveFailure
 from baton.worker.job import Step
-from baton.worker.runtime import Divergence, Runtime, _text, exit_quietly
+from baton.worker.runtime import Divergence, Runtime, _text
 from baton.worker.tracked import UsageError
 
 log = logging.getLogger("baton.worker")
@@ -62,6 +61,7 @@ class _Replay:
     replicated: dict[str, Any]  # the survivors' state after the step: what the optimizer steps give
     patched: list[Any] = field(default_factory=list)  # the optimizers whose step() takes it instead
     stepped: int = 0
+    joined: bool = False  # where the survivors stood, in a collective after the step (`_join_replayed`)
 
 
 class PeerLost(BaseException):
@@ -77,13 +77,13 @@ class ScriptRuntime(Runtime):
         self.script_section: Callable[[], dict[str, Any]] = lambda: {}  # set by the controller
         self.head_state: dict[str, Any] | None = None  # this rank's own state at the running step's head
         self.region: Region | None = None  # since the step loop's latest exit (kept through the next steps)
-        self._recording_group: RecordingGroup | None = None
         # What this rank records of each step (tail): the running one's, and the one before,
         # kept until the running one commits (a rank lost after that one is rebuilt from it).
         self.tail_copies = os.environ.get("BATON_TAIL_COPIES", "1") != "0"
         self.step_record: StepRecord | None = None
         self.prev_record: StepRecord | None = None
         self.replay: _Replay | None = None  # a successor running again the step its predecessor was lost after
+        self.in_tail = False  # recovering in a collective after a step's optimizer step
         self._frame_at: tuple[Any, int] = ((-1, 0), HEAD_SEQ)  # the latest frame's position and sequence
 
     # ---------------------------------------------------------------- the loop, as the script runs it
@@ -103,7 +103,7 @@ class ScriptRuntime(Runtime):
         assert self.loop is not None
         start_bundle, start_rng = self._capture_at(self.pos)
         self.at_pos, self.at_pos_rng = start_bundle, start_rng
-        self.ctl.report_now(m.Ready(loop=self.loop, bundle=_text(start_bundle)))
+        self.ctl.report_now(m.Ready(loop=self.loop, bundle=_text(start_bundle), setup=self.setup_text()))
         self.warned_no_capture = True  # the first step's backward ran before the loop was known
         self.small = self.tracked.snapshot_small()
         self.scope, self.committed, self.seq, self.capture = "step", False, 0, None
@@ -177,24 +177,27 @@ class ScriptRuntime(Runtime):
         self._start_step(state)
         return True
 
-    def recover_in_region(self, exc: BaseException) -> None:
-        """A survivor whose collective in the region failed: recover where it stands (the
-        collective is then issued again, see region.RegionGroup)."""
+    def recover_in_place(self, exc: BaseException) -> None:
+        """A survivor whose collective failed where its state cannot go back to a head (in a
+        region, or after a step's optimizer step): recover where it stands; the collective is
+        then issued again (collectives.RecordingGroup). After an optimizer step its
+        parameters hold that step: it reports the next position, where a successor runs the
+        step again up to here (tail), and completes the step at the next head as usual."""
+        scope, n = self.scope, self.pos[0]
+        in_tail = scope == "step"
+        if in_tail:
+            self.pos = (n + 1, 0)
+        self.in_tail = in_tail
         try:
             self.recover(in_step=False, error=f"{type(exc).__name__}: {exc}")
         except Divergence as stop:
             self.stop(str(stop))
-        self.scope = self.tracked.scope = REGION
-
-    def stop(self, detail: str) -> None:
-        """End the job now, non-zero, saying why (never go on with state that may differ)."""
-        print(f"[baton] {detail}", file=sys.__stderr__, flush=True)
-        try:
-            self.ctl.report_now(m.Verified(generation=self.group.generation, pos=self.pos, ok=False,
-                                           differing=["script"], detail=detail[:60000]))
-        except Exception:  # noqa: BLE001 - the orchestrator may be ending the job already
-            pass
-        exit_quietly(1)
+        finally:
+            self.in_tail = False
+        if in_tail:
+            self.pos = (n, 0)
+            self.committed = True
+        self.scope = self.tracked.scope = scope
 
     def _refuse_after_failure(self, *_: Any) -> None:
         """No optimizer step after a lost peer: the script took the collective's error itself."""
@@ -389,6 +392,7 @@ class ScriptRuntime(Runtime):
             previous = opt.__dict__.get("step")
             opt.step = self._stepped_instead(opt)  # type: ignore[method-assign]
             self.replay.patched.append((opt, previous))
+        rec.join = self._join_replayed
         self.step_record = rec
         self.scope = self.tracked.scope = "step"
         self.committed, self.current = False, None
@@ -420,19 +424,32 @@ class ScriptRuntime(Runtime):
         self.step_record = None
         self.pos = (rec.pos[0] + 1, 0)
         self.params_step = self.pos[0]
-        gen = replay.cmd.generation
+        if not replay.joined:
+            self._join_replayed(replay)
+
+    def _join_replayed(self, replay: "_Replay | None" = None) -> None:
+        """Form the generation with the survivors: at the next head, or where they stood in a
+        collective after the step's optimizer step (its record ran out there)."""
+        mid_step = replay is None  # in the step, after its optimizer step: its parameters hold it
+        replay = replay or self.replay
+        assert replay is not None
+        replay.joined = True
+        gen, here = replay.cmd.generation, self.pos
+        if mid_step:
+            self.pos = (here[0] + 1, 0)  # where the survivors report themselves (recover_in_place)
         try:
             self._clear_abort(gen)
             self.form(replay.cmd)
             self.verify_state(gen, None)
         except (CollectiveFailure, dist.DistError, TransferError, OSError, Divergence) as exc:
-            self.stop(f"rank {self.rank}: joining generation {gen} failed after running step {rec.pos[0]} again "
-                      f"({exc}); the job cannot go on bit for bit")
-        log.info("joined generation %s at %s after running step %s again", gen, self.pos, rec.pos[0])
+            self.stop(f"rank {self.rank}: joining generation {gen} failed after running its predecessor's last "
+                      f"step again ({exc}); the job cannot go on bit for bit")
+        log.info("joined generation %s at %s after running its predecessor's last step again", gen, self.pos)
         self.ctl.report(m.Formed(generation=gen, pos=self.pos, bytes=replay.stats.bytes,
                                  seconds=round(replay.stats.seconds, 4), setup_s=round(self.setup_s, 4),
                                  fetch_wait_s=round(replay.t_fetched - replay.t0, 4)))
         self.joiner = False
+        self.pos = here
 
     def join_in_region(self, cmd: m.Form, state: dict[str, Any], stats: FetchStats, t0: float) -> None:
         """The joiner reached the exit of its rank's step loop (its predecessor was lost in the
@@ -504,10 +521,10 @@ class ScriptRuntime(Runtime):
         state = super()._state(full, digest, encoded)
         if self.region is not None:
             state["region"] = self.region.served()
-        prev = self.prev_record
-        if not full and not encoded and prev is not None and prev.params is not None and \
-                tuple(prev.pos) == (self.pos[0] - 1, 0):
-            state["tail"] = prev.served()  # a rank lost after that step runs it again from this
+        if not full and not encoded:
+            for rec in (self.prev_record, self.step_record):
+                if rec is not None and rec.params is not None and tuple(rec.pos) == (self.pos[0] - 1, 0):
+                    state["tail"] = rec.served()  # a rank lost after that step runs it again from this
         return state
 
     def verify_state(self, generation: int, expected: int | None, periodic: bool = False,
@@ -521,15 +538,19 @@ class ScriptRuntime(Runtime):
         region after the same number of its collectives (a successor replaying a region
         stops answering where its record ends: a survivor elsewhere would pair other
         collectives with its)."""
-        here = self.region.place() if self.region is not None else (0, 0)
+        if self.in_tail or (self.replay is not None and self.replay.stepped):
+            assert self.step_record is not None
+            here = (2, len(self.step_record.ops))  # after a step's optimizer step, so many collectives in
+        else:
+            here = self.region.place() if self.region is not None else (0, 0)
         t = torch.tensor(here, dtype=torch.int64)
         out = [torch.zeros_like(t) for _ in range(self.world_size)]
         with self.group.internal():
             self._wait_internal(self.group.allgather([out], [t]), "the place check")
         places = [tuple(x.tolist()) for x in out]
         if len(set(places)) > 1:
-            where = ", ".join(f"rank {r}: " + (f"{n} collectives into the region" if a else "at a head")
-                              for r, (a, n) in enumerate(places))
+            where = ", ".join(f"rank {r}: " + {0: "at a head", 1: f"{n} collectives into the region",
+                                               2: f"{n} collectives into a step"}[a] for r, (a, n) in enumerate(places))
             detail = (f"the ranks of generation {generation} stand at different places ({where}): they cannot go "
                       "on together bit for bit")
             self.ctl.report_now(m.Verified(generation=generation, pos=self.pos, ok=False, differing=["place"],
@@ -558,33 +579,35 @@ class ScriptRuntime(Runtime):
         rec = self.step_record
         if self.replay is not None:
             assert rec is not None
+            if op in SAME_EVERYWHERE and not rec.answering() and self.replay.stepped:
+                return self.recording_group()  # after the step, where the survivors stand: it joins them here
             if op not in SAME_EVERYWHERE or not rec.answering():
                 self.stop(f"rank {self.rank}: running again the step its predecessor was lost after, the script "
                           f"calls {op} where the survivors' record of that step has "
                           f"{'nothing more' if not rec.answering() else rec.replay[len(rec.ops)].op}: it took "
                           "another way. The job stops here: restart it from your own checkpoint.")
-            return self._recording()
+            return self.recording_group()
+        if self.committed and rec is not None and op in SAME_EVERYWHERE:
+            return self.recording_group()  # after the optimizer step (a loss logged, say): recorded, retried in place
         group = super()._guard(op)
         if rec is None:
             return group
         if op in SAME_EVERYWHERE:
-            return self._recording()
+            return self.recording_group()
         rec.not_replayable = rec.not_replayable or op
         return group
-
-    def _recording(self) -> RecordingGroup:
-        if self._recording_group is None:
-            self._recording_group = RecordingGroup(self)
-        return self._recording_group
 
     def collective_record(self) -> tuple[Record, bool]:
         """The record the script's collective goes to, and whether a lost peer is retried in
         place (in a region) rather than taken at the loop's head (in a step)."""
+        if not self.loop_started:
+            return super().collective_record()
         if self.scope == REGION:
             assert self.region is not None
             return self.region, True
         assert self.step_record is not None
-        return self.step_record, False
+        after_step = self.committed or (self.replay is not None and self.replay.stepped > 0)
+        return self.step_record, after_step
 
     def sync_buffers(self, tensors: list[torch.Tensor], buffer_size: int, authoritative_rank: int) -> None:
         """DDP's buffer broadcast: the script's in a region (recorded, retried); recorded in a
@@ -623,8 +646,11 @@ class ScriptRuntime(Runtime):
         live only, when its result differs by rank (a loss after it cannot be replayed)."""
         region = self.region
         assert region is not None
+        if self.tracked.sharded:  # FSDP2 gathers whole models here: not kept (a region of sharded models is not replayed)
+            region.not_replayable = region.not_replayable or "collectives of sharded models"
+            return None
         if op in SAME_EVERYWHERE:
-            return self._recording()
+            return self.recording_group()
         if len(region.ops) < len(region.replay):
             self.stop(f"rank {self.rank}: the region after the step loop runs {op} here where the survivors ran "
                       f"{region.replay[len(region.ops)].op}: it took another way. The job stops here: restart it "

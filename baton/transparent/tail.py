@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from baton.transfer.bundles import Pos
-from baton.transparent.collectives import Record
+from baton.worker.collectives import Record
 from baton.worker.tracked import Tracked
 
 
@@ -39,7 +39,6 @@ class StepRecord(Record):
     forward_sync: list[bool] | None = None  # each DDP's "broadcast buffers before the next forward" there
     params: dict[str, list[torch.Tensor]] | None = None  # each model's parameters at the head
     grads: Record = field(default_factory=Record)  # the gradient buckets' results (completed on gloo's thread)
-    not_replayable: str = ""  # the first collective of the step whose result differs by rank
 
     def served(self) -> dict[str, Any]:
         return {"pos": list(self.pos), "small": self.small, "forward_sync": self.forward_sync,

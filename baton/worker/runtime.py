@@ -41,6 +41,7 @@ from baton.transfer.protocol import FlatState
 from baton.transfer.server import PUSH, SNAPSHOT, TransferServer, connect, small_id, snapshot_key
 from baton.worker import module_state, rng, setup_check, shards, verify
 from baton.worker.bundle import BundlePushers, StepCapture, fetch_ward_bundle
+from baton.worker.collectives import SAME_EVERYWHERE, Record, RecordingGroup
 from baton.worker.compile_watch import describe
 from baton.worker.control import ControlChannel, cpu_report
 from baton.worker.data import DataFeed
@@ -100,6 +101,9 @@ def _output_tensors(out: Any) -> list[torch.Tensor]:
     return []
 
 
+SETUP_RECORD_MAX = 4 << 20  # bytes of setup collectives' results a joiner gets with its assignment
+
+
 class Runtime:
     def __init__(self, ctl: ControlChannel, server: TransferServer, store: RendezvousClient, rank: int,
                  world_size: int, joiner: bool, config: m.Registered, token: str):
@@ -156,6 +160,12 @@ class Runtime:
                                                        os.environ.get("BATON_STORE", "")))
         install_as_world(self.group, store.store)
         ctl.on_abort = lambda: self.group.note_failure("a peer was lost (orchestrator abort)")
+        # The script's collectives before its step loop: recorded on the ranks that start the
+        # job (rank 0's record goes to each later joiner with its assignment), answered from
+        # that record in a joiner, whose peers ran them long ago.
+        self.setup_record = Record()
+        self._setup_answers_read = False
+        self._recording_group: RecordingGroup | None = None
         self.prefetch: Prefetch | None = None
         if joiner:  # a joiner's state can be on its way while the script builds its model
             self.prefetch = Prefetch(self._fetch_for)
@@ -231,7 +241,7 @@ class Runtime:
             self._join()
         else:
             self.at_pos, self.at_pos_rng = start_bundle, start_rng
-            self.ctl.report_now(m.Ready(loop=self.loop, bundle=_text(start_bundle)))
+            self.ctl.report_now(m.Ready(loop=self.loop, bundle=_text(start_bundle), setup=self.setup_text()))
 
     def _prepare_tracking(self, where_optimizers: str, first_pre_hook: Callable[..., Any] | None = None) -> list[str]:
         """What a step loop needs as it begins: the tracked objects found, the optimizers'
@@ -513,13 +523,7 @@ class Runtime:
     @selfcost.counted
     def _guard(self, op: str) -> dist.ProcessGroup | None:
         if not self.loop_started:
-            if self.joiner:
-                if op == "barrier":
-                    return solo_group()  # the others passed this barrier long ago
-                raise UsageError(
-                    f"dist.{op} before the step loop on a rank that joined later: the others ran it "
-                    "long ago. Skip it with `if not job.joined:` and track what it produced.")
-            return None
+            return self._setup_collective(op)
         if self.finished or (self.loop_done and self.scope is None):
             raise UsageError(f"dist.{op} after the step loop: a failure there could not be recovered; "
                              "run it in a `@job.at_end` function")
@@ -537,6 +541,72 @@ class Runtime:
             # A sharded job's rank-local state travels in its shard snapshots (taken at each
             # boundary, complete): FSDP2's many collectives per step capture nothing.
         return None
+
+    def _setup_collective(self, op: str) -> dist.ProcessGroup | None:
+        """A collective before the step loop: recorded (collectives), or, in a joiner, answered
+        from rank 0's record of the setup (the others ran it long ago)."""
+        rec = self._setup_answers()
+        if not self.joiner:
+            if op in SAME_EVERYWHERE:
+                return self.recording_group()
+            rec.not_replayable = rec.not_replayable or f"dist.{op}, whose result differs by rank"
+            return None
+        if op in SAME_EVERYWHERE and rec.answering():
+            return self.recording_group()
+        if op == "barrier" and not rec.replay:
+            return solo_group()  # the others passed this barrier long ago
+        if rec.answering():
+            why = f"and {op} has no recorded answer (its result differs by rank)"
+        elif rec.not_replayable:
+            why = f"and what they got is not kept (their setup ran {rec.not_replayable})"
+        else:
+            why = "and the record of their setup has no more collectives: it took another way here (is it deterministic?)"
+        raise UsageError(f"dist.{op} before the step loop on a rank that joined later: the others ran it long ago, "
+                         f"{why}. Skip it with `if not job.joined:` and track what it produced.")
+
+    def _setup_answers(self) -> Record:
+        if self.joiner and not self._setup_answers_read:
+            self._setup_answers_read = True
+            text = self.assignment.setup if self.assignment is not None else None
+            if text is not None:
+                state = Bundle.from_text(text.model_dump()).state()
+                self.setup_record = Record(replay=Record.replay_of(state), not_replayable=state["not_replayable"])
+        return self.setup_record
+
+    def setup_text(self) -> m.BundleText | None:
+        """This rank's record of its setup's collectives, for the orchestrator to hand to joiners
+        (then dropped here); None when the setup ran none."""
+        rec, self.setup_record = self.setup_record, Record()
+        if not rec.ops and not rec.not_replayable:
+            return None
+        size = sum(t.numel() * t.element_size() for r in rec.ops for t in r.outputs)
+        if size > SETUP_RECORD_MAX:
+            rec = Record(not_replayable=f"collectives giving {size >> 20} MiB, more than the "
+                                        f"{SETUP_RECORD_MAX >> 20} MiB baton keeps of a setup")
+        state = {"not_replayable": rec.not_replayable, **rec.served_ops()}
+        return _text(Bundle.of(self.rank, (0, 0), self.group.generation, 0, state))
+
+    def recording_group(self) -> RecordingGroup:
+        if self._recording_group is None:
+            self._recording_group = RecordingGroup(self)
+        return self._recording_group
+
+    def collective_record(self) -> tuple[Record, bool]:
+        """The record the script's collective goes to, and whether a lost peer is retried in place."""
+        return self.setup_record, False
+
+    def recover_in_place(self, exc: BaseException) -> None:
+        raise exc  # setup collectives are not retried: a rank lost before training ends the job
+
+    def stop(self, detail: str) -> NoReturn:
+        """End the job now, non-zero, saying why (never go on with state that may differ)."""
+        print(f"[baton] {detail}", file=sys.__stderr__, flush=True)
+        try:
+            self.ctl.report_now(m.Verified(generation=self.group.generation, pos=self.pos, ok=False,
+                                           differing=["script"], detail=detail[:60000]))
+        except Exception:  # noqa: BLE001 - the orchestrator may be ending the job already
+            pass
+        exit_quietly(1)
 
     def sync_buffers(self, tensors: list[torch.Tensor], buffer_size: int, authoritative_rank: int) -> None:
         """DDP's buffer broadcast before a forward: baton's own collective (unguarded)."""

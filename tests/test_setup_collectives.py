@@ -1,0 +1,120 @@
+"""Collectives a script runs before its step loop (a seed broadcast from rank 0, an
+all_gather_object, a barrier): the ranks that start the job record what each gave them,
+rank 0's record goes to every spare with its assignment, and a spare's own setup
+collectives are answered from it (its peers ran them long ago), in both modes."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from tests.jobs import Job
+from tests.nocode_runs import NOCODE, differences, exports, torchrun
+
+INJECT = NOCODE.parent / "inject"
+
+
+def _faulted(tmp_path, script, fault: str, env: dict[str, str]) -> tuple[int, Job]:
+    job = Job(tmp_path, nproc=2, spares=1, script=script, out_arg=False, name="job",
+              env={"PYTHONPATH": str(INJECT), "BATON_TEST_SIGNAL_MID_STEP": fault,
+                   "BATON_TEST_SIGNAL_MARK": str(tmp_path / "fired"), **env})
+    try:
+        return job.wait(timeout=170), job
+    finally:
+        job.kill()
+
+
+SETUP_COLLECTIVES = """
+import os, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+# rank 0 picks the seed and tells the others
+seed = torch.randint(0, 1 << 30, (1,), generator=torch.Generator().manual_seed(7)) if rank == 0 \\
+    else torch.zeros(1, dtype=torch.int64)
+dist.broadcast(seed, 0)
+torch.manual_seed(int(seed))
+hosts = [None] * dist.get_world_size()
+dist.all_gather_object(hosts, f"host-{rank}")
+dist.barrier()
+model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.2), torch.nn.Linear(16, 1)))
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+data = TensorDataset(torch.randn(256, 8), torch.randn(256, 1))
+sampler = DistributedSampler(data)
+for epoch in range(6):
+    sampler.set_epoch(epoch)
+    for x, y in DataLoader(data, batch_size=8, sampler=sampler):
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+torch.save({"model": model.module.state_dict(), "rng": torch.get_rng_state(), "seed": seed, "hosts": hosts},
+           os.path.join(os.environ["EXPORT"], f"rank{rank}.pt"))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("fault", ["0:30:SIGKILL", "1:30:SIGKILL"])
+def test_a_successors_setup_collectives_are_answered_with_what_its_rank_saw(tmp_path, fault):
+    """A seed broadcast from rank 0, an all_gather_object and a barrier before the loop: the
+    successor's are answered from rank 0's record of them (handed over with its assignment),
+    so a new rank 0 does not pick a seed of its own and a new rank 1 does not wait for peers
+    that ran them long ago; both end bit for bit equal to torchrun."""
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(SETUP_COLLECTIVES))
+    ref = tmp_path / "torchrun"
+    (ref / "export").mkdir(parents=True)
+    torchrun(script, [], 2, ref, env={"EXPORT": str(ref / "export")})
+    run = tmp_path / "job"
+    (run / "export").mkdir(parents=True)
+    code, job = _faulted(tmp_path, script, fault, env={"EXPORT": str(run / "export")})
+    assert code == 0 and (tmp_path / "fired").exists(), job.log()
+    for rank, (a, b) in enumerate(zip(exports(ref / "export", 2), exports(run / "export", 2))):
+        assert differences(a, b) == [], f"rank {rank}"
+    assert [(e["kind"], e["status"]) for e in job.events()] == [("unplanned", "resolved")]
+
+
+MODEL_AWARE = """
+import os, sys, torch, torch.distributed as dist
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+import baton
+
+job = baton.init()
+seed = torch.tensor([1234 + job.rank])  # each rank's own: rank 0's wins
+dist.broadcast(seed, 0)  # not skipped with `if not job.joined:`: a spare's is answered from rank 0's record
+dist.barrier()
+torch.manual_seed(int(seed))
+model = job.wrap(torch.nn.Linear(8, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+data = TensorDataset(torch.randn(256, 8), torch.randn(256, 1))
+loader = DataLoader(data, batch_size=8, sampler=DistributedSampler(data, job.world_size, job.rank, seed=1))
+job.track(model=model, optimizer=opt, data=loader)
+for step in job.steps(60):
+    with step:
+        x, y = step.batch
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+job.finish()
+with open(os.path.join(sys.argv[1], f"seed-{os.getpid()}"), "w") as f:
+    f.write(f"{job.rank} {int(seed)} {int(job.joined)}")
+"""
+
+
+def test_a_model_aware_spares_setup_collectives_are_answered_too(tmp_path):
+    script = tmp_path / "aware.py"
+    script.write_text(textwrap.dedent(MODEL_AWARE))
+    out = tmp_path / "seeds"
+    out.mkdir()
+    job = Job(tmp_path, nproc=2, spares=1, script=script, out_arg=False, script_args=[str(out)],
+              env={"PYTHONPATH": str(INJECT), "BATON_TEST_SIGNAL_MID_STEP": "1:20:SIGKILL",
+                   "BATON_TEST_SIGNAL_MARK": str(tmp_path / "fired")})
+    try:
+        assert job.wait(timeout=170) == 0, job.log()
+    finally:
+        job.kill()
+    seen = sorted(p.read_text() for p in out.iterdir())
+    assert seen == ["0 1234 0", "1 1234 1"], seen  # the spare took rank 1 over and got rank 0's seed
+    assert [(e["kind"], e["status"]) for e in job.events()] == [("unplanned", "resolved")]
