@@ -92,11 +92,14 @@ def main():
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     data = TensorDataset(torch.randn(256, 8), torch.randn(256, 1))
     sampler = DistributedSampler(data)
+    first_targets = []  # made before the loops, changed in place by them: carried
     for epoch in range(8):
         sampler.set_epoch(epoch)
         for x, y in DataLoader(data, batch_size=8, sampler=sampler):
+            first_targets.append(float(y[0]))
             train_step(model, opt, x, y)
-    torch.save({"model": model.module.state_dict(), "samples_seen": samples_seen},
+    torch.save({"model": model.module.state_dict(), "samples_seen": samples_seen,
+                "first_targets": torch.tensor(first_targets)},
                os.path.join(os.environ["EXPORT"], f"rank{dist.get_rank()}.pt"))
     dist.destroy_process_group()
 
@@ -119,7 +122,7 @@ def test_a_step_that_swallows_the_error_or_changes_a_global_is_still_exact(tmp_p
     (run / "export").mkdir(parents=True)
     code, job = _faulted(tmp_path, script, fault, env={"EXPORT": str(run / "export")})
     assert code == 0, job.log()
-    _compare(ref, run)  # "errors" and "samples_seen" included: what the failed attempt changed was undone
+    _compare(ref, run)  # "errors", "samples_seen", "first_targets" included: what the failed attempt changed was undone
     assert [e["kind"] for e in job.events()] == ["unplanned"]
 
 

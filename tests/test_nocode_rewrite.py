@@ -147,6 +147,8 @@ def test_the_site_knows_what_a_loop_binds_mutates_and_iterates():
                 meter.update(loss)
                 self.epochs_run = i
                 stats[i] = loss
+                history.append(loss)
+                del pending[i]
                 best = max(best, loss)
                 fn = lambda: best
                 import math
@@ -158,7 +160,7 @@ def test_the_site_knows_what_a_loop_binds_mutates_and_iterates():
     assert site.scope == "train" and site.kind == "for" and site.header == "for (i, (x, y)) in enumerate(loader)"
     assert site.targets == ("i", "x", "y")
     assert site.assigned == ("i", "x", "y", "loss", "best", "fn", "math")
-    assert site.mutated == ("self", "stats")
+    assert site.mutated == ("meter", "self", "stats", "history", "pending")  # changed in place: carried
     assert [s.calls for s in site.body][:2] == [("step",), ("meter.update",)]
 
 

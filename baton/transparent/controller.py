@@ -95,10 +95,12 @@ class StepLoopController:
             # objects the setup made that the loop uses (meters, `self`), read off the loop's body
             records = {n: values.record(scope[n]) for n in loop.site.reads
                        if n in scope and n not in bound and _is_object_record(scope[n])}
+            # lists and dicts made before the loop that it changes in place (`history.append(x)`)
+            changed = values.containers(tuple(n for n in loop.site.mutated if n not in bound), scope)
             it = loop.iterable
             entry = {"key": loop.site.key, "iteration": loop.iterations,
                      "range": [it.start, it.stop, it.step] if isinstance(it, range) else None,
-                     "values": values.carried_names(bound, scope), "records": records,
+                     "values": values.carried_names(bound, scope), "records": records, "containers": changed,
                      "rng": loop.head_rng if loop is not self.step_loop and loop is not exiting else None}
             if loop is exiting:
                 entry["exit"] = "ran_out" if loop.ran_out else "break"
@@ -148,6 +150,9 @@ class StepLoopController:
         for name, saved in entry["records"].items():
             if name in scope:
                 values.restore_record(scope[name], saved, name)
+        for name, saved in entry.get("containers", {}).items():
+            if name in scope:
+                values.restore_container(scope[name], saved, name)
         return {name: values.rebound(saved, scope.get(name), name) for name, saved in entry["values"].items()}
 
     def absorb(self, loop: ActiveLoop, exc: BaseException) -> bool:

@@ -76,10 +76,17 @@ def _root_name(node: ast.AST) -> str | None:
     return node.id if isinstance(node, ast.Name) else None
 
 
+# Methods that change a list, dict, set or deque in place: the container a loop calls them on
+# is carried like a variable the loop assigns.
+_MUTATORS = frozenset({"append", "extend", "insert", "remove", "pop", "popitem", "clear", "update", "setdefault",
+                       "add", "discard", "sort", "reverse", "appendleft", "extendleft", "popleft", "rotate"})
+
+
 def names_of(nodes: Iterable[ast.AST]) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
     """The names `nodes` bind in their own scope, those whose attributes or items they
-    assign (`self.best = ...`, `stats[k] += ...`), and those they read, each in order of
-    first appearance."""
+    assign or delete or that they change through a container's method (`self.best = ...`,
+    `stats[k] += ...`, `history.append(x)`), and those they read, each in order of first
+    appearance."""
     bound: dict[str, None] = {}
     mutated: dict[str, None] = {}
     read: dict[str, None] = {}
@@ -88,8 +95,12 @@ def names_of(nodes: Iterable[ast.AST]) -> tuple[tuple[str, ...], tuple[str, ...]
             read[node.id] = None
         elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
             bound[node.id] = None
-        elif isinstance(node, (ast.Attribute, ast.Subscript)) and isinstance(node.ctx, ast.Store):
+        elif isinstance(node, (ast.Attribute, ast.Subscript)) and isinstance(node.ctx, (ast.Store, ast.Del)):
             root = _root_name(node)
+            if root is not None:
+                mutated[root] = None
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _MUTATORS:
+            root = _root_name(node.func.value)  # history.append(loss), stats.update(...), self.seen.add(i)
             if root is not None:
                 mutated[root] = None
         elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):

@@ -572,10 +572,10 @@ class ScriptRuntime(Runtime):
     def _guard(self, op: str) -> dist.ProcessGroup | None:
         if self.loop_started and self.scope == REGION and self.region is not None:
             return self._region_collective(op)
-        if not self.loop_started or self.scope != "step":
-            if not self.loop_started and self.joiner:
-                return super()._guard(op)
-            return None  # the script's own collectives outside steps (its setup)
+        if not self.loop_started:
+            return super()._guard(op)  # its setup's: recorded, or answered in a joiner
+        if self.scope != "step":
+            return None
         rec = self.step_record
         if self.replay is not None:
             assert rec is not None
@@ -587,8 +587,12 @@ class ScriptRuntime(Runtime):
                           f"{'nothing more' if not rec.answering() else rec.replay[len(rec.ops)].op}: it took "
                           "another way. The job stops here: restart it from your own checkpoint.")
             return self.recording_group()
-        if self.committed and rec is not None and op in SAME_EVERYWHERE:
-            return self.recording_group()  # after the optimizer step (a loss logged, say): recorded, retried in place
+        if self.committed:  # after the optimizer step (a loss logged, say)
+            if rec is not None and op in SAME_EVERYWHERE:
+                return self.recording_group()  # recorded, retried in place
+            if rec is not None:
+                rec.not_replayable = rec.not_replayable or op
+            return None  # live (the loop's first step, or no copies): a loss here stops the job at the head
         group = super()._guard(op)
         if rec is None:
             return group

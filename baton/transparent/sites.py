@@ -35,7 +35,7 @@ class LoopSite:
     header: str  # "for x in <iter>" / "while <test>", shortened
     targets: tuple[str, ...]  # names a for loop's target binds: each iteration's item
     assigned: tuple[str, ...]  # names the loop (target, body, else) binds in its scope
-    mutated: tuple[str, ...]  # names whose attributes or items the loop assigns (self.x = ..., d[k] = ...)
+    mutated: tuple[str, ...]  # names whose attributes or items the loop changes (self.x = ..., d[k] = ..., h.append(x))
     reads: tuple[str, ...]  # names the loop reads (a module-level loop's meters are globals it reads)
     resumable: bool = True  # False: a while loop whose else clause jumps (kept in its plain form)
     live: tuple[str, ...] = ()  # of `assigned`, those holding what is read after the head (liveness)

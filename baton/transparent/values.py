@@ -87,6 +87,22 @@ def restore_list(current: list[Any], saved: list[Any], where: str) -> None:
             current[i] = item
 
 
+def restore_container(current: Any, saved: Any, where: str) -> None:
+    """Put a list or dict a loop changes in place (`history.append(x)`) back as it was, in
+    the successor's own object, so every reference to it sees the contents."""
+    if isinstance(current, list) and isinstance(saved, list):
+        if any(is_record(x) for x in saved):
+            restore_list(current, saved, where)
+        else:
+            current[:] = saved
+    elif isinstance(current, dict) and isinstance(saved, dict):
+        current.clear()
+        current.update(saved)
+    else:
+        raise RestoreError(f"{where} is a {type(current).__name__} here but was a {type(saved).__name__} in the rank "
+                           "this process takes over")
+
+
 def rebound(captured: Any, current: Any, where: str) -> Any:
     """What a loop variable is bound to again: a record goes into the successor's object of
     that name (kept, so other references see it); anything else is the captured value."""
@@ -100,6 +116,12 @@ def rebound(captured: Any, current: Any, where: str) -> Any:
         restore_list(current, captured, where)
         return current
     return captured
+
+
+def containers(names: tuple[str, ...], values: dict[str, Any]) -> dict[str, Any]:
+    """Of the names a loop changes in place, the lists and dicts that can be carried, captured."""
+    return {name: value(values[name]) for name in names
+            if isinstance(values.get(name), (list, dict)) and classify(values[name]).kind in CARRIED_KINDS}
 
 
 def carried_names(names: tuple[str, ...], values: dict[str, Any]) -> dict[str, Any]:
