@@ -29,7 +29,7 @@ demo: setup
 # share 2 cores well (Slurm tests stay on one worker: one test cluster at a time).
 TEST_WORKERS ?= 2
 test: setup
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=15
 
 bench: setup
 	$(BIN)/python bench/run.py $(ARGS)

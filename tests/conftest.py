@@ -30,3 +30,26 @@ def train_reference(tmp_path_factory):
         return done[key]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def torchrun_reference(tmp_path_factory):
+    """Failure-free torchrun runs of a test script, one per (script text, arguments, ranks,
+    environment) in this worker, shared by the tests that compare with the same one:
+    `torchrun_reference(script, args, env=...)` is the run's folder. `{d}` in an argument or
+    an environment value stands for that folder (exports go to `{d}/export`)."""
+    from tests.nocode_runs import torchrun
+
+    done: dict[tuple, object] = {}
+
+    def get(script, args: list[str], nproc: int = 2, env: dict[str, str] | None = None):
+        key = (script.read_text(), tuple(args), nproc, tuple(sorted((env or {}).items())))
+        if key not in done:
+            d = tmp_path_factory.mktemp("torchrun-ref")
+            (d / "export").mkdir()
+            torchrun(script, [a.format(d=d) for a in args], nproc, d,
+                     env={k: v.format(d=d) for k, v in (env or {}).items()})
+            done[key] = d
+        return done[key]
+
+    return get

@@ -112,12 +112,11 @@ main()
     (SWALLOWING, "1:40:SIGKILL"),  # the script's own try/except Exception around the step
     (GLOBAL_COUNTER, "0:50:SIGKILL"),  # a module global a function changes, rank 0 killed
 ])
-def test_a_step_that_swallows_the_error_or_changes_a_global_is_still_exact(tmp_path, source, fault):
+def test_a_step_that_swallows_the_error_or_changes_a_global_is_still_exact(tmp_path, torchrun_reference, source,
+                                                                         fault):
     script = tmp_path / "script.py"
     script.write_text(textwrap.dedent(source))
-    ref = tmp_path / "torchrun"
-    (ref / "export").mkdir(parents=True)
-    torchrun(script, [], 2, ref, env={"EXPORT": str(ref / "export")})
+    ref = torchrun_reference(script, [], env={"EXPORT": "{d}/export"})
     run = tmp_path / "job"
     (run / "export").mkdir(parents=True)
     code, job = _faulted(tmp_path, script, fault, env={"EXPORT": str(run / "export")})
@@ -129,7 +128,7 @@ def test_a_step_that_swallows_the_error_or_changes_a_global_is_still_exact(tmp_p
 @pytest.mark.parametrize("where, fault", [("IN_REGION", "1:8:SIGKILL"), ("IN_REGION", "0:8:SIGSTOP"),
                                           ("IN_SAVE", "0:8:SIGKILL")])
 def test_a_rank_lost_in_the_evaluation_or_checkpoint_after_the_step_loop_is_replaced_bit_for_bit(
-        tmp_path, where, fault):
+        tmp_path, torchrun_reference, where, fault):
     """In imagenet's shape: the rank dies (or hangs) in validate()'s all_reduce after its epoch's
     step loop, or rank 0 dies writing its checkpoint. A survivor waiting in the all_reduce
     recovers inside it and issues it again; one that went on to the next epoch recovers in
@@ -138,10 +137,7 @@ def test_a_rank_lost_in_the_evaluation_or_checkpoint_after_the_step_loop_is_repl
     joins where the record runs out. Every rank and the checkpoints rank 0 writes end equal
     to torchrun's."""
     args = ["--epochs", "5"]
-    ref = tmp_path / "torchrun"
-    (ref / "export").mkdir(parents=True)
-    torchrun(NOCODE / "imagenet_main.py", [*args, "--out-dir", str(ref / "out"), "--export", str(ref / "export")],
-             2, ref)
+    ref = torchrun_reference(NOCODE / "imagenet_main.py", [*args, "--out-dir", "{d}/out", "--export", "{d}/export"])
     run = tmp_path / "job"
     (run / "export").mkdir(parents=True)
     code, job = _faulted(tmp_path, NOCODE / "imagenet_main.py", fault, where=where,
@@ -159,18 +155,17 @@ def test_a_rank_lost_in_the_evaluation_or_checkpoint_after_the_step_loop_is_repl
     ("nanogpt_train.py", ["--max_iters=40", "--eval_interval=20"], "0:15:SIGKILL"),
     ("trainer_ddp.py", ["12", "5"], "1:9:SIGSTOP"),
 ])
-def test_a_rank_lost_after_its_optimizer_step_is_replaced_bit_for_bit(tmp_path, name, args, fault):
+def test_a_rank_lost_after_its_optimizer_step_is_replaced_bit_for_bit(tmp_path, torchrun_reference, name, args,
+                                                                     fault):
     """The rank dies (or hangs) right after its optimizer step: after its last collective of the
     step, before the lines after it (counters, meters, a scheduler) and the next head. The
     survivors finish that step and fail in the next one; the spare runs the lost step again
     from the rank's last head, with the survivors' record of it (parameters at the head, the
     gradient buckets, DDP's buffer broadcast), its optimizer step replaced by the survivors'
     result, and joins at the next head: every rank ends equal to torchrun's."""
-    ref = tmp_path / "torchrun"
-    (ref / "export").mkdir(parents=True)
     outs = {"imagenet_main.py": ["--out-dir", "{d}/out"], "nanogpt_train.py": ["--out_dir={d}/out"],
             "trainer_ddp.py": ["--snapshot-path", "{d}/snapshot.pt"]}[name]
-    torchrun(NOCODE / name, [*args, *[a.format(d=ref) for a in outs], "--export", str(ref / "export")], 2, ref)
+    ref = torchrun_reference(NOCODE / name, [*args, *outs, "--export", "{d}/export"])
     run = tmp_path / "job"
     (run / "export").mkdir(parents=True)
     code, job = _faulted(tmp_path, NOCODE / name, fault, where="AFTER_STEP",
@@ -211,7 +206,7 @@ dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("fault", ["1:25:SIGKILL", "0:33:SIGSTOP"])
-def test_a_collective_after_the_optimizer_step_is_recorded_and_retried(tmp_path, fault):
+def test_a_collective_after_the_optimizer_step_is_recorded_and_retried(tmp_path, torchrun_reference, fault):
     """A script that all-reduces its loss for the log after its optimizer step (and steps its
     scheduler): the rank dies (or hangs) right after its optimizer step, so the survivor fails
     in that all_reduce. It recovers there and issues it again; the spare runs the step again
@@ -219,9 +214,7 @@ def test_a_collective_after_the_optimizer_step_is_recorded_and_retried(tmp_path,
     torchrun's, the logged losses included."""
     script = tmp_path / "script.py"
     script.write_text(textwrap.dedent(LOGS_AFTER_STEP))
-    ref = tmp_path / "torchrun"
-    (ref / "export").mkdir(parents=True)
-    torchrun(script, [], 2, ref, env={"EXPORT": str(ref / "export")})
+    ref = torchrun_reference(script, [], env={"EXPORT": "{d}/export"})
     run = tmp_path / "job"
     (run / "export").mkdir(parents=True)
     code, job = _faulted(tmp_path, script, fault, where="AFTER_STEP", env={"EXPORT": str(run / "export")})

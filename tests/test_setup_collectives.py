@@ -10,7 +10,7 @@ import textwrap
 import pytest
 
 from tests.jobs import Job
-from tests.nocode_runs import NOCODE, differences, exports, torchrun
+from tests.nocode_runs import NOCODE, differences, exports
 
 INJECT = NOCODE.parent / "inject"
 
@@ -57,16 +57,15 @@ dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("fault", ["0:30:SIGKILL", "1:30:SIGKILL"])
-def test_a_successors_setup_collectives_are_answered_with_what_its_rank_saw(tmp_path, fault):
+def test_a_successors_setup_collectives_are_answered_with_what_its_rank_saw(tmp_path, torchrun_reference,
+                                                                            fault):
     """A seed broadcast from rank 0, an all_gather_object and a barrier before the loop: the
     successor's are answered from rank 0's record of them (handed over with its assignment),
     so a new rank 0 does not pick a seed of its own and a new rank 1 does not wait for peers
     that ran them long ago; both end bit for bit equal to torchrun."""
     script = tmp_path / "script.py"
     script.write_text(textwrap.dedent(SETUP_COLLECTIVES))
-    ref = tmp_path / "torchrun"
-    (ref / "export").mkdir(parents=True)
-    torchrun(script, [], 2, ref, env={"EXPORT": str(ref / "export")})
+    ref = torchrun_reference(script, [], env={"EXPORT": "{d}/export"})
     run = tmp_path / "job"
     (run / "export").mkdir(parents=True)
     code, job = _faulted(tmp_path, script, fault, env={"EXPORT": str(run / "export")})
