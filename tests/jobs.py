@@ -201,3 +201,21 @@ def check_resolved_exact(job: Job, reference: list[dict[str, Any]], timeout: flo
 
 def bitwise_equal(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return not state_diff(a, b)
+
+
+# The training of a small model-aware script, after `job = baton.init()` and its setup (a
+# test's script puts its own lines around it): 60 steps of a linear model over a loader.
+AWARE_TRAINING = """
+model = job.wrap(torch.nn.Linear(8, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+data = TensorDataset(torch.randn(256, 8), torch.randn(256, 1))
+loader = DataLoader(data, batch_size=8, sampler=DistributedSampler(data, job.world_size, job.rank, seed=1))
+job.track(model=model, optimizer=opt, data=loader)
+for step in job.steps(60):
+    with step:
+        x, y = step.batch
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+job.finish()
+"""

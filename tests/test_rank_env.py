@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import textwrap
 
-from tests.jobs import Job
+from tests.jobs import AWARE_TRAINING, Job
 from tests.nocode_runs import NOCODE
 
 INJECT = NOCODE.parent / "inject"
@@ -25,19 +25,7 @@ with open(os.path.join(sys.argv[1], f"env-{os.getpid()}.json"), "w") as f:
 job = baton.init()
 assert baton.init() is job and int(seen["RANK"]) == job.rank and int(seen["WORLD_SIZE"]) == job.world_size
 torch.manual_seed(0)
-model = job.wrap(torch.nn.Linear(8, 1))
-opt = torch.optim.SGD(model.parameters(), lr=0.05)
-data = TensorDataset(torch.randn(256, 8), torch.randn(256, 1))
-loader = DataLoader(data, batch_size=8, sampler=DistributedSampler(data, job.world_size, job.rank, seed=1))
-job.track(model=model, optimizer=opt, data=loader)
-for step in job.steps(60):
-    with step:
-        x, y = step.batch
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-job.finish()
-"""
+""" + AWARE_TRAINING
 
 
 def test_torchrun_variables_read_before_init_hold_the_rank_a_spare_included(tmp_path):

@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from tests.jobs import Job
+from tests.jobs import AWARE_TRAINING, Job
 from tests.nocode_runs import NOCODE, differences, exports
 
 INJECT = NOCODE.parent / "inject"
@@ -85,19 +85,7 @@ seed = torch.tensor([1234 + job.rank])  # each rank's own: rank 0's wins
 dist.broadcast(seed, 0)  # not skipped with `if not job.joined:`: a spare's is answered from rank 0's record
 dist.barrier()
 torch.manual_seed(int(seed))
-model = job.wrap(torch.nn.Linear(8, 1))
-opt = torch.optim.SGD(model.parameters(), lr=0.05)
-data = TensorDataset(torch.randn(256, 8), torch.randn(256, 1))
-loader = DataLoader(data, batch_size=8, sampler=DistributedSampler(data, job.world_size, job.rank, seed=1))
-job.track(model=model, optimizer=opt, data=loader)
-for step in job.steps(60):
-    with step:
-        x, y = step.batch
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-job.finish()
-with open(os.path.join(sys.argv[1], f"seed-{os.getpid()}"), "w") as f:
+""" + AWARE_TRAINING + """with open(os.path.join(sys.argv[1], f"seed-{os.getpid()}"), "w") as f:
     f.write(f"{job.rank} {int(seed)} {int(job.joined)}")
 """
 

@@ -294,6 +294,18 @@ class ScriptRuntime(Runtime):
                              "for bit. The job stops here: restart it from your own checkpoint.")
         return cmd, state, stats
 
+    def _take_place(self) -> None:
+        """A joiner at its rank's place in the script: its step loop's hooks set up, the
+        orchestrator told (its setup time too), the prefetching of its state over."""
+        assert self.assignment is not None and self.assignment.loop is not None
+        self.setup_s = time.perf_counter() - self.assigned_at
+        self._prepare_loop(self.assignment.loop)
+        assert self.loop is not None
+        self.ctl.report_now(m.Ready(loop=self.loop, bundle=_text(self._capture_at(self.pos)[0]), joined=True))
+        if self.prefetch is not None:
+            self.prefetch.close()
+            self.ctl.watch_forms(None)
+
     def _tail_bundle(self, cmd: m.Form, state: dict[str, Any]) -> None:
         """The rank was lost after its last collective of the step before the target: its
         head there, to run that step again from, where the survivors recorded it (tail)."""
@@ -321,17 +333,9 @@ class ScriptRuntime(Runtime):
         if state.get("replay_tail"):
             self._replay_step(cmd, state, stats, t0)
             return
-        assert self.assignment is not None and self.assignment.loop is not None
-        self.setup_s = time.perf_counter() - self.assigned_at
-        self._prepare_loop(self.assignment.loop)
-        assert self.loop is not None
-        start_bundle, _ = self._capture_at(self.pos)
-        self.ctl.report_now(m.Ready(loop=self.loop, bundle=_text(start_bundle), joined=True))
+        self._take_place()
         if self.tracked.sharded:
             shards.prepare(self.tracked)
-        if self.prefetch is not None:
-            self.prefetch.close()
-            self.ctl.watch_forms(None)
         gen, target = cmd.generation, tuple(cmd.pos)
         t_fetched = time.perf_counter()
         try:
@@ -368,14 +372,7 @@ class ScriptRuntime(Runtime):
         """At the lost rank's head N (target N+1): its state there, the step's collectives
         answered from the survivors' record, its optimizer steps replaced by the survivors'
         result; it joins at head N+1 (`_end_replay`)."""
-        assert self.assignment is not None and self.assignment.loop is not None
-        self.setup_s = time.perf_counter() - self.assigned_at
-        self._prepare_loop(self.assignment.loop)
-        assert self.loop is not None
-        self.ctl.report_now(m.Ready(loop=self.loop, bundle=_text(self._capture_at(self.pos)[0]), joined=True))
-        if self.prefetch is not None:
-            self.prefetch.close()
-            self.ctl.watch_forms(None)
+        self._take_place()
         t_fetched = time.perf_counter()
         rec = StepRecord.from_served(state["tail"])
         self._load_replicated(state)
@@ -455,14 +452,7 @@ class ScriptRuntime(Runtime):
         """The joiner reached the exit of its rank's step loop (its predecessor was lost in the
         region after it): take the rank's state there over, then run the region, its
         collectives answered from a survivor's record; the group forms where they run out."""
-        assert self.assignment is not None and self.assignment.loop is not None
-        self.setup_s = time.perf_counter() - self.assigned_at
-        self._prepare_loop(self.assignment.loop)
-        assert self.loop is not None
-        self.ctl.report_now(m.Ready(loop=self.loop, bundle=_text(self._capture_at(self.pos)[0]), joined=True))
-        if self.prefetch is not None:
-            self.prefetch.close()
-            self.ctl.watch_forms(None)
+        self._take_place()
         served = state.get("region")
         target = tuple(cmd.pos)
         if self.tracked.sharded or served is None or tuple(served["pos"]) != target or served["not_replayable"]:

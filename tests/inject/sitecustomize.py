@@ -276,72 +276,52 @@ if _signal_mid_step:
 
     torch.Tensor.backward = _signal_then_backward
 
-_signal_in_region = os.environ.get("BATON_TEST_SIGNAL_IN_REGION")
-if _signal_in_region:
+
+def _signal_once_in(spec: str, scope: str, what: str, exact: bool = False) -> None:
+    """Send "rank:step:SIGNAME" once per job (BATON_TEST_SIGNAL_MARK), in that rank, in `scope`,
+    at that step (`exact`) or once past it."""
     import signal
 
+    from baton.worker import job
+
+    rank, step, name = spec.split(":")
+    mark = os.environ["BATON_TEST_SIGNAL_MARK"]
+    rt = job._RUNTIME[0]
+    if rt is None or rt.rank != int(rank) or rt.scope != scope or os.path.exists(mark) or \
+            (rt.pos[0] != int(step) if exact else rt.pos[0] < int(step)):
+        return
+    open(mark, "w").close()
+    print(f"injected: {name} to rank {rank} {what} {rt.pos[0]}", file=sys.stderr, flush=True)
+    os.kill(os.getpid(), getattr(signal, name))
+
+
+_signal_in_region = os.environ.get("BATON_TEST_SIGNAL_IN_REGION")
+if _signal_in_region:
     import torch.distributed as _dist
 
-    _reg_rank, _reg_step, _reg_name = _signal_in_region.split(":")
     _all_reduce = _dist.all_reduce
-    _reg_mark = os.environ["BATON_TEST_SIGNAL_MARK"]
 
     def _signal_then_all_reduce(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-        from baton.worker import job
-
-        rt = job._RUNTIME[0]
-        if rt is not None and rt.rank == int(_reg_rank) and rt.pos[0] >= int(_reg_step) and \
-                rt.scope == "region" and not os.path.exists(_reg_mark):
-            open(_reg_mark, "w").close()
-            print(f"injected: {_reg_name} to rank {_reg_rank} in the region after step {rt.pos[0]}",
-                  file=sys.stderr, flush=True)
-            os.kill(os.getpid(), getattr(signal, _reg_name))
+        _signal_once_in(_signal_in_region, "region", "in the region after step")
         return _all_reduce(*args, **kwargs)
 
     _dist.all_reduce = _signal_then_all_reduce
 
 _signal_in_save = os.environ.get("BATON_TEST_SIGNAL_IN_SAVE")
 if _signal_in_save:
-    import signal
-
     import torch as _torch
 
-    _save_rank, _save_step, _save_name = _signal_in_save.split(":")
     _save = _torch.save
-    _save_mark = os.environ["BATON_TEST_SIGNAL_MARK"]
 
     def _signal_in_torch_save(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-        from baton.worker import job
-
-        rt = job._RUNTIME[0]
-        if rt is not None and rt.rank == int(_save_rank) and rt.pos[0] >= int(_save_step) and \
-                rt.scope == "region" and not os.path.exists(_save_mark):
-            open(_save_mark, "w").close()
-            print(f"injected: {_save_name} to rank {_save_rank} saving in the region after step {rt.pos[0]}",
-                  file=sys.stderr, flush=True)
-            os.kill(os.getpid(), getattr(signal, _save_name))
+        _signal_once_in(_signal_in_save, "region", "saving in the region after step")
         return _save(*args, **kwargs)
 
     _torch.save = _signal_in_torch_save
 
 _signal_after_step = os.environ.get("BATON_TEST_SIGNAL_AFTER_STEP")
 if _signal_after_step:
-    import signal
-
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
-    _after_rank, _after_step, _after_name = _signal_after_step.split(":")
-    _after_mark = os.environ["BATON_TEST_SIGNAL_MARK"]
-
-    def _signal_after_optimizer_step(*_args):  # noqa: ANN002, ANN202
-        from baton.worker import job
-
-        rt = job._RUNTIME[0]
-        if rt is not None and rt.rank == int(_after_rank) and rt.pos[0] == int(_after_step) and \
-                rt.scope == "step" and not os.path.exists(_after_mark):
-            open(_after_mark, "w").close()
-            print(f"injected: {_after_name} to rank {_after_rank} after its optimizer step in step {rt.pos[0]}",
-                  file=sys.stderr, flush=True)
-            os.kill(os.getpid(), getattr(signal, _after_name))
-
-    register_optimizer_step_post_hook(_signal_after_optimizer_step)
+    register_optimizer_step_post_hook(
+        lambda *_: _signal_once_in(_signal_after_step, "step", "after its optimizer step in step", exact=True))
