@@ -49,7 +49,10 @@ class Recovery:
         if op is None or op.kind != EventKind.UNPLANNED:
             # The survivor saw the failure first (e.g. a hung peer): open the recovery now;
             # the culprit is found by heartbeats or by not reporting.
-            self._open_recovery(cause=f"rank {w.rank} saw a failed collective: {rep.error[:200]}")
+            # Its error names the symptom (gloo's "Connection closed by peer", a timeout), not
+            # which rank was lost: that follows (worker-lost), from heartbeats or a missing report.
+            self._open_recovery(cause=f"rank {w.rank}'s collective failed, the lost rank not known yet "
+                                      f"({rep.error[:200]})")
             op = self.op
         if op is None:
             return  # the job has ended (a fatal error): a survivor's late report changes nothing
