@@ -431,21 +431,10 @@ class ScriptRuntime(Runtime):
         replay = replay or self.replay
         assert replay is not None
         replay.joined = True
-        gen, here = replay.cmd.generation, self.pos
+        here = self.pos
         if mid_step:
             self.pos = (here[0] + 1, 0)  # where the survivors report themselves (recover_in_place)
-        try:
-            self._clear_abort(gen)
-            self.form(replay.cmd)
-            self.verify_state(gen, None)
-        except (CollectiveFailure, dist.DistError, TransferError, OSError, Divergence) as exc:
-            self.stop(f"rank {self.rank}: joining generation {gen} failed after running its predecessor's last "
-                      f"step again ({exc}); the job cannot go on bit for bit")
-        log.info("joined generation %s at %s after running its predecessor's last step again", gen, self.pos)
-        self.ctl.report(m.Formed(generation=gen, pos=self.pos, bytes=replay.stats.bytes,
-                                 seconds=round(replay.stats.seconds, 4), setup_s=round(self.setup_s, 4),
-                                 fetch_wait_s=round(replay.t_fetched - replay.t0, 4)))
-        self.joiner = False
+        self._form_late(replay.cmd, replay.stats, replay.t0, replay.t_fetched, "its predecessor's last step again")
         self.pos = here
 
     def join_in_region(self, cmd: m.Form, state: dict[str, Any], stats: FetchStats, t0: float) -> None:
@@ -479,7 +468,7 @@ class ScriptRuntime(Runtime):
         self.at_pos_rng = bundle_state["rng"]
         self.scope = self.tracked.scope = REGION
         self.current = None
-        region.join = lambda: self._join_deferred(cmd, stats, t0, t_fetched)
+        region.join = lambda: self._form_late(cmd, stats, t0, t_fetched, "the region to where the survivors stand")
         self.region = region
         log.info("took rank %d over at its step loop's exit (step %d): %d collectives of the region to answer",
                  self.rank, target[0], len(region.replay))
@@ -489,18 +478,18 @@ class ScriptRuntime(Runtime):
             join, self.region.join = self.region.join, None
             join()
 
-    def _join_deferred(self, cmd: m.Form, stats: FetchStats, t0: float, t_fetched: float) -> None:
-        """Form the generation with the survivors where this successor caught up with them."""
+    def _form_late(self, cmd: m.Form, stats: FetchStats, t0: float, t_fetched: float, ran: str) -> None:
+        """A successor that ran code of its rank again (`ran`: what) forms the generation with
+        the survivors where it caught up with them, checks, and reports (as _join())."""
         gen = cmd.generation
         try:
             self._clear_abort(gen)
             self.form(cmd)
             self.verify_state(gen, None)
         except (CollectiveFailure, dist.DistError, TransferError, OSError, Divergence) as exc:
-            self.stop(f"rank {self.rank}: joining generation {gen} failed after running the region to where the "
-                      f"survivors stand ({exc}); the job cannot go on bit for bit")
-        log.info("joined generation %s where the survivors stood in the region after step %s, or at its next "
-                 "head", gen, self.pos[0])
+            self.stop(f"rank {self.rank}: joining generation {gen} failed after running {ran} ({exc}); the job "
+                      "cannot go on bit for bit")
+        log.info("joined generation %s at %s after running %s", gen, self.pos, ran)
         self.ctl.report(m.Formed(generation=gen, pos=self.pos, bytes=stats.bytes, seconds=round(stats.seconds, 4),
                                  setup_s=round(self.setup_s, 4), fetch_wait_s=round(t_fetched - t0, 4)))
         self.joiner = False
