@@ -35,6 +35,23 @@ def _faulted(tmp_path, script, fault: str, *, where: str = "MID_STEP", name: str
         job.kill()
 
 
+def test_gradient_buckets_are_recorded_in_the_order_issued_whatever_order_they_complete_in():
+    """gloo runs two collectives at once (two threads by default): a step's second bucket can
+    complete first. A successor's buckets are answered in the order DDP issues them, so the
+    record keeps that order, and serves only what completed (a bucket still running is not
+    an answer). Seen: a kill after a step's optimizer step stopped the job with 'its collective
+    #1 here is bucket of [1050625], theirs was bucket of [1116160]'."""
+    from baton.worker.collectives import Record, Recorded
+
+    rec = Record()
+    first, second = rec.reserve(), rec.reserve()
+    rec.ops[second] = Recorded("bucket", [torch.ones(3)])
+    assert rec.served_ops()["ops"] == []
+    rec.ops[first] = Recorded("bucket", [torch.zeros(5)])
+    served = rec.served_ops()
+    assert served["ops"] == ["bucket", "bucket"] and [t[0].numel() for t in served["outputs"]] == [5, 3]
+
+
 def _compare(ref, run) -> None:
     for rank, (a, b) in enumerate(zip(exports(ref / "export", 2), exports(run / "export", 2))):
         assert differences(a, b) == [], f"rank {rank}"

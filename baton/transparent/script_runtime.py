@@ -70,6 +70,8 @@ class PeerLost(BaseException):
 
 
 class ScriptRuntime(Runtime):
+    script_ran_before_discovery = False
+
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.current: Step | None = None
@@ -615,14 +617,13 @@ class ScriptRuntime(Runtime):
             done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
             done.set_result(buffer)
             return done
-        return super().reduce_bucket(buffer).then(self._record_bucket)
+        slot = rec.grads.reserve()
 
-    def _record_bucket(self, f: torch.futures.Future) -> torch.Tensor:
-        """A bucket's result, kept (on gloo's thread: buckets complete in the order issued)."""
-        bucket = f.value()
-        if self.step_record is not None:
-            self.step_record.grads.ops.append(Recorded("bucket", [bucket.detach().clone()]))
-        return bucket
+        def record(f: torch.futures.Future) -> torch.Tensor:  # on gloo's thread, as the bucket completes
+            bucket = f.value()
+            rec.grads.ops[slot] = Recorded("bucket", [bucket.detach().clone()])
+            return bucket
+        return super().reduce_bucket(buffer).then(record)
 
     def _region_collective(self, op: str) -> dist.ProcessGroup | None:
         """Where a collective of the region runs: recorded (collectives.RecordingGroup), or

@@ -35,6 +35,9 @@ class Recorded:
     outputs: list[torch.Tensor]
 
 
+PENDING = Recorded("pending", [])  # a slot taken in issue order, filled when its collective completes
+
+
 @dataclass
 class Record:
     """The collectives of one span, in order; for a successor, the answers it was given."""
@@ -47,8 +50,16 @@ class Record:
     def answering(self) -> bool:
         return len(self.ops) < len(self.replay)
 
+    def reserve(self) -> int:
+        """A slot, in issue order, for a collective that completes later: DDP's gradient
+        buckets complete on gloo's threads (two by default), not always in the order issued."""
+        self.ops.append(PENDING)
+        return len(self.ops) - 1
+
     def served_ops(self) -> dict[str, Any]:
-        return {"ops": [r.op for r in self.ops], "outputs": [r.outputs for r in self.ops]}
+        """What completed, in issue order (up to the first collective still running)."""
+        done = self.ops[: self.ops.index(PENDING)] if PENDING in self.ops else self.ops
+        return {"ops": [r.op for r in done], "outputs": [r.outputs for r in done]}
 
     @staticmethod
     def replay_of(served: dict[str, Any]) -> list[Recorded]:

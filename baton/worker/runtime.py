@@ -105,6 +105,11 @@ SETUP_RECORD_MAX = 4 << 20  # bytes of setup collectives' results a joiner gets 
 
 
 class Runtime:
+    # baton.init() runs inside the script, which may have built its optimizer before it: the
+    # step loop then looks for such untracked objects (discover). No code change runs the
+    # script under baton from its first line: ScriptRuntime sets this False.
+    script_ran_before_discovery = True
+
     def __init__(self, ctl: ControlChannel, server: TransferServer, store: RendezvousClient, rank: int,
                  world_size: int, joiner: bool, config: m.Registered, token: str):
         self.rank, self.world_size, self.joiner = rank, world_size, joiner
@@ -247,7 +252,8 @@ class Runtime:
         """What a step loop needs as it begins: the tracked objects found, the optimizers'
         hooks (`first_pre_hook` before baton's own), the sharded ones and their snapshots, and
         the state checked to be transferable now rather than mid-failure. The sharded names."""
-        self.tracked.add_discovered()
+        # A joiner runs the script the first ranks ran, which were checked at their first step.
+        self.tracked.add_discovered(scan_for_untracked=self.script_ran_before_discovery and not self.joiner)
         if not self.tracked.optimizers():
             raise UsageError(f"no optimizer found: baton needs the optimizer whose step() commits each step "
                              f"({where_optimizers})")

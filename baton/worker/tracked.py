@@ -140,8 +140,12 @@ class Tracked:
                             "state_dict()/load_state_dict(), so it cannot migrate")
         self.objects[name] = obj
 
-    def add_discovered(self) -> None:
-        """Track every optimizer/scheduler/scaler the script created after baton.init()."""
+    def add_discovered(self, scan_for_untracked: bool = True) -> None:
+        """Track every optimizer/scheduler/scaler the script created after baton.init().
+
+        `scan_for_untracked` looks through every live object (gc) for those created before
+        it: 0.2 s and more in a real process, pointless where discovery was installed before
+        the script's first line ran (no code change), and on a joiner's critical path there."""
         known = {id(o) for o in self.objects.values()}
         counts: dict[str, int] = {}
         for kind, obj in discover.created():
@@ -154,7 +158,8 @@ class Tracked:
                 name += "_"
             self.objects[name] = obj
             self.discovered.append(name)
-        missing = discover.untracked_before_init(list(self.objects.values()) + _BATON_OWNED)
+        missing = discover.untracked_before_init(list(self.objects.values()) + _BATON_OWNED) \
+            if scan_for_untracked else []
         if missing:
             raise UsageError(
                 "these were created before baton.init() and are not tracked, so they would not "
