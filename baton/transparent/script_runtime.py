@@ -84,6 +84,7 @@ class ScriptRuntime(Runtime):
         self.tail_copies = os.environ.get("BATON_TAIL_COPIES", "1") != "0"
         self.step_record: StepRecord | None = None
         self.prev_record: StepRecord | None = None
+        self.copies = tail.CopyPool()  # the tensors of records dropped, for the next records' copies
         self.replay: _Replay | None = None  # a successor running again the step its predecessor was lost after
         self.in_tail = False  # recovering in a collective after a step's optimizer step
         self._frame_at: tuple[Any, int] = ((-1, 0), HEAD_SEQ)  # the latest frame's position and sequence
@@ -228,7 +229,10 @@ class ScriptRuntime(Runtime):
         if not self.tail_copies or self.tracked.sharded:
             return
         if self.step_record is None or self.step_record.pos != self.pos:
+            self.copies.give_back(self.prev_record)
             self.prev_record = self.step_record
+        else:
+            self.copies.give_back(self.step_record)
         self.step_record = StepRecord(pos=self.pos, small=small_state(self.tracked),
                                       forward_sync=[bool(d.require_forward_param_sync) for d in self.tracked.ddps])
 
@@ -239,7 +243,8 @@ class ScriptRuntime(Runtime):
         self._refuse_after_failure(*args)
         rec = self.step_record
         if rec is not None and rec.params is None and self.scope == "step" and not self.loading:
-            rec.params = tail.param_copies(self.tracked)
+            rec.params = tail.param_copies(self.tracked, self.copies)
+            self.copies.give_back(self.prev_record)
             self.prev_record = None
 
     def _next_seq(self) -> int:
@@ -606,7 +611,7 @@ class ScriptRuntime(Runtime):
             return
         super().sync_buffers(tensors, buffer_size, authoritative_rank)
         if rec is not None:
-            rec.ops.append(Recorded("buffers", [t.detach().clone() for t in tensors]))
+            rec.ops.append(Recorded("buffers", [self.copies.copy(t) for t in tensors]))
 
     def reduce_bucket(self, buffer: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
         rec = self.step_record if self.scope == "step" else None
@@ -621,7 +626,7 @@ class ScriptRuntime(Runtime):
 
         def record(f: torch.futures.Future) -> torch.Tensor:  # on gloo's thread, as the bucket completes
             bucket = f.value()
-            rec.grads.ops[slot] = Recorded("bucket", [bucket.detach().clone()])
+            rec.grads.ops[slot] = Recorded("bucket", [self.copies.copy(bucket)])
             return bucket
         return super().reduce_bucket(buffer).then(record)
 
