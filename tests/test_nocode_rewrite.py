@@ -305,3 +305,7 @@ def test_only_what_is_read_after_a_head_is_carried():
     loop = next(SITES[i] for i in range(len(SITES)) if SITES[i].file == "<live>" and SITES[i].kind == "while")
     assert set(loop.live) == {"best", "loss", "t0", "it"}
     assert {"lr", "losses", "ckpt", "logits", "total", "micro", "t1", "dt"} <= set(loop.assigned) - set(loop.live)
+    # A loop inside another: what the outer loop's next iteration reads before assigning it
+    # is live too, not every name its body mentions (the micro-step's logits are not).
+    inner = next(SITES[i] for i in range(len(SITES)) if SITES[i].file == "<live>" and SITES[i].kind == "for")
+    assert set(inner.live) == {"loss"} and {"logits", "total", "micro"} <= set(inner.assigned)

@@ -30,7 +30,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from baton.control import messages as m
 from baton.transparent import analysis, nest, values
-from baton.transparent.importer import ScriptModules
+from baton.worker.script_files import ScriptModules
 from baton.transparent.loops import LOOPS, ActiveLoop
 from baton.transparent.sites import SITES
 from baton.transparent.script_runtime import ScriptRuntime

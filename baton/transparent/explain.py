@@ -115,7 +115,8 @@ def _child(script: str, args: list[str]) -> int:
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
     from baton.transparent import analysis, nest
-    from baton.transparent.importer import ScriptModules, run_script, script_dir_of
+    from baton.transparent.importer import run_script
+    from baton.worker.script_files import ScriptModules, script_dir_of
 
     modules = ScriptModules(script_dir_of(script))
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

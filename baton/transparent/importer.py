@@ -12,42 +12,14 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.machinery
-import os
 import sys
-import sysconfig
 import types
 from pathlib import Path
 from typing import Any, Sequence
 
 from baton.transparent.loops import LOOPS
 from baton.transparent.rewrite import HOOKS, compile_instrumented
-
-_PACKAGE_DIRS = ("site-packages", "dist-packages")
-
-
-def _installed_roots() -> list[Path]:
-    roots = {Path(p).resolve() for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
-    roots.update(Path(p).resolve() for p in sysconfig.get_paths().values())
-    roots.add(Path(__file__).resolve().parents[1])  # baton itself
-    return sorted(roots)
-
-
-class ScriptModules:
-    """Which files are the script's own: under its directory and not an installed package."""
-
-    def __init__(self, script_dir: Path):
-        self.root = script_dir.resolve()
-        self._installed = _installed_roots()
-
-    def own(self, filename: str | None) -> bool:
-        if not filename or not filename.endswith(".py"):
-            return False
-        path = Path(filename).resolve()
-        if any(part in _PACKAGE_DIRS for part in path.parts):
-            return False
-        if any(path.is_relative_to(r) for r in self._installed if not self.root.is_relative_to(r)):
-            return False
-        return path.is_relative_to(self.root)
+from baton.worker.script_files import ScriptModules
 
 
 class _InstrumentedLoader(importlib.machinery.SourceFileLoader):
@@ -99,7 +71,3 @@ def print_script_error(exc: BaseException) -> None:
     while tb is not None and Path(tb.tb_frame.f_code.co_filename).resolve().is_relative_to(here):
         tb = tb.tb_next
     traceback.print_exception(type(exc), exc, tb, file=sys.stderr)
-
-
-def script_dir_of(script: str) -> Path:
-    return Path(os.path.abspath(script)).parent

@@ -97,14 +97,14 @@ def live_at_head(loop: ast.For | ast.While, scope: ast.AST) -> set[str]:
 
 def _outside(scope: ast.AST, loop: ast.AST) -> set[str]:
     """Names that code outside `loop` may read after one of its heads: the statements after
-    it in each block that holds it, the whole body of a loop around it (its next iteration
-    runs the code before it again), and every function, lambda and class body of the scope
-    (they may be called from anywhere, the loop included)."""
+    it in each block that holds it, what the next iteration of a loop around it reads before
+    assigning it (it runs the code before `loop` again), and every function, lambda and class
+    body of the scope (they may be called from anywhere, the loop included)."""
     out: set[str] = set()
     path = _path(scope, loop)
     for parent, child in zip(path, path[1:]):
         if isinstance(parent, (ast.For, ast.While, ast.AsyncFor)) and parent is not loop:
-            out |= loads([parent])
+            out |= _next_iteration(parent)
         for block in _blocks(parent):
             if child in block:
                 out |= loads(block[block.index(child) + 1:])
@@ -112,6 +112,12 @@ def _outside(scope: ast.AST, loop: ast.AST) -> set[str]:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)) and node is not scope:
             out |= _free_reads(node)  # a method too: a class body's own reads are negligible
     return out
+
+
+def _next_iteration(loop: ast.For | ast.While | ast.AsyncFor) -> set[str]:
+    """What an iteration of `loop` reads before it surely assigns it."""
+    live, _ = _block(loop.body, set() if isinstance(loop, ast.While) else _stores(loop.target))
+    return live | (loads([loop.test]) if isinstance(loop, ast.While) else set())
 
 
 def _free_reads(fn: ast.AST) -> set[str]:

@@ -19,7 +19,7 @@ from types import FrameType
 
 import torch
 
-from baton.transparent.importer import ScriptModules
+from baton.worker.script_files import ScriptModules
 from baton.transparent.loops import LOOPS, ActiveLoop
 
 _TORCH_DIR = Path(torch.__file__).resolve().parent

@@ -32,10 +32,10 @@ from baton.control import messages as m
 from baton.transfer import FetchStats, TransferError
 from baton.transfer.bundles import Bundle, encode_frame
 from baton.transparent import tail
-from baton.worker.collectives import SAME_EVERYWHERE, Record, Recorded
 from baton.transparent.region import Region, load_small_state, small_state
 from baton.transparent.tail import StepRecord
-from baton.worker import shards, verify
+from baton.worker import fence, shards, verify
+from baton.worker.collectives import SAME_EVERYWHERE, Record, Recorded
 from baton.worker.group import CollectiveFailure
 from baton.worker.job import Step
 from baton.worker.runtime import Divergence, Runtime, _text
@@ -306,6 +306,7 @@ class ScriptRuntime(Runtime):
         orchestrator told (its setup time too), the prefetching of its state over."""
         assert self.assignment is not None and self.assignment.loop is not None
         self.setup_s = time.perf_counter() - self.assigned_at
+        fence.lift()
         self._prepare_loop(self.assignment.loop)
         assert self.loop is not None
         self.ctl.report_now(m.Ready(loop=self.loop, bundle=_text(self._capture_at(self.pos)[0]), joined=True))

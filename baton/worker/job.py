@@ -42,10 +42,11 @@ from baton.control import messages as m
 from baton.store.rendezvous import RendezvousClient
 from baton.transfer import TransferServer
 from baton.worker import ddp as ddp_mod
-from baton.worker import discover, orphan
+from baton.worker import discover, fence, orphan
 from baton.worker.control import ControlChannel, OrchestratorGone
 from baton.worker.data import DataFeed
 from baton.worker.runtime import Runtime, Unit, exit_quietly
+from baton.worker.script_files import ScriptModules, script_dir_of
 from baton.worker.torchrun_env import torchrun_env
 from baton.worker.tracked import _BATON_OWNED, LocalValues, UsageError
 
@@ -307,7 +308,10 @@ def init() -> Job:
         raise UsageError("baton.init() in a script that `baton run` started with no code change (it found no "
                          "`import baton` in the script or the modules of its directory: is baton loaded some other "
                          "way?): run it with `baton run --mode model-aware`")
-    _JOB[0] = Job(join(Runtime))
+    rt = join(Runtime)
+    if rt.joiner:  # its setup leaves the job's files alone until it holds its rank's place
+        fence.raise_for(ScriptModules(script_dir_of(sys.argv[0] or ".")).own)
+    _JOB[0] = Job(rt)
     return _JOB[0]
 
 

@@ -39,7 +39,7 @@ from baton.transfer import FetchStats, TransferError, codec, fetch_state
 from baton.transfer.bundles import Bundle, Frame, Pos, encode_frame, newest
 from baton.transfer.protocol import FlatState
 from baton.transfer.server import PUSH, SNAPSHOT, TransferServer, connect, small_id, snapshot_key
-from baton.worker import module_state, rng, setup_check, shards, verify
+from baton.worker import fence, module_state, rng, setup_check, shards, verify
 from baton.worker.bundle import BundlePushers, StepCapture, fetch_ward_bundle
 from baton.worker.collectives import SAME_EVERYWHERE, Record, RecordingGroup
 from baton.worker.compile_watch import describe
@@ -988,6 +988,7 @@ class Runtime:
             self.ctl.report(m.Formed(generation=gen, pos=self.pos, bytes=stats.bytes, seconds=round(stats.seconds, 4),
                                      setup_s=round(self.setup_s, 4), fetch_wait_s=round(t_fetched - t0, 4)))
             self.joiner = False
+            fence.lift()
             return
 
     def _fetch_for(self, cmd: m.Form) -> tuple[dict[str, Any], FetchStats]:

@@ -1,0 +1,194 @@
+"""A successor runs its script's setup again, long after its predecessor did: what that
+setup writes must not undo what the job wrote since (baton/worker/fence.py). The script
+here does what setups do: opens its log with mode "w" and keeps writing to it, writes its
+config, saves the initial model where the loop saves its latest checkpoint, records its
+progress through a temporary file and os.replace, and clears its samples folder. Rank 0,
+the one writing, is killed after the last checkpoint: every file ends as torchrun's."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import torch
+
+from tests.jobs import Job
+from tests.nocode_runs import NOCODE, differences
+
+INJECT = NOCODE.parent / "inject"
+
+WRITER = """
+import json, os, shutil, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+OUT = os.environ["OUT"]
+
+
+def write_progress(done):  # write then rename, as careful scripts do
+    tmp = os.path.join(OUT, "progress.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump({"steps_done": done}, f)
+    os.replace(tmp, os.path.join(OUT, "progress.json"))
+
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(0)
+model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.1), torch.nn.Linear(16, 1)))
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+data = TensorDataset(torch.randn(320, 8), torch.randn(320, 1))
+sampler = DistributedSampler(data)
+log = None
+if rank == 0:
+    log = open(os.path.join(OUT, "log.txt"), "w")
+    log.write("step loss\\n")
+    with open(os.path.join(OUT, "config.json"), "w") as f:
+        json.dump({"lr": 0.05, "world": dist.get_world_size()}, f)
+    torch.save(model.module.state_dict(), os.path.join(OUT, "latest.pt"))  # the initial model, as a start
+    write_progress(0)
+    samples = os.path.join(OUT, "samples")
+    if os.path.isdir(samples):
+        shutil.rmtree(samples)
+    os.makedirs(samples)
+done = 0
+for epoch in range(4):
+    sampler.set_epoch(epoch)
+    for x, y in DataLoader(data, batch_size=8, sampler=sampler):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        done += 1
+        if rank == 0:
+            log.write(f"{done} {loss.item():.6f}\\n")
+            log.flush()
+            if done % 30 == 0:
+                torch.save(model.module.state_dict(), os.path.join(OUT, "latest.pt"))
+                write_progress(done)
+                with open(os.path.join(samples, f"at{done}.txt"), "w") as f:
+                    f.write(f"{loss.item():.6f}\\n")
+if rank == 0:
+    log.close()
+dist.destroy_process_group()
+"""
+
+
+AWARE_WRITER = """
+import json, os, shutil, torch, baton
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+OUT = os.environ["OUT"]
+
+
+def write_progress(done):
+    tmp = os.path.join(OUT, "progress.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump({"steps_done": done}, f)
+    os.replace(tmp, os.path.join(OUT, "progress.json"))
+
+
+job = baton.init()
+torch.manual_seed(0)
+model = job.wrap(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.1), torch.nn.Linear(16, 1)))
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+data = TensorDataset(torch.randn(320, 8), torch.randn(320, 1))
+loader = DataLoader(data, batch_size=8, sampler=DistributedSampler(data, job.world_size, job.rank))
+job.track(model=model, optimizer=opt, data=loader)
+log = None
+if job.rank == 0:
+    log = open(os.path.join(OUT, "log.txt"), "w")
+    log.write("step loss\\n")
+    with open(os.path.join(OUT, "config.json"), "w") as f:
+        json.dump({"lr": 0.05, "world": job.world_size}, f)
+    torch.save(model.module.state_dict(), os.path.join(OUT, "latest.pt"))
+    write_progress(0)
+    samples = os.path.join(OUT, "samples")
+    if os.path.isdir(samples):
+        shutil.rmtree(samples)
+    os.makedirs(samples)
+
+
+@job.every(30)
+def checkpoint(at):
+    if job.rank == 0:
+        torch.save(model.module.state_dict(), os.path.join(OUT, "latest.pt"))
+        write_progress(at.step)
+        with open(os.path.join(samples, f"at{at.step}.txt"), "w") as f:
+            f.write("sample\\n")
+
+
+for step in job.steps(80):
+    with step:
+        x, y = step.batch
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    if job.rank == 0:
+        log.write(f"{step.index + 1} {loss.item():.6f}\\n")
+        log.flush()
+job.finish()
+if job.rank == 0:
+    log.close()
+"""
+
+
+def _files(out) -> dict:
+    return {"log": (out / "log.txt").read_text(), "config": json.loads((out / "config.json").read_text()),
+            "progress": json.loads((out / "progress.json").read_text()),
+            "latest": torch.load(out / "latest.pt", weights_only=True),
+            "samples": {p.name: p.read_text() for p in sorted((out / "samples").iterdir())},
+            "others": sorted(p.name for p in out.iterdir())}
+
+
+def _run(tmp_path, source: str, name: str) -> tuple[int, Job, object]:
+    """`source` under baton, rank 0 killed mid-step at 70 of 80 steps (the last checkpoint
+    was at 60); its exit code, the job, and its output folder."""
+    script = tmp_path / f"{name}.py"
+    script.write_text(textwrap.dedent(source))
+    out = tmp_path / f"{name}-out"
+    out.mkdir()
+    job = Job(tmp_path, nproc=2, spares=1, script=script, out_arg=False,
+              env={"PYTHONPATH": str(INJECT), "BATON_TEST_SIGNAL_MID_STEP": "0:70:SIGKILL",
+                   "BATON_TEST_SIGNAL_MARK": str(tmp_path / f"{name}-fired"), "OUT": str(out)}, name=name)
+    try:
+        code = job.wait(timeout=170)
+    finally:
+        job.kill()
+    assert code == 0, job.log()
+    assert (tmp_path / f"{name}-fired").exists()
+    assert [(e["kind"], e["status"], e["rank"]) for e in job.events()] == [("unplanned", "resolved", 0)]
+    return code, job, out
+
+
+def test_a_successors_setup_leaves_the_jobs_files_as_the_job_wrote_them(tmp_path, torchrun_reference):
+    ref = torchrun_reference(_write(tmp_path, WRITER), [], env={"OUT": "{d}/export"})
+    _, _, out = _run(tmp_path, WRITER, "nocode")
+    mine, theirs = _files(out), _files(ref / "export")
+    assert mine["log"].count("step loss") == 1 and mine["log"] == theirs["log"]
+    assert differences(mine, theirs) == []
+
+
+def test_the_same_in_a_model_aware_script(tmp_path):
+    """Its setup runs after baton.init(), where a spare waits: fenced the same way. (What a
+    spare runs before baton.init() runs as it starts, assigned or not: the README says so.)"""
+    _, _, out = _run(tmp_path, AWARE_WRITER, "aware")
+    files = _files(out)
+    assert [line.split()[0] for line in files["log"].splitlines()] == ["step", *map(str, range(1, 81))], files["log"]
+    assert files["progress"] == {"steps_done": 60} and sorted(files["samples"]) == ["at30.txt", "at60.txt"]
+    assert files["config"] == {"lr": 0.05, "world": 2}
+    initial = _initial()
+    assert not any(torch.equal(files["latest"][k], v) for k, v in initial.items()), "the initial model"
+
+
+def _write(tmp_path, source: str):
+    script = tmp_path / "reference.py"
+    script.write_text(textwrap.dedent(source))
+    return script
+
+
+def _initial() -> dict:
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.1), torch.nn.Linear(16, 1))
+    return net.state_dict()
