@@ -83,6 +83,7 @@ for epoch in range(6):
 torch.save({"model": model.module.state_dict(), "rng": torch.get_rng_state(), "errors": errors},
            os.path.join(os.environ["EXPORT"], f"rank{dist.get_rank()}.pt"))
 dist.destroy_process_group()
+os._exit(0)  # past gloo's exit-time abort with torch 2.13 (baton/examples/plain_exit.py), as tests/nocode do
 """
 
 
@@ -122,6 +123,7 @@ def main():
 
 
 main()
+os._exit(0)  # past gloo's exit-time abort with torch 2.13 (baton/examples/plain_exit.py), as tests/nocode do
 """
 
 
@@ -164,6 +166,75 @@ def test_a_rank_lost_in_the_evaluation_or_checkpoint_after_the_step_loop_is_repl
     for name in ("checkpoint.pth.tar", "model_best.pth.tar"):
         written = [torch.load(d / "out" / name, weights_only=False) for d in (ref, run)]
         assert differences(*written) == [], name
+    assert [(e["kind"], e["status"]) for e in job.events()] == [("unplanned", "resolved")], job.events()
+
+
+BREAKS_OUT = """
+import os, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, TensorDataset
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(0)
+model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.1), torch.nn.Linear(16, 1)))
+opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+g = torch.Generator().manual_seed(100 + rank)
+data_x, data_y = torch.randn(512, 8, generator=g), torch.randn(512, 1, generator=g)
+loader = DataLoader(TensorDataset(data_x, data_y), batch_size=16, shuffle=True, generator=g)
+it, best = 0, float("inf")
+{loop}
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    best = min(best, loss.item())
+    it += 1
+    if it >= 24:
+        break
+else:
+    it = -1  # never: the loop ends by its break
+# after the loop: a last evaluation with a collective, then rank 0's checkpoint
+model.eval()
+with torch.no_grad():
+    val = torch.nn.functional.mse_loss(model(data_x[:64]), data_y[:64]).detach()
+dist.all_reduce(val)
+final = {{"model": model.module.state_dict(), "opt": opt.state_dict(), "rng": torch.get_rng_state(), "it": it,
+          "best": best, "val": val}}
+if rank == 0:
+    torch.save(final, os.path.join(os.environ["OUT"], "ckpt.pt"))
+torch.save(final, os.path.join(os.environ["EXPORT"], f"rank{{rank}}.pt"))
+dist.destroy_process_group()
+os._exit(0)  # past gloo's exit-time abort with torch 2.13 (baton/examples/plain_exit.py), as tests/nocode do
+"""
+WHILE_TRUE = """while True:  # nanoGPT's shape: random batches, a counter, a break at the end
+    ix = torch.randint(0, 512, (16,))
+    x, y = data_x[ix], data_y[ix]"""
+FOR_LOADER = """for x, y in loader:  # 32 batches; the loop breaks at 24"""
+
+
+@pytest.mark.parametrize("loop, where, fault", [
+    (WHILE_TRUE, "IN_REGION", "1:20:SIGKILL"),
+    (WHILE_TRUE, "IN_SAVE", "0:20:SIGKILL"),
+    (FOR_LOADER, "IN_REGION", "0:20:SIGSTOP"),
+])
+def test_a_rank_lost_after_a_step_loop_that_ended_by_a_break_is_replaced_bit_for_bit(tmp_path, torchrun_reference,
+                                                                                   loop, where, fault):
+    """The step loop ends by its `break` (nanoGPT's `while True`, a loader loop cut short);
+    the rank is lost in the evaluation after it or while rank 0 writes its checkpoint. The
+    spare walks to the loop, leaves it by a break at once (nothing drawn, its else clause
+    not run), takes the rank over at the loop's exit and runs the region: every rank and
+    the checkpoint end equal to torchrun's."""
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(BREAKS_OUT.format(loop=loop)))
+    ref = torchrun_reference(script, [], env={"EXPORT": "{d}/export", "OUT": "{d}"})
+    run = tmp_path / "job"
+    (run / "export").mkdir(parents=True)
+    code, job = _faulted(tmp_path, script, fault, where=where, env={"EXPORT": str(run / "export"), "OUT": str(run)})
+    assert code == 0 and (tmp_path / "fired").exists(), job.log()
+    _compare(ref, run)
+    written = [torch.load(d / "ckpt.pt", weights_only=False) for d in (ref, run)]
+    assert differences(*written) == [] and written[1]["it"] == 24
     assert [(e["kind"], e["status"]) for e in job.events()] == [("unplanned", "resolved")], job.events()
 
 
@@ -219,6 +290,7 @@ for epoch in range(5):
 torch.save({"model": model.module.state_dict(), "opt": opt.state_dict(), "rng": torch.get_rng_state(),
             "losses": torch.tensor(mean_losses)}, os.path.join(os.environ["EXPORT"], f"rank{dist.get_rank()}.pt"))
 dist.destroy_process_group()
+os._exit(0)  # past gloo's exit-time abort with torch 2.13 (baton/examples/plain_exit.py), as tests/nocode do
 """
 
 
@@ -259,6 +331,7 @@ for epoch in range(400):
         opt.step()
         opt.zero_grad()
 dist.destroy_process_group()
+os._exit(0)  # past gloo's exit-time abort with torch 2.13 (baton/examples/plain_exit.py), as tests/nocode do
 """
 
 

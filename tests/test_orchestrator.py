@@ -101,6 +101,24 @@ def test_a_move_is_cancelled_when_the_job_finishes_first(tmp_path):
     assert orch.yoco_ratio() is None  # a cancelled move is not a failure
 
 
+def test_a_joiner_that_runs_to_the_end_before_the_move_closes_still_counts_as_finished(tmp_path):
+    """A rank lost in the region after the step loop: its successor takes it over there and
+    can finish the script before the survivor's Formed closes the move. Its Finished must
+    count (it holds the rank), or the job waits for it forever."""
+    orch, _ = _running(tmp_path)
+    report(orch, "w0", {"type": "finished", "pos": [10, 0]})
+    orch.handle(m.WorkerExited(worker_id="w1", returncode=-9))
+    gen = orch.op.generation
+    report(orch, "w0", {"type": "recover", "generation": gen, "pos": [10, 0]})
+    report(orch, "w2", {"type": "formed", "generation": gen, "pos": [10, 0]})
+    report(orch, "w2", {"type": "finished", "pos": [10, 0]})  # before the survivor's Formed
+    assert orch.op is not None
+    report(orch, "w0", {"type": "formed", "generation": gen, "pos": [10, 0]})
+    report(orch, "w0", {"type": "finished", "pos": [10, 0]})
+    assert orch.op is None and orch.ranks[1].worker == "w2"
+    assert all(any(c["type"] == "done" for c in _commands(orch, w)) for w in ("w0", "w2"))
+
+
 def test_refusals_change_nothing(tmp_path):
     orch, sched = _running(tmp_path)
     with pytest.raises(RequestError, match="unknown rank 7") as e:

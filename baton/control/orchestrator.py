@@ -481,7 +481,11 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing):
 
     def _on_finished(self, w: Worker, rep: m.Finished) -> None:
         self._note_cpu(w, rep.cpu)
-        if w.rank is not None and self.ranks[w.rank].worker == w.id:
+        # A joiner that took its rank over in the region after the step loop can run it to
+        # the end before the others' Formed close the move: it holds the rank already.
+        joining = self.op is not None and w.rank is not None and w.rank in self.op.moves and \
+            self.op.moves[w.rank].to_worker == w.id and w.rank in self.op.formed
+        if w.rank is not None and (self.ranks[w.rank].worker == w.id or joining):
             self.ranks[w.rank].state = RankState.FINISHED
             self.ranks[w.rank].step = rep.pos[0]
         self._maybe_done()

@@ -103,7 +103,7 @@ class StepLoopController:
                      "values": values.carried_names(bound, scope), "records": records, "containers": changed,
                      "rng": loop.head_rng if loop is not self.step_loop and loop is not exiting else None}
             if loop is exiting:
-                entry["exit"] = "ran_out" if loop.ran_out else "break"
+                entry["exit"] = _exit_of(loop)
             path.append(entry)
         return {"path": path, "setup": self.setup, "globals": _declared_globals()}
 
@@ -172,6 +172,19 @@ class StepLoopController:
         self._pending[id(loop)] = entry
         LOOPS.restoring = True
         return True
+
+_EXITS = {"return_or_break": "by a break or a return (its body has both: which one is not known)",
+          "exception": "by an exception", "ran_out": "by its test, with an else clause"}
+
+
+def _exit_of(loop: ActiveLoop) -> str:
+    """How the step loop ended, for a successor to end its own the same way."""
+    if loop.ran_out:
+        return "ran_out"
+    if loop.raised:
+        return "exception"
+    return "return_or_break" if loop.site.returns else "break"
+
 
 _GLOBAL_MODULES: dict[str, Any] = {}  # file -> the module whose functions declare globals (found once)
 
@@ -283,14 +296,22 @@ class _CatchUp:
             self._arrive(loop)
 
     def _end(self, loop: ActiveLoop, entry: dict[str, Any]) -> None:
-        """The predecessor was lost after its step loop had ended: end this one at once
-        (nothing drawn), then take the rank over right after it (`arrive_at_exit`)."""
-        if self.depth != len(self.c.nest_keys) - 1 or loop.site.kind != "for" or entry["exit"] != "ran_out":
+        """The predecessor was lost after its step loop had ended: end this one at once, as
+        that one ended (nothing drawn), then take the rank over right after it (`arrive_at_exit`).
+        A for loop whose iterator ran out runs its else clause; one left by a break, or a while
+        loop (whose else clause, where it has one, ran only if its test ended it), breaks at
+        this head."""
+        how = entry["exit"]
+        exact = self.depth == len(self.c.nest_keys) - 1 and (
+            how == "break" or (how == "ran_out" and (loop.site.kind == "for" or not loop.site.has_else)))
+        if not exact:
             raise Divergence(f"rank {self.c.rt.rank} was lost after its step loop ({loop.site.where}) had ended "
-                             "by a break, a return or an exception: this version takes a rank over after a for "
-                             "loop whose iterator ran out only. The job stops here: restart it from your own "
-                             "checkpoint.")
-        loop.exhausted = True
+                             f"{_EXITS.get(how, how)}: a successor cannot leave the loop the same way. The job "
+                             "stops here: restart it from your own checkpoint.")
+        if loop.site.kind == "for" and how == "ran_out":
+            loop.exhausted = True
+        else:
+            loop.breaking = True  # a for loop's head draws nothing then
         self.exiting = loop
         self.c._pending_exit[loop.site.id] = entry
         LOOPS.restoring = True

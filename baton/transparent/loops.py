@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any, Iterator, Protocol
 
-from baton.transparent.sites import SITES, LoopSite
+from baton.transparent.sites import DRAW, SITES, LoopSite
 
 
 @dataclass(eq=False)
@@ -35,7 +35,9 @@ class ActiveLoop:
     item: Any = field(default=None, repr=False)  # the item of the running iteration
     again: bool = False  # hand `item` once more: the iteration runs again after a recovery
     exhausted: bool = False  # end the loop at the next head (a successor reaching a loop's exit)
-    ran_out: bool = False  # a for loop's iterator ran out (its exit was not a break, return or exception)
+    ran_out: bool = False  # a for loop's iterator ran out, a while loop's test was false (not a break, ...)
+    breaking: bool = False  # leave by a break at the next head (a successor: its predecessor did)
+    raised: bool = False  # left with an exception on its way out
     counted: "_Counted | None" = field(default=None, repr=False)  # a for loop's iterator (positioned by a successor)
     head_rng: Any = field(default=None, repr=False)  # the random streams at this iteration's head (nest loops)
 
@@ -77,6 +79,8 @@ class _Counted:
         if loop.exhausted:
             loop.exhausted = False
             raise StopIteration
+        if loop.breaking and loop.site.placeholder is not DRAW:
+            return loop.site.placeholder  # nothing drawn: the head breaks right after (a successor, as its predecessor)
         try:
             loop.item = item = next(self._it)
         except StopIteration:
@@ -122,6 +126,7 @@ class Loops:
         for i in range(len(stack) - 1, -1, -1):
             if stack[i].site.id == sid and stack[i].frame is frame:
                 loop = stack.pop(i)
+                loop.raised = sys.exc_info()[1] is not None  # (called from the loop's finally clause)
                 if self.controller is not None:
                     self.controller.left(loop)
                 return
@@ -146,6 +151,16 @@ class Loops:
             self.controller.before_item(loop)
         loop.iterations += 1
         return True
+
+    def ran_out(self, sid: int) -> None:
+        """A while loop's test was false: it ends as written (its else clause runs)."""
+        self._current(sid, sys._getframe(1)).ran_out = True
+
+    def breaking(self, sid: int) -> bool:
+        """At a head, after `restore`: leave the loop by a break now (once)."""
+        loop = self._current(sid, sys._getframe(1))
+        breaking, loop.breaking = loop.breaking, False
+        return breaking
 
     def restore(self, sid: int) -> dict[str, Any] | None:
         if self.controller is None:

@@ -38,7 +38,7 @@ import ast
 from typing import Iterable
 
 from baton.transparent import liveness
-from baton.transparent.sites import SITES, LoopSite, Statement
+from baton.transparent.sites import DRAW, SITES, LoopSite, Statement
 
 HOOKS = "__baton_loops__"  # the name rewritten code calls; the loader puts the runtime there
 _SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)
@@ -146,12 +146,14 @@ def _stmts(code: str, at: ast.AST) -> list[ast.stmt]:
 
 def _restore(site: LoopSite, at: ast.AST) -> list[ast.stmt]:
     """At a head: rebind the loop's variables to what the runtime hands back (a successor
-    reaching its rank's place, or a survivor re-running an iteration); usually skipped at
+    reaching its rank's place, or a survivor re-running an iteration), or leave the loop as
+    its predecessor had, by a break (a successor taking over after it); usually skipped at
     the cost of one attribute read."""
     names = [n for n in site.assigned if n not in site.targets]
     assign = "".join(f"\n        if {n!r} in __baton_v__: {n} = __baton_v__[{n!r}]" for n in names)
     return _stmts(f"if {HOOKS}.restoring:\n    __baton_v__ = {HOOKS}.restore({site.id})\n"
-                  f"    if __baton_v__ is not None:\n        pass{assign}\n    del __baton_v__", at)
+                  f"    if __baton_v__ is not None:\n        pass{assign}\n    del __baton_v__\n"
+                  f"    if {HOOKS}.breaking({site.id}):\n        break", at)
 
 
 def _restore_after(site: LoopSite, at: ast.AST) -> list[ast.stmt]:
@@ -183,6 +185,21 @@ def _jumps_out(stmts: list[ast.stmt]) -> bool:
             continue
         todo.extend(ast.iter_child_nodes(node))
     return False
+
+
+def _placeholder(target: ast.AST) -> object:
+    """What `target` unpacks without an item drawn: None per name, tuples as it nests."""
+    if isinstance(target, ast.Name):
+        return None
+    if isinstance(target, (ast.Tuple, ast.List)):
+        parts = tuple(_placeholder(t) for t in target.elts)
+        return DRAW if DRAW in parts else parts
+    return DRAW
+
+
+def _returns(stmts: list[ast.stmt]) -> bool:
+    """Whether `stmts` hold a `return` of their own function (not of a nested one)."""
+    return any(isinstance(node, ast.Return) for node in _own_nodes(stmts))
 
 
 class _Instrument(ast.NodeTransformer):
@@ -227,8 +244,10 @@ class _Instrument(ast.NodeTransformer):
             node.test = ast.copy_location(ast.BoolOp(op=ast.And(), values=[head, node.test]), node.test)
             return self._wrapped(node, site)
         head = ast.copy_location(ast.Expr(_hook_call("head", ast.Constant(site.id))), node)
+        ended = ast.copy_location(ast.Expr(_hook_call("ran_out", ast.Constant(site.id))), node)
         done = ast.copy_location(ast.If(test=ast.UnaryOp(op=ast.Not(), operand=node.test),
-                                        body=[*node.orelse, ast.copy_location(ast.Break(), node)], orelse=[]), node)
+                                        body=[ended, *node.orelse, ast.copy_location(ast.Break(), node)], orelse=[]),
+                                 node)
         loop = ast.copy_location(ast.While(test=ast.Constant(True), orelse=[], body=[
             head, *_restore(site, node), done, _absorbing(node.body, site, node)]), node)
         return self._wrapped(loop, site)
@@ -243,7 +262,8 @@ class _Instrument(ast.NodeTransformer):
         return SITES.add(lambda sid: LoopSite(
             id=sid, file=self.filename, line=node.lineno, col=node.col_offset, kind=kind, scope=scope,
             header=_short(header), targets=targets, assigned=assigned, mutated=mutated, reads=reads,
-            live=tuple(n for n in assigned if n in live),
+            live=tuple(n for n in assigned if n in live), returns=_returns(node.body), has_else=bool(node.orelse),
+            placeholder=_placeholder(node.target) if isinstance(node, ast.For) else None,
             resumable=resumable, body=tuple(_statement(s) for s in node.body)))
 
     @staticmethod

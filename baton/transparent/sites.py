@@ -24,6 +24,9 @@ class Statement:
     calls: tuple[str, ...] = ()  # the functions and methods it calls, as written ("validate", "scheduler.step")
 
 
+DRAW = "<draw an item>"
+
+
 @dataclass(frozen=True)
 class LoopSite:
     id: int
@@ -39,6 +42,11 @@ class LoopSite:
     reads: tuple[str, ...]  # names the loop reads (a module-level loop's meters are globals it reads)
     resumable: bool = True  # False: a while loop whose else clause jumps (kept in its plain form)
     live: tuple[str, ...] = ()  # of `assigned`, those holding what is read after the head (liveness)
+    returns: bool = False  # its body holds a `return` (an exit that is not a break nor its end)
+    # What a for loop's target unpacks without drawing an item (None for `x`, (None, None) for
+    # `x, y`), or DRAW where it cannot be built (a starred, attribute or subscript target).
+    placeholder: object = None
+    has_else: bool = False  # an else clause: what an exit at its end, not by a break, runs
     body: tuple[Statement, ...] = field(default=(), compare=False)
 
     @property
