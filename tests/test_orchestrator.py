@@ -521,6 +521,24 @@ def test_after_a_restart_the_agent_reports_what_died_meanwhile_and_it_is_recover
     assert aborts and aborts[0]["generation"] == again.op.generation
 
 
+def test_a_restarted_control_plane_still_gives_joiners_rank_0s_record_of_the_setups_collectives(tmp_path):
+    sched = RecordingScheduler(4)
+    orch = Orchestrator(Config(world_size=2, spares=1), SqliteStore(tmp_path / "s.db"), sched)
+    orch.start()
+    for wid, _ in list(sched.started):
+        orch.register(wid, m.Register(pid=1, transfer_addr=("127.0.0.1", 1000 + int(wid[1:]))))
+    record = {**_bundle(0), "meta": '{"seed": 1234}'}
+    for r in range(2):
+        report(orch, f"w{r}", {"type": "ready", "loop": LOOP, "bundle": _bundle(r), **({"setup": record} if r == 0 else {})})
+    orch._persist(force=True)
+    orch.store.close()
+    again = _reloaded(tmp_path, RecordingScheduler(sched.n), orch.config)
+    again.handle(m.AgentSync(live=["w0", "w2"], exited={"w1": -9}))
+    report(again, "w0", {"type": "recover", "generation": again.op.generation, "pos": [10, 0]})
+    assigns = [c for w in again.workers for c in _commands(again, w) if c["type"] == "assign" and c["joiner"]]
+    assert assigns and assigns[-1]["setup"]["meta"] == '{"seed": 1234}', assigns
+
+
 def test_a_move_in_flight_when_the_control_plane_died_is_taken_up_as_a_recovery(tmp_path):
     orch, sched = _running(tmp_path, world=3)
     orch.handle(m.MigrateRequest(rank=2))

@@ -427,6 +427,8 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing):
         info.loop = rep.loop.model_dump()
         if not rep.joined and w.rank == 0:
             self.setup_record = rep.setup  # handed to every joiner with its assignment
+            if rep.setup is not None:  # kept, like held bundles, for a restarted control plane's joiners
+                self._lock.add(fx.WriteRows([("setup", self.config.job_id, rep.setup.model_dump())]))
         # A joiner skips the script's resume block, so only the loop's shape must agree.
         if self.loop is not None and rep.loop.model_copy(update={"start_step": self.loop.start_step}) != self.loop:
             self._fail(f"rank {w.rank} computed a different loop ({_loop_text(rep.loop)}) than the others "
