@@ -62,8 +62,7 @@ def _moves(c: Contender, w: Workload, run_dir: Path, move_at: int, kill_at: int,
             if moved is None and reached >= move_at:
                 moved = subprocess.run([sys.executable, "-m", "baton.cli", "migrate", "--rank", "1", "--run-dir",
                                         str(run_dir / "baton")], capture_output=True, text=True, timeout=60)
-            if killed is None and reached >= kill_at and _ledger(run_dir) and \
-                    all(e["status"] != "in-progress" for e in _ledger(run_dir)):
+            if killed is None and reached >= kill_at and _moves_settled(run_dir):
                 pid = int((run_dir / "pid.rank1").read_text())
                 os.kill(pid, signal.SIGKILL)
                 killed = {"t": time.time(), "step": reached, "regained": None}
@@ -80,6 +79,25 @@ def _moves(c: Contender, w: Workload, run_dir: Path, move_at: int, kill_at: int,
             "unplanned_stall_s": killed["regained"] - killed["t"] if absorbed and killed and killed["regained"] else None,
             "kill_absorbed": absorbed,
             "exact": all(e["status"] == "resolved" and e["steps_lost"] == 0 for e in ledger) and len(ledger) == 2}
+
+
+def _moves_settled(run_dir: Path) -> bool:
+    """The planned move is in the ledger and ended: read from the job's events.jsonl (every
+    ledger write lands there too), not through the CLI, which takes long enough on 2 cores
+    for the job to finish before the kill."""
+    latest: dict[int, str] = {}
+    try:
+        lines = (run_dir / "baton" / "events.jsonl").read_text().splitlines()
+    except FileNotFoundError:
+        return False
+    for line in lines:
+        try:
+            e = json.loads(line)
+        except ValueError:
+            continue  # a line being written
+        if e.get("event") == "ledger":
+            latest[e["data"]["id"]] = e["data"]["status"]
+    return bool(latest) and all(status != "in-progress" for status in latest.values())
 
 
 def _ledger(run_dir: Path) -> list[dict]:

@@ -3,7 +3,8 @@ setup writes must not undo what the job wrote since (baton/worker/fence.py). The
 here does what setups do: opens its log with mode "w" and keeps writing to it, writes its
 config, saves the initial model where the loop saves its latest checkpoint, records its
 progress through a temporary file and os.replace, and clears its samples folder. Rank 0,
-the one writing, is killed after the last checkpoint: every file ends as torchrun's."""
+the one writing, is killed after the last checkpoint: every file ends as torchrun's, and
+the one only its setup wrote (its pid) is written again by the successor."""
 
 from __future__ import annotations
 
@@ -39,6 +40,8 @@ model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.1), t
 opt = torch.optim.SGD(model.parameters(), lr=0.05)
 data = TensorDataset(torch.randn(320, 8), torch.randn(320, 1))
 sampler = DistributedSampler(data)
+with open(os.path.join(OUT, f"pid.rank{rank}"), "w") as f:  # training never touches it: a successor rewrites it
+    f.write(str(os.getpid()))
 log = None
 if rank == 0:
     log = open(os.path.join(OUT, "log.txt"), "w")
@@ -169,6 +172,8 @@ def test_a_successors_setup_leaves_the_jobs_files_as_the_job_wrote_them(tmp_path
     mine, theirs = _files(out), _files(ref / "export")
     assert mine["log"].count("step loss") == 1 and mine["log"] == theirs["log"]
     assert differences(mine, theirs) == []
+    # what the predecessor's setup alone wrote is written again: its pid file names the successor
+    assert (out / "pid.rank0").stat().st_mtime > (out / "samples" / "at60.txt").stat().st_mtime
 
 
 def test_the_same_in_a_model_aware_script(tmp_path):

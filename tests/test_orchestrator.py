@@ -119,6 +119,14 @@ def test_a_joiner_that_runs_to_the_end_before_the_move_closes_still_counts_as_fi
     assert all(any(c["type"] == "done" for c in _commands(orch, w)) for w in ("w0", "w2"))
 
 
+def test_a_ready_report_without_its_bundle_is_refused_unless_a_joiner_sent_it():
+    import pydantic
+
+    with pytest.raises(pydantic.ValidationError, match="reports its bundle"):
+        m.REPORT.validate_python({"type": "ready", "loop": LOOP})
+    assert m.REPORT.validate_python({"type": "ready", "loop": LOOP, "joined": True}).bundle is None
+
+
 def test_refusals_change_nothing(tmp_path):
     orch, sched = _running(tmp_path)
     with pytest.raises(RequestError, match="unknown rank 7") as e:

@@ -14,7 +14,7 @@ from typing import Annotated, Literal, Union
 
 from baton.health.alerts import AlertBatch
 from baton.health.gpu import GpuReading
-from pydantic import PositiveFloat, BaseModel, ConfigDict, Field, NonNegativeInt, TypeAdapter
+from pydantic import PositiveFloat, BaseModel, ConfigDict, Field, NonNegativeInt, TypeAdapter, model_validator
 
 Pos = tuple[NonNegativeInt, NonNegativeInt]
 Addr = tuple[Annotated[str, Field(min_length=1, max_length=255)], Annotated[int, Field(ge=1, le=65535)]]
@@ -91,15 +91,23 @@ class BeatEnvelope(_Msg):
 
 
 class Ready(_Msg):
-    """The rank reached its step loop; its starting bundle is now durable here."""
+    """The rank reached its step loop; its starting bundle is now durable here. A joiner's
+    says only that it reached its place, with its loop's shape: its state there is what it
+    takes over, not a start (and capturing it would lengthen the move's pause)."""
 
     type: Literal["ready"] = "ready"
     loop: LoopInfo
-    bundle: BundleText
+    bundle: BundleText | None = None
     joined: bool = False
     # What the collectives of the rank's setup (before its step loop) gave it: rank 0's goes
     # to each joiner with its assignment, whose own setup's collectives are answered from it.
     setup: BundleText | None = None
+
+    @model_validator(mode="after")
+    def _a_start_has_its_bundle(self) -> "Ready":
+        if not self.joined and self.bundle is None:
+            raise ValueError("a rank starting its step loop reports its bundle there")
+        return self
 
 
 class UnitDone(_Msg):
@@ -226,6 +234,9 @@ class Assign(_Msg):
     joiner: bool
     loop: LoopInfo | None = None  # a joiner of a script with no code change: the loops to walk down to its place
     setup: BundleText | None = None  # a joiner: rank 0's record of its setup's collectives (Ready.setup)
+    # a joiner: when the job's step loop began (the orchestrator's clock); files changed since
+    # were written by training, and its setup leaves them alone (baton.worker.fence)
+    training_since: float | None = None
 
 
 class Pause(_Msg):

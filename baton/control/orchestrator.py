@@ -127,6 +127,7 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing):
         self.listeners: list[Callable[[str, dict[str, Any]], None]] = []
         self._script_failed = False  # the job ends on the script's own error (not a failure for the ledger)
         self.setup_record: m.BundleText | None = None  # rank 0's record of its setup's collectives
+        self.training_since: float | None = None  # when every rank had entered the step loop
         self.lives = 0  # earlier lives of this job's control plane (restarts from its store)
         self.helper_cpu: Callable[[], float] = lambda: 0.0  # CPU of its helper processes (the store)
 
@@ -421,6 +422,7 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing):
             return
         info = self.ranks[w.rank]
         if not rep.joined:
+            assert rep.bundle is not None  # (validated)
             info.ready = True
             info.held = rep.bundle.model_dump()
             self._persist_held(w.rank)
@@ -444,6 +446,7 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing):
                 self._fail(f"ranks disagree on the step loop ({detail})")
                 return
             self.loop = m.LoopInfo(**loops[0])
+            self.training_since = time.time()
 
     def _on_unit_done(self, w: Worker, rep: m.UnitDone) -> None:
         """A boundary function ended on this rank; its state there is now durable here."""

@@ -21,7 +21,8 @@ class SparePool:
         spare.rank = rank
         spare.held_rank = True
         self._post(spare.id, m.Assign(rank=rank, generation=op.generation, world_size=self.config.world_size,
-                                      joiner=True, loop=self.loop, setup=self.setup_record))
+                                      joiner=True, loop=self.loop, setup=self.setup_record,
+                                      training_since=self.training_since))
 
     def _on_spare_available(self) -> None:
         op = self.op

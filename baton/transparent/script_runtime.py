@@ -309,7 +309,7 @@ class ScriptRuntime(Runtime):
         fence.lift()
         self._prepare_loop(self.assignment.loop)
         assert self.loop is not None
-        self.ctl.report_now(m.Ready(loop=self.loop, bundle=_text(self._capture_at(self.pos)[0]), joined=True))
+        self.ctl.report(m.Ready(loop=self.loop, joined=True))  # ahead of its Formed (one outbox)
         if self.prefetch is not None:
             self.prefetch.close()
             self.ctl.watch_forms(None)

@@ -33,7 +33,7 @@ def main(argv: list[str]) -> None:
     assert isinstance(rt, ScriptRuntime)
     modules = ScriptModules(script_dir_of(script))
     if rt.joiner:  # its setup leaves the job's files alone until it holds its rank's place
-        fence.raise_for(modules.own)
+        fence.raise_for(modules.own, rt.assignment.training_since if rt.assignment else None)
     controller = StepLoopController(rt, modules, script, args)
     intercept.install(rt, job_mod.Job(rt), rt.finish_script)
     controller.attach()

@@ -4,16 +4,19 @@ A process that takes a rank over runs the script from its first line, as its pre
 did long ago: a setup that opens its log with mode "w", saves an initial checkpoint where
 the loop saves its latest one, writes a config through a temporary file and os.replace, or
 clears an output folder, would undo what the job wrote since. From its assignment until it
-holds its rank's place, the script's writes to paths that already exist go nowhere:
+holds its rank's place, the script's writes to paths that training changed (modified since
+the job's step loop began, by the orchestrator's clock) go nowhere:
 
-- open(path, "w"/"a"/"wb"/"ab"/...) of an existing file opens the null device instead. A
-  handle still open when the fence lifts is pointed at the file then, appending: a log the
-  setup opened gets the successor's lines after its predecessor's.
-- torch.save to an existing path, os.remove/unlink and shutil.rmtree of one, os.mkdir of an
+- open(path, "w"/"a"/"wb"/"ab"/...) of such a file opens the null device instead. A handle
+  still open when the fence lifts is pointed at the file then, appending: a log the setup
+  opened gets the successor's lines after its predecessor's.
+- torch.save to such a path, os.remove/unlink and shutil.rmtree of one, os.mkdir of an
   existing folder (so that makedirs after a skipped rmtree goes on), os.replace/rename onto
-  an existing path (its source, the script's temporary file, is removed instead) are skipped.
+  such a path (its source, the script's temporary file, is removed instead) are skipped.
 
-Paths that do not exist yet are written as usual (the predecessor never wrote them). Only
+What the predecessor's setup wrote and training never touched (a pid file, a config, a
+per-rank log of the setup) is written again, as torchrun's restart would; paths that do not
+exist yet are written as usual. Without the job's start time, every existing path is kept. Only
 calls made from the script's own files are fenced (a library's cache is not the job's
 output), and not modes that also read ("r+", "w+"), nor os.open. A successor that re-runs
 code its predecessor had run with the others (the region after the step loop, the step it
@@ -39,8 +42,9 @@ _WRITES = frozenset("wa")
 
 
 class Fence:
-    def __init__(self, own: Callable[[str], bool]):
+    def __init__(self, own: Callable[[str], bool], since: float | None):
         self._own = own
+        self._since = since
         self._own_cache: dict[str, bool] = {}
         self._diverted: list[tuple[weakref.ref, str]] = []
         self.skipped: list[str] = []  # what was not done, for the log
@@ -102,6 +106,14 @@ class Fence:
             frame = frame.f_back  # type: ignore[assignment]
         return False
 
+    def _kept(self, path: str) -> bool:
+        """Whether `path` holds what training wrote (so the setup must leave it alone)."""
+        try:
+            changed = os.stat(path).st_mtime
+        except OSError:
+            return False
+        return self._since is None or changed > self._since
+
     @staticmethod
     def _path(file: Any) -> str | None:
         if isinstance(file, (str, bytes, os.PathLike)):
@@ -114,7 +126,7 @@ class Fence:
         original = self._original(builtins, "open")
         path = self._path(file)
         if path is None or "+" in mode or not (_WRITES & set(mode)) or not os.path.isfile(path) \
-                or not self._from_script():
+                or not self._kept(path) or not self._from_script():
             return original(file, mode, *args, **kwargs)
         handle = original(os.devnull, mode, *args, **kwargs)
         self._diverted.append((weakref.ref(handle), os.path.abspath(path)))
@@ -123,27 +135,27 @@ class Fence:
 
     def _save(self, obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
         path = self._path(f)
-        if path is not None and os.path.exists(path) and self._from_script():
+        if path is not None and self._kept(path) and self._from_script():
             self.skipped.append(f"torch.save to {path!r}")
             return
         self._original(torch, "save")(obj, f, *args, **kwargs)
 
     def _remove_with(self, name: str) -> Callable[..., None]:
         def remove(path: Any, *args: Any, **kwargs: Any) -> None:
-            if os.path.lexists(os.fspath(path)) and self._from_script():
+            if self._kept(os.fspath(path)) and self._from_script():
                 self.skipped.append(f"os.{name}({os.fsdecode(os.fspath(path))!r})")
                 return
             self._original(os, name)(path, *args, **kwargs)
         return remove
 
     def _mkdir(self, path: Any, *args: Any, **kwargs: Any) -> None:
-        if os.path.isdir(os.fspath(path)) and self._from_script():
+        if os.path.isdir(os.fspath(path)) and self._kept(os.fspath(path)) and self._from_script():
             return
         self._original(os, "mkdir")(path, *args, **kwargs)
 
     def _replace_with(self, name: str) -> Callable[..., None]:
         def replace(src: Any, dst: Any, *args: Any, **kwargs: Any) -> None:
-            if os.path.lexists(os.fspath(dst)) and self._from_script():
+            if self._kept(os.fspath(dst)) and self._from_script():
                 self.skipped.append(f"os.{name} onto {os.fsdecode(os.fspath(dst))!r}")
                 self._original(os, "remove")(src)
                 return
@@ -151,7 +163,7 @@ class Fence:
         return replace
 
     def _rmtree(self, path: Any, *args: Any, **kwargs: Any) -> None:
-        if os.path.lexists(os.fspath(path)) and self._from_script():
+        if self._kept(os.fspath(path)) and self._from_script():
             self.skipped.append(f"shutil.rmtree({os.fsdecode(os.fspath(path))!r})")
             return
         self._original(shutil, "rmtree")(path, *args, **kwargs)
@@ -160,10 +172,11 @@ class Fence:
 _FENCE: list[Fence | None] = [None]
 
 
-def raise_for(own: Callable[[str], bool]) -> None:
-    """A successor starts its script: fence it (see the module's docstring)."""
+def raise_for(own: Callable[[str], bool], since: float | None) -> None:
+    """A successor starts its script: fence it (see the module's docstring); `since`: when
+    the job's step loop began."""
     if _FENCE[0] is None:
-        fence = _FENCE[0] = Fence(own)
+        fence = _FENCE[0] = Fence(own, since)
         fence.install()
 
 

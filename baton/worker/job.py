@@ -310,7 +310,7 @@ def init() -> Job:
                          "way?): run it with `baton run --mode model-aware`")
     rt = join(Runtime)
     if rt.joiner:  # its setup leaves the job's files alone until it holds its rank's place
-        fence.raise_for(ScriptModules(script_dir_of(sys.argv[0] or ".")).own)
+        fence.raise_for(ScriptModules(script_dir_of(sys.argv[0] or ".")).own, rt.assignment.training_since)
     _JOB[0] = Job(rt)
     return _JOB[0]
 

@@ -240,11 +240,11 @@ class Runtime:
         # What the tracked loader will yield only: a joiner may draw other numbers before its
         # loop on purpose (`if job.joined:` builds its model on the meta device), never other data.
         self.setup = setup_check.fingerprint({}, {"data": self.feed.data} if self.feed.data is not None else {})
-        start_bundle, start_rng = self._capture_at(self.pos)
         if self.joiner:
-            self.ctl.report_now(m.Ready(loop=self.loop, bundle=_text(start_bundle), joined=True))
+            self.ctl.report(m.Ready(loop=self.loop, joined=True))  # ahead of its Formed (one outbox)
             self._join()
         else:
+            start_bundle, start_rng = self._capture_at(self.pos)
             self.at_pos, self.at_pos_rng = start_bundle, start_rng
             self.ctl.report_now(m.Ready(loop=self.loop, bundle=_text(start_bundle), setup=self.setup_text()))
 
