@@ -82,10 +82,12 @@ def _moves(c: Contender, w: Workload, run_dir: Path, move_at: int, kill_at: int,
 
 
 def _moves_settled(run_dir: Path) -> bool:
-    """The planned move is in the ledger and ended: read from the job's events.jsonl (every
-    ledger write lands there too), not through the CLI, which takes long enough on 2 cores
-    for the job to finish before the kill."""
+    """The planned move is in the ledger and ended, and a new spare is warm (else the kill's
+    recovery would wait for one to start): read from the job's events.jsonl (every ledger
+    write lands there too), not through the CLI, which takes long enough on 2 cores for the
+    job to finish before the kill."""
     latest: dict[int, str] = {}
+    warm_after_move = False
     try:
         lines = (run_dir / "baton" / "events.jsonl").read_text().splitlines()
     except FileNotFoundError:
@@ -97,7 +99,11 @@ def _moves_settled(run_dir: Path) -> bool:
             continue  # a line being written
         if e.get("event") == "ledger":
             latest[e["data"]["id"]] = e["data"]["status"]
-    return bool(latest) and all(status != "in-progress" for status in latest.values())
+        elif e.get("event") == "resolved":
+            warm_after_move = False
+        elif e.get("event") == "spare":
+            warm_after_move = True
+    return bool(latest) and all(status != "in-progress" for status in latest.values()) and warm_after_move
 
 
 def _ledger(run_dir: Path) -> list[dict]:
