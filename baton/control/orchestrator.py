@@ -34,7 +34,7 @@ from baton.control.effects import DecisionLock
 from baton.control.errors import RequestError
 from baton.control.homing import Homing
 from baton.control.mailbox import Mailboxes
-from baton.control.nodes import Node, NodeHealth, node_of
+from baton.control.nodes import Node, NodeHealth
 from baton.control.operation import Operation, RetryMove
 from baton.control.planned import PlannedMoves
 from baton.control.recovery import LossStreak, Recovery
