@@ -47,6 +47,7 @@ def _moves(c: Contender, w: Workload, run_dir: Path, move_at: int, kill_at: int,
     job = launch(c, w, run_dir)
     progress, offset, reached = run_dir / "progress.jsonl", 0, 0
     moved = killed = None
+    settled = _MovesSettled(run_dir)
     t0 = time.time()
     try:
         while job.running():
@@ -62,7 +63,7 @@ def _moves(c: Contender, w: Workload, run_dir: Path, move_at: int, kill_at: int,
             if moved is None and reached >= move_at:
                 moved = subprocess.run([sys.executable, "-m", "baton.cli", "migrate", "--rank", "1", "--run-dir",
                                         str(run_dir / "baton")], capture_output=True, text=True, timeout=60)
-            if killed is None and reached >= kill_at and _moves_settled(run_dir):
+            if killed is None and reached >= kill_at and settled():
                 pid = int((run_dir / "pid.rank1").read_text())
                 os.kill(pid, signal.SIGKILL)
                 killed = {"t": time.time(), "step": reached, "regained": None}
@@ -81,29 +82,25 @@ def _moves(c: Contender, w: Workload, run_dir: Path, move_at: int, kill_at: int,
             "exact": all(e["status"] == "resolved" and e["steps_lost"] == 0 for e in ledger) and len(ledger) == 2}
 
 
-def _moves_settled(run_dir: Path) -> bool:
-    """The planned move is in the ledger and ended, and a new spare is warm (else the kill's
-    recovery would wait for one to start): read from the job's events.jsonl (every ledger
-    write lands there too), not through the CLI, which takes long enough on 2 cores for the
-    job to finish before the kill."""
-    latest: dict[int, str] = {}
-    warm_after_move = False
-    try:
-        lines = (run_dir / "baton" / "events.jsonl").read_text().splitlines()
-    except FileNotFoundError:
-        return False
-    for line in lines:
-        try:
-            e = json.loads(line)
-        except ValueError:
-            continue  # a line being written
-        if e.get("event") == "ledger":
-            latest[e["data"]["id"]] = e["data"]["status"]
-        elif e.get("event") == "resolved":
-            warm_after_move = False
-        elif e.get("event") == "spare":
-            warm_after_move = True
-    return bool(latest) and all(status != "in-progress" for status in latest.values()) and warm_after_move
+class _MovesSettled:
+    """Whether the planned move is in the ledger and ended, and a new spare is warm (else the
+    kill's recovery would wait for one to start): the job's events.jsonl (every ledger write
+    lands there too), read on from where the last call stopped, not through the CLI, which
+    takes long enough on 2 cores for the job to finish before the kill."""
+
+    def __init__(self, run_dir: Path):
+        self.path, self.offset = run_dir / "baton" / "events.jsonl", 0
+        self.status: dict[int, str] = {}
+        self.warm_after_move = False
+
+    def __call__(self) -> bool:
+        events, self.offset = _read_events(self.path, self.offset)
+        for e in events:
+            if e.get("event") == "ledger":
+                self.status[e["data"]["id"]] = e["data"]["status"]
+            elif e.get("event") in ("resolved", "spare"):
+                self.warm_after_move = e["event"] == "spare"
+        return bool(self.status) and "in-progress" not in self.status.values() and self.warm_after_move
 
 
 def _ledger(run_dir: Path) -> list[dict]:

@@ -45,14 +45,22 @@ class RecordingScheduler:
         self.killed.append(worker_id)
 
 
-def _started(tmp_path, sched, config: Config, loop: dict = LOOP) -> Orchestrator:
-    """An orchestrator whose workers all registered and whose ranks are at step 10."""
+def _registered(tmp_path, sched, config: Config) -> Orchestrator:
+    """An orchestrator whose workers all registered, before any rank reached its loop."""
     orch = Orchestrator(config, SqliteStore(tmp_path / "s.db"), sched)
     orch.start()
     for wid, _ in list(sched.started):
         orch.register(wid, m.Register(pid=1, transfer_addr=("127.0.0.1", 1000 + int(wid[1:]))))
+    return orch
+
+
+def _started(tmp_path, sched, config: Config, loop: dict = LOOP, setup: dict | None = None) -> Orchestrator:
+    """An orchestrator whose workers all registered and whose ranks are at step 10 (rank 0
+    with `setup`, its record of the setup's collectives)."""
+    orch = _registered(tmp_path, sched, config)
     for r in range(config.world_size):
-        report(orch, f"w{r}", {"type": "ready", "loop": loop, "bundle": _bundle(r)})
+        report(orch, f"w{r}", {"type": "ready", "loop": loop, "bundle": _bundle(r),
+                               **({"setup": setup} if setup is not None and r == 0 else {})})
         report(orch, f"w{r}", {"type": "heartbeat", "step": 10})
     return orch
 
@@ -149,11 +157,7 @@ def test_no_spare_for_a_planned_move_is_a_clear_conflict(tmp_path):
 
 
 def test_a_lost_rank_during_startup_fails_clearly(tmp_path):
-    sched = RecordingScheduler(3)
-    orch = Orchestrator(Config(world_size=2, spares=1), SqliteStore(tmp_path / "s.db"), sched)
-    orch.start()
-    for wid, _ in list(sched.started):
-        orch.register(wid, m.Register(pid=1, transfer_addr=("127.0.0.1", 1000 + int(wid[1:]))))
+    orch = _registered(tmp_path, RecordingScheduler(3), Config(world_size=2, spares=1))
     orch.handle(m.WorkerExited(worker_id="w1", returncode=-9))
     assert orch.exit_code == 1 and "during startup" in orch.failure
 
@@ -531,13 +535,7 @@ def test_after_a_restart_the_agent_reports_what_died_meanwhile_and_it_is_recover
 
 def test_a_restarted_control_plane_still_gives_joiners_rank_0s_record_of_the_setups_collectives(tmp_path):
     sched = RecordingScheduler(4)
-    orch = Orchestrator(Config(world_size=2, spares=1), SqliteStore(tmp_path / "s.db"), sched)
-    orch.start()
-    for wid, _ in list(sched.started):
-        orch.register(wid, m.Register(pid=1, transfer_addr=("127.0.0.1", 1000 + int(wid[1:]))))
-    record = {**_bundle(0), "meta": '{"seed": 1234}'}
-    for r in range(2):
-        report(orch, f"w{r}", {"type": "ready", "loop": LOOP, "bundle": _bundle(r), **({"setup": record} if r == 0 else {})})
+    orch = _started(tmp_path, sched, Config(world_size=2, spares=1), setup={**_bundle(0), "meta": '{"seed": 1234}'})
     orch._persist(force=True)
     orch.store.close()
     again = _reloaded(tmp_path, RecordingScheduler(sched.n), orch.config)

@@ -24,17 +24,13 @@ def main(argv: list[str]) -> None:
     from baton.transparent.controller import StepLoopController
     from baton.transparent.importer import print_script_error, run_script
     from baton.transparent.script_runtime import ScriptRuntime
-    from baton.worker import fence
     from baton.worker import job as job_mod
     from baton.worker.runtime import exit_quietly
     from baton.worker.script_files import ScriptModules, script_dir_of
 
-    rt = job_mod.join(ScriptRuntime)  # which sets torchrun's environment
+    rt = job_mod.join(ScriptRuntime, script)  # which sets torchrun's environment
     assert isinstance(rt, ScriptRuntime)
-    modules = ScriptModules(script_dir_of(script))
-    if rt.joiner:  # its setup leaves the job's files alone until it holds its rank's place
-        fence.raise_for(modules.own, rt.assignment.training_since if rt.assignment else None)
-    controller = StepLoopController(rt, modules, script, args)
+    controller = StepLoopController(rt, ScriptModules(script_dir_of(script)), script, args)
     intercept.install(rt, job_mod.Job(rt), rt.finish_script)
     controller.attach()
     code = 0

@@ -58,7 +58,7 @@ class Record:
 
     def served_ops(self) -> dict[str, Any]:
         """What completed, in issue order (up to the first collective still running)."""
-        done = self.ops[: self.ops.index(PENDING)] if PENDING in self.ops else self.ops
+        done = self.ops[: next((i for i, r in enumerate(self.ops) if r is PENDING), len(self.ops))]
         return {"ops": [r.op for r in done], "outputs": [r.outputs for r in done]}
 
     @staticmethod

@@ -116,10 +116,7 @@ class Fence:
 
     @staticmethod
     def _path(file: Any) -> str | None:
-        if isinstance(file, (str, bytes, os.PathLike)):
-            path = os.fsdecode(os.fspath(file))
-            return path
-        return None
+        return os.fsdecode(os.fspath(file)) if isinstance(file, (str, bytes, os.PathLike)) else None
 
     # ------------------------------------------------------------------ the fenced calls
     def _open(self, file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:

@@ -308,16 +308,14 @@ def init() -> Job:
         raise UsageError("baton.init() in a script that `baton run` started with no code change (it found no "
                          "`import baton` in the script or the modules of its directory: is baton loaded some other "
                          "way?): run it with `baton run --mode model-aware`")
-    rt = join(Runtime)
-    if rt.joiner:  # its setup leaves the job's files alone until it holds its rank's place
-        fence.raise_for(ScriptModules(script_dir_of(sys.argv[0] or ".")).own, rt.assignment.training_since)
-    _JOB[0] = Job(rt)
+    _JOB[0] = Job(join(Runtime, sys.argv[0] or "."))
     return _JOB[0]
 
 
-def join(runtime_class: type[Runtime]) -> Runtime:
+def join(runtime_class: type[Runtime], script: str) -> Runtime:
     """What init() does, with the runtime the script's mode needs (a script with no code
-    change is driven by its own loop: baton.transparent)."""
+    change is driven by its own loop: baton.transparent). A joiner's `script` is fenced: its
+    setup leaves the job's files alone until it holds its rank's place (fence)."""
     missing = [k for k in (ENV_URL, ENV_TOKEN, ENV_WORKER, ENV_STORE) if not os.environ.get(k)]
     if missing:
         raise RuntimeError("baton.init() must run under `baton run` (missing " + ", ".join(missing) + ")")
@@ -361,6 +359,8 @@ def join(runtime_class: type[Runtime]) -> Runtime:
                                    local_world_size=local, node_rank=cmd.rank // local,
                                    nodes=max(1, cmd.world_size // local)))
     rt = runtime_class(ctl, server, store, cmd.rank, cmd.world_size, cmd.joiner, config, token)
+    if cmd.joiner:
+        fence.raise_for(ScriptModules(script_dir_of(script)).own, cmd.training_since)
     rt.assignment = cmd
     _RUNTIME[0] = rt
     sys.exit = _exit_with  # type: ignore[assignment]  # the script's exit code, for _left_early
