@@ -15,7 +15,7 @@ from __future__ import annotations
 import ipaddress
 import itertools
 import os
-import random
+import secrets
 import signal
 import subprocess
 
@@ -31,12 +31,23 @@ def _used_networks() -> list[ipaddress.IPv4Network]:
     return [ipaddress.ip_interface(f.split()[3]).network for f in out.splitlines() if len(f.split()) > 3]
 
 
+def _unused_tag() -> str:
+    """A namespace prefix no other run on this machine holds. Drawn from the OS, not from
+    `random`: a test that seeds the global generator would make every run pick the same
+    one, and a run killed before its teardown leaves its namespaces behind."""
+    taken = _ip("netns", "list").stdout
+    while True:
+        tag = f"bt{secrets.token_hex(2)}"
+        if f"{tag}-" not in taken:
+            return tag
+
+
 class NodeNetwork:
     def __init__(self, nodes: list[str]):
-        self.tag = f"bt{random.randrange(16 ** 4):04x}"
+        self.tag = _unused_tag()
         used = _used_networks()
         for _ in range(100):
-            net = ipaddress.ip_network(f"10.{random.randrange(200, 250)}.{random.randrange(256)}.0/24")
+            net = ipaddress.ip_network(f"10.{200 + secrets.randbelow(50)}.{secrets.randbelow(256)}.0/24")
             if not any(net.overlaps(u) for u in used):
                 break
         self.net = net

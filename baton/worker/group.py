@@ -176,7 +176,7 @@ class LiveGroup(dist.ProcessGroup):
         # Each one holds a few blocked worker threads and closed sockets (its network loop is
         # the process's shared one), a bounded cost per migration that burns no CPU.
         self._retired: list[dist.ProcessGroup] = []
-        self._transport_fds: list[int] = []
+        self._transport_fds: dict[int, str] = {}  # descriptor -> "socket:[inode]" when formed
         self.known_local_ports: set[int] = set()  # e.g. this worker's transfer server
         self.known_remote_ports: set[int] = set()  # e.g. the orchestrator API and the store
         self.generation = -1
@@ -230,7 +230,7 @@ class LiveGroup(dist.ProcessGroup):
         if self._inner is not None and self._store is not None:  # created mid-generation
             before = _socket_fds()
             child._form_backend(self._store, self.generation, self._op_timeout_s)
-            self._transport_fds += [fd for fd in _socket_fds() - before if not self._is_known_socket(fd)]
+            self._transport_fds.update(self._new_transport_sockets(before))
         return child
 
     @property
@@ -286,7 +286,7 @@ class LiveGroup(dist.ProcessGroup):
         self._inner = backend
         for child in self._children:  # every member holds the same sub-groups (the same script)
             child._form_backend(store, generation, op_timeout_s)
-        self._transport_fds = [fd for fd in _socket_fds() - before if not self._is_known_socket(fd)]
+        self._transport_fds = self._new_transport_sockets(before)
         self._store, self._op_timeout_s = store, op_timeout_s
         self.generation = generation
         self.failed.clear()
@@ -300,19 +300,18 @@ class LiveGroup(dist.ProcessGroup):
         full timeout after another rank died. Shutting down the generation's sockets
         (not closing them: gloo still owns the descriptors) turns that wait into an
         immediate "connection closed" on every rank of the ring.
+
+        gloo closes a pair whose peer died, and the process may reuse its descriptor number
+        at once (a DataLoader worker's shared-memory handoff does): only a descriptor that
+        is still the socket it was when formed is shut down.
         """
-        for fd in self._transport_fds:
-            try:
-                sock = socket.socket(fileno=os.dup(fd))
-            except OSError:
-                continue
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            finally:
-                sock.close()
-        self._transport_fds = []
+        shut_down_sockets(self._transport_fds)
+        self._transport_fds = {}
+
+    def _new_transport_sockets(self, before: dict[int, str]) -> dict[int, str]:
+        after = _socket_fds()
+        return {fd: link for fd, link in after.items()
+                if before.get(fd) != link and not self._is_known_socket(fd)}
 
     def _is_known_socket(self, fd: int) -> bool:
         """Sockets that are not gloo's: the control plane's, the store's, state transfers'."""
@@ -499,18 +498,44 @@ class _Internal:
         self._local.depth -= 1
 
 
-def _socket_fds() -> set[int]:
-    fds = set()
+def shut_down_sockets(fds: dict[int, str]) -> None:
+    """Shut down each descriptor that is still the socket named beside it; leave the rest."""
+    for fd, link in fds.items():
+        try:
+            held = os.dup(fd)  # pins whatever the number is now, so the check below stays true
+        except OSError:
+            continue
+        if _fd_link(held) != link:
+            os.close(held)  # closed by gloo; the number is now someone else's
+            continue
+        sock = socket.socket(fileno=held)
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        finally:
+            sock.close()
+
+
+def _fd_link(fd: int) -> str:
+    """What descriptor `fd` is now ("socket:[4711]"), "" if it is closed."""
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return ""
+
+
+def _socket_fds() -> dict[int, str]:
+    """The process's socket descriptors, each with its "socket:[inode]" identity."""
     try:
         names = os.listdir("/proc/self/fd")
     except OSError:
-        return fds  # not Linux: collectives still fail at their timeout
+        return {}  # not Linux: collectives still fail at their timeout
+    fds = {}
     for name in names:
-        try:
-            if os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
-                fds.add(int(name))
-        except OSError:
-            pass
+        link = _fd_link(int(name))
+        if link.startswith("socket:"):
+            fds[int(name)] = link
     return fds
 
 

@@ -451,10 +451,19 @@ def report_script_error(ctl: ControlChannel, exc: BaseException, tb: Any = None)
 
 
 def _install_excepthook(ctl: ControlChannel) -> None:
+    """Report the script's uncaught exception, from the rank's own process only.
+
+    A process the script forks (a DataLoader worker) inherits the hook and the control
+    socket, and multiprocessing calls sys.excepthook itself for an error in a helper
+    thread (resource_sharer's, when the rank stops reading from it): that is not the
+    rank failing, and must not speak for it.
+    """
     previous = sys.excepthook
+    owner = os.getpid()
 
     def hook(exc_type, exc, tb):  # noqa: ANN001
-        report_script_error(ctl, exc, tb)
+        if os.getpid() == owner:
+            report_script_error(ctl, exc, tb)
         previous(exc_type, exc, tb)
 
     sys.excepthook = hook
