@@ -18,7 +18,7 @@ from typing import NoReturn
 
 import torch.distributed as dist
 
-from baton.worker.runtime import exit_quietly
+from baton.worker.exit import exit_quietly
 
 
 def leave(code: int = 0) -> NoReturn:

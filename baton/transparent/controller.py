@@ -35,7 +35,7 @@ from baton.transparent.loops import LOOPS, ActiveLoop
 from baton.transparent.sites import SITES
 from baton.transparent.script_runtime import ScriptRuntime
 from baton.worker import rng, setup_check
-from baton.worker.runtime import Divergence
+from baton.worker.verify import Divergence
 from baton.worker.tracked import UsageError
 
 

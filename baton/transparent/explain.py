@@ -142,7 +142,7 @@ def _child(script: str, args: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    from baton.worker.runtime import exit_quietly
+    from baton.worker.exit import exit_quietly
 
     try:
         rc = _child(sys.argv[1], sys.argv[2:])

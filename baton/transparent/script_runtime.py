@@ -38,7 +38,9 @@ from baton.worker import fence, shards, verify
 from baton.worker.collectives import SAME_EVERYWHERE, Record, Recorded
 from baton.worker.group import CollectiveFailure
 from baton.worker.job import Step
-from baton.worker.runtime import Divergence, Runtime, _text
+from baton.worker.capture import bundle_text
+from baton.worker.runtime import Runtime
+from baton.worker.verify import Divergence
 from baton.worker.tracked import UsageError
 
 log = logging.getLogger("baton.worker")
@@ -106,7 +108,7 @@ class ScriptRuntime(Runtime):
         assert self.loop is not None
         start_bundle, start_rng = self._capture_at(self.pos)
         self.at_pos, self.at_pos_rng = start_bundle, start_rng
-        self.ctl.report_now(m.Ready(loop=self.loop, bundle=_text(start_bundle), setup=self.setup_text()))
+        self.ctl.report_now(m.Ready(loop=self.loop, bundle=bundle_text(start_bundle), setup=self.setup_text()))
         self.warned_no_capture = True  # the first step's backward ran before the loop was known
         self.small = self.tracked.snapshot_small()
         self.scope, self.committed, self.seq, self.capture = "step", False, 0, None

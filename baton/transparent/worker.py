@@ -25,7 +25,7 @@ def main(argv: list[str]) -> None:
     from baton.transparent.importer import print_script_error, run_script
     from baton.transparent.script_runtime import ScriptRuntime
     from baton.worker import job as job_mod
-    from baton.worker.runtime import exit_quietly
+    from baton.worker.exit import exit_quietly
     from baton.worker.script_files import ScriptModules, script_dir_of
 
     rt = job_mod.join(ScriptRuntime, script)  # which sets torchrun's environment

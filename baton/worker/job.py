@@ -45,7 +45,8 @@ from baton.worker import ddp as ddp_mod
 from baton.worker import discover, fence, orphan
 from baton.worker.control import ControlChannel, OrchestratorGone
 from baton.worker.data import DataFeed
-from baton.worker.runtime import Runtime, Unit, exit_quietly
+from baton.worker.exit import exit_quietly
+from baton.worker.runtime import Runtime, Unit
 from baton.worker.script_files import ScriptModules, script_dir_of
 from baton.worker.torchrun_env import torchrun_env
 from baton.worker.tracked import _BATON_OWNED, LocalValues, UsageError

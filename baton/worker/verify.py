@@ -17,6 +17,10 @@ import xxhash
 from baton.transfer.protocol import byte_view
 
 
+class Divergence(RuntimeError):
+    """The state check after a move found replicas (or a joiner) that differ."""
+
+
 def entries(state: Any, prefix: str = "") -> dict[str, int]:
     """Flatten a nested state into {name: digest}."""
     out: dict[str, int] = {}

@@ -1,0 +1,105 @@
+"""Planned hand-over: a rank pauses at the agreed boundary, serves its full state, and
+either leaves (the leaver) or forms the next generation with its successor (everyone else).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch.distributed as dist
+
+from baton.control import messages as m
+from baton.transfer import TransferError, codec
+from baton.transfer.protocol import FlatState
+from baton.worker import shards, verify
+from baton.worker.exit import exit_quietly
+from baton.worker.group import CollectiveFailure
+
+log = logging.getLogger("baton.worker")
+
+
+class PlannedHandover:
+    """Mixed into Runtime: pausing, serving and leaving at a planned move."""
+
+    def _paused(self, op: int | None) -> None:
+        ctl = self.ctl
+        self._check_no_stray_draws("before step")
+        ctl.report(m.Paused(op=op or 0, pos=self.pos))
+        log.info("paused at %s", self.pos)
+        while True:
+            with ctl.lock:
+                if ctl.abort_generation is not None:
+                    break
+                if ctl.pause_at is not None and ctl.pause_at > self.pos[0]:
+                    return  # re-targeted later: keep stepping
+            cmd = ctl.wait_command(0.05)
+            if cmd is None:
+                continue
+            if isinstance(cmd, m.Form):
+                try:
+                    self.form(cmd)
+                    if cmd.verify:
+                        self.verify_state(cmd.generation, None)
+                except (CollectiveFailure, dist.DistError, TransferError) as exc:
+                    log.warning("forming generation %s failed (%s)", cmd.generation, exc)
+                    break
+                with ctl.lock:
+                    ctl.pause_at = ctl.pause_op = None
+                    ctl.attention = ctl.abort_generation is not None
+                ctl.report(m.Formed(generation=cmd.generation, pos=self.pos))
+                return
+            if isinstance(cmd, m.Publish):
+                self.publish(cmd.generation, full=True)
+                if cmd.leave and not self._leave():
+                    self.server.retract()
+                    break  # superseded by a failure elsewhere: stay, as a survivor
+            if isinstance(cmd, m.Abort):
+                break
+        self.recover(in_step=False, error="peer lost during a planned move")
+
+    def _leave(self) -> bool:
+        ctl = self.ctl
+        while True:
+            cmd = ctl.wait_command(0.5)
+            if isinstance(cmd, (m.Release, m.Stop)):
+                break
+            with ctl.lock:
+                if ctl.abort_generation is not None:
+                    return False
+        ctl.report(m.Left())
+        ctl.flush()
+        self.pusher.close()
+        exit_quietly(0)
+        return True  # pragma: no cover
+
+    def publish(self, generation: int, full: bool) -> None:
+        meta, tensors = codec.encode(self._state(full))
+        self.server.publish(generation, FlatState(meta=meta, tensors=tensors))
+        log.info("published generation %s (full=%s): %d tensors", generation, full, len(tensors))
+
+    def _state(self, full: bool, digest: bool = True, encoded: bool = False) -> dict[str, Any]:
+        """What this rank serves: its replicated state, and with `full` its own and its shards
+        (with `encoded`, already encoded: a snapshot's, without digests)."""
+        from baton.worker.ddp import export_state
+
+        assert self.loop is not None
+        state: dict[str, Any] = {"replicated": self.tracked.replicated(), "pos": list(self.pos),
+                                 "ddp": [export_state(d) for d in self.tracked.ddps],
+                                 "loop_start": self.loop.start_step,
+                                 "late_buffers": self.tracked.late_buffers(copy=not encoded)}
+        if full:
+            assert self.at_pos is not None
+            bundle_state = self.at_pos.state()
+            state["bundle"] = bundle_state
+            if self.tracked.sharded:  # this rank's FSDP2 shards exist nowhere else
+                state["sharded"] = shards.capture(self.tracked, encoded=encoded)
+                if digest:
+                    state["sharded_digest"] = verify.combined(shards.digests(state["sharded"]))
+            if self.world_size == 1 and digest:
+                # No replica to compare the joiner with: it checks against this digest instead
+                # (a pass over the whole state, so only here: with replicas, the joiner's
+                # replicated state is compared with theirs and its own with the bundle).
+                state["digest"] = verify.combined({**self._replicated_digests(state["replicated"]),
+                                                   **self._local_digests(bundle_state)})
+        return state

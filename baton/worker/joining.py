@@ -1,0 +1,168 @@
+"""Joining: a spare that takes over a rank fetches its state (from the leaver, a replica,
+or the buddies holding its shards and bundle), checks its setup matched its predecessor's,
+and forms the next generation at the rank's position.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch.distributed as dist
+
+from baton.control import messages as m
+from baton.transfer import FetchStats, TransferError
+from baton.transfer.bundles import Bundle, Pos, newest
+from baton.transfer.server import SNAPSHOT, small_id, snapshot_key
+from baton.worker import fence, setup_check, shards, verify
+from baton.worker.bundle import fetch_ward_bundle
+from baton.worker.group import CollectiveFailure
+from baton.worker.verify import Divergence
+
+log = logging.getLogger("baton.worker")
+
+
+class Joining:
+    """Mixed into Runtime: a spare taking over a rank."""
+
+    def _join(self) -> None:
+        self.setup_s = time.perf_counter() - self.assigned_at
+        log.info("the script's setup took %.3fs from this rank's assignment to its step loop", self.setup_s)
+        if self.tracked.sharded:  # learns the capture only: no optimizer step, nothing to guard
+            t0 = time.perf_counter()
+            shards.prepare(self.tracked)
+            log.info("shards prepared to be loaded in place in %.3fs", time.perf_counter() - t0)
+        log.info("joiner ready for state")
+        if self.prefetch is not None:
+            self.prefetch.close()
+            self.ctl.watch_forms(None)
+        while True:
+            cmd = self.wait_for(m.Form)
+            gen, target = cmd.generation, tuple(cmd.pos)
+            try:
+                t0 = time.perf_counter()
+                fetched = self.prefetch.take(cmd) if self.prefetch is not None else None
+                state, stats = fetched if fetched is not None else self._fetch_for(cmd)
+                t_fetched = time.perf_counter()
+                self._load_replicated(state)
+                sharded_expected = state.get("sharded_digest")
+                if cmd.snapshot:  # check the load against what arrived (its chunks were checked on the way)
+                    sharded_expected = verify.combined(shards.digests(state["sharded"]))
+                self._load_sharded(state)
+                assert self.loop is not None  # the joiner skipped the resume block: adopt its start
+                self.loop = self.loop.model_copy(update={"start_step": int(state["loop_start"])})
+                expected = None
+                if cmd.full_state or cmd.snapshot:
+                    bundle_state, expected = state["bundle"], state.get("digest")
+                else:
+                    bundle_state = self._lost_bundle(cmd.lost, target)
+                self._check_setup(bundle_state.get("setup"))
+                self._apply_bundle(bundle_state)
+                self.pos = target  # type: ignore[assignment]
+                self.at_pos = Bundle.of(self.rank, target, gen, 0, bundle_state)  # type: ignore[arg-type]
+                self.at_pos_rng = bundle_state["rng"]
+                self._clear_abort(gen)
+                t_loaded = time.perf_counter()
+                self.form(cmd)
+                t_formed = time.perf_counter()
+                self.verify_state(gen, expected, bundle_state=bundle_state, sharded_expected=sharded_expected)
+                t_verified = time.perf_counter()
+            except (CollectiveFailure, dist.DistError, TransferError, OSError) as exc:
+                log.warning("joining generation %s failed (%s); waiting for the next plan", gen, exc)
+                self.group.drop()
+                continue
+            log.info("joined generation %s at %s: fetch %.3fs (%d bytes), load %.3fs, form %.3fs, verify %.3fs",
+                     gen, self.pos, t_fetched - t0, stats.bytes, t_loaded - t_fetched, t_formed - t_loaded,
+                     t_verified - t_formed)
+            self.ctl.report(m.Formed(generation=gen, pos=self.pos, bytes=stats.bytes, seconds=round(stats.seconds, 4),
+                                     setup_s=round(self.setup_s, 4), fetch_wait_s=round(t_fetched - t0, 4)))
+            self.joiner = False
+            fence.lift()
+            return
+
+    def _fetch_for(self, cmd: m.Form) -> tuple[dict[str, Any], FetchStats]:
+        """The state a joiner's Form says to fetch, from where it says."""
+        target = tuple(cmd.pos)
+        if cmd.snapshot and cmd.shards_from:  # HSDP: the shards from another replica group
+            return self._fetch_from_replica(cmd, target)  # type: ignore[arg-type]
+        if cmd.snapshot:  # a lost sharded rank: its buddy's copy of its whole state
+            return self._fetch_state(cmd.fetch_from, snapshot_key(self.rank, target[0]), target,  # type: ignore[arg-type]
+                                     cmd.formation_timeout_s, kind=SNAPSHOT)
+        return self._fetch_state(cmd.fetch_from, cmd.generation, target, cmd.formation_timeout_s)  # type: ignore[arg-type]
+
+    def _fetch_from_replica(self, cmd: m.Form, target: Pos) -> tuple[dict[str, Any], FetchStats]:
+        """A lost HSDP rank: its own state from its buddy's copy, its shards from the own
+        snapshot of a rank holding the same shards in another replica group."""
+        state, stats = self._fetch_state(cmd.fetch_from, snapshot_key(small_id(self.rank), target[0]), target,
+                                         cmd.formation_timeout_s, kind=SNAPSHOT)
+        errors = []
+        for peer, addr in sorted(cmd.shards_from.items()):
+            try:
+                peer_state, peer_stats = self._fetch_state([addr], snapshot_key(int(peer), target[0]), target,
+                                                           cmd.formation_timeout_s, kind=SNAPSHOT)
+            except (OSError, TransferError) as exc:
+                errors.append(f"rank {peer}: {exc}")
+                continue
+            state["sharded"] = shards.with_rank_local(peer_state["sharded"], state["bundle"]["buffers"], self.rank)
+            log.info("rank %d's shards from rank %d (another replica group), its own buffers from its buddy",
+                     self.rank, peer)
+            return state, FetchStats(bytes=stats.bytes + peer_stats.bytes, seconds=stats.seconds + peer_stats.seconds)
+        raise TransferError(f"no replica of rank {self.rank}'s shards could be fetched: {'; '.join(errors)}")
+
+    def _load_sharded(self, state: dict[str, Any], owned: bool = True) -> None:
+        if not self.tracked.sharded:
+            return
+        if "sharded" not in state:
+            raise Divergence(f"rank {self.rank}'s FSDP2 shards did not come with its state: only its "
+                             "predecessor (or a copy of it) holds them (a baton bug; please report it)")
+        self.loading = True  # the DCP helper may step a fresh optimizer once (lr 0) to create its state
+        try:
+            in_place = shards.load(self.tracked, state["sharded"], owned=owned)
+            log.info("shards loaded: %s in place, %s through the DCP helpers", in_place or "none",
+                     sorted(self.tracked.sharded - set(in_place)) or "none")
+        finally:
+            self.loading = False
+
+    def _lost_bundle(self, lost: m.LostRank | None, target: Pos) -> dict[str, Any]:
+        candidates: list[Bundle | None] = []
+        if lost is not None and lost.held is not None:
+            candidates.append(Bundle.from_text(lost.held.model_dump()))
+        for buddy in (lost.buddies if lost is not None else []):
+            try:
+                candidates.append(fetch_ward_bundle(tuple(buddy), self.token, self.rank, target))
+            except (OSError, TransferError) as exc:
+                log.warning("could not read rank %d's bundle from %s: %s", self.rank, buddy, exc)
+        best = newest(candidates, target)
+        if best is None:
+            raise TransferError(f"no record of rank {self.rank}'s own state at {target}")
+        state = best.state()
+        # The data position follows from the step; the epoch record only if it is this epoch's.
+        here = self.feed.position_at(target[0])
+        if here is not None:
+            record = (state.get("data") or {}).get("record")
+            if record is not None and record.get("epoch") == here["epoch"]:
+                here["record"] = record
+            else:
+                here["record"] = None
+            state["data"] = here
+        return state
+
+    def _check_setup(self, theirs: dict[str, int] | None) -> None:
+        """A joiner: stop loudly if its setup built other data or drew other numbers than its
+        predecessor's did before the step loop (setup_check)."""
+        differing = setup_check.differences(self.setup, theirs) if theirs else []
+        if differing:
+            detail = setup_check.explain(self.rank, differing)
+            self.ctl.report_now(m.Verified(generation=self.group.generation, pos=self.pos, ok=False,
+                                           differing=[f"setup.{n}" for n in differing][:200], detail=detail))
+            raise Divergence(detail)
+
+    def _lineage_broken(self) -> None:
+        """Stop the job loudly: this rank's parameters are not at the step it is about to run."""
+        detail = (f"rank {self.rank}'s parameters hold the updates of {self.params_step} steps but it is about to "
+                  f"run step {self.pos[0]}: a step would be applied twice or skipped (a baton bug; please "
+                  "report it with this job's run directory)")
+        self.ctl.report_now(m.Verified(generation=self.group.generation, pos=self.pos, ok=False,
+                                       differing=["step count"], detail=detail))
+        raise Divergence(detail)
