@@ -224,9 +224,6 @@ def _mode(args: argparse.Namespace, script_args: list[str]) -> str | int:
     except SyntaxError:
         return MODEL_AWARE  # its first worker shows the error with its traceback, and the job ends
     if not args.no_migration:
-        if not model_aware and args.server:
-            return _fail("a script with no code change cannot attach to a `baton serve` control plane yet: run "
-                         "it without --server", 2)
         return MODEL_AWARE if model_aware else NO_CODE
     if model_aware:
         return _fail(f"--no-migration runs scripts that do not use baton; {args.script} imports it (run it "

@@ -217,3 +217,33 @@ def test_a_contested_spare_goes_to_the_higher_priority_job(tmp_path, train_refer
         for j in jobs:
             j.kill()
         server.stop()
+
+
+def test_a_script_with_no_code_change_attached_to_a_server_survives_a_kill(tmp_path):
+    """`baton run --server URL train.py` for an unmodified torchrun script (the DDP tutorial's
+    Trainer shape): the server runs it in the no-code mode, a rank killed mid-training is
+    replaced, and every rank ends bit for bit equal to the same file under torchrun."""
+    from tests.nocode_runs import NOCODE, differences, exports, torchrun
+
+    script, args = NOCODE / "trainer_ddp.py", ["60", "7", "--snapshot-path", "{d}/snapshot.pt", "--export",
+                                               "{d}/export"]
+    ref = tmp_path / "torchrun"
+    ref.mkdir()
+    torchrun(script, [a.format(d=ref) for a in args], 2, ref)
+    server = Server(tmp_path, f"sqlite:{tmp_path / 'state'}", tmp_path / "token")
+    run = tmp_path / "baton"
+    job = Job(tmp_path, nproc=2, spares=1, script=script, out_arg=False, name="baton",
+              run_args=run_args([server], "nocode"), script_args=[a.format(d=run) for a in args])
+    try:
+        st = job.wait_step(20)
+        assert st["mode"] == "no-code", st
+        job.signal_rank(1, signal.SIGKILL)
+        assert job.wait(timeout=180) == 0, job.log() + server.log()
+    finally:
+        job.kill()
+        server.stop()
+    for rank, (a, b) in enumerate(zip(exports(ref / "export", 2), exports(run / "export", 2))):
+        assert differences(a, b) == [], f"rank {rank}"
+    events = job.events()
+    assert [(e["kind"], e["rank"], e["status"], e["steps_lost"]) for e in events] == \
+        [("unplanned", 1, "resolved", 0)], events

@@ -495,6 +495,7 @@ class AttachJob(_Msg):
     straggler_steps: Annotated[int, Field(ge=1)] = 20
     borrow_spares: bool = False
     control_grace_s: Annotated[float, Field(gt=0, le=86400)] = 600.0
+    mode: Literal["model-aware", "no-code"] = "model-aware"  # how the agent runs the script (`baton status`)
 
 
 Input = Union[MigrateRequest, TaintRequest, UntaintRequest, WorkerExited, Tick, Interrupted, StoreFailed,
