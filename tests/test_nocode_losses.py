@@ -375,3 +375,24 @@ def test_a_kill_from_outside_at_any_moment_is_exact_or_stops_the_job(tmp_path):
         assert "restart it from your own checkpoint" in job.log(None)
         assert not [e for e in events if e["status"] == "in-progress"], events
 
+
+
+@pytest.mark.parametrize("hook, where, fault", [("fp16", "MID_STEP", "1:9:SIGKILL"),
+                                                ("fp16", "AFTER_STEP", "0:9:SIGKILL")])  # bf16: CUDA only
+def test_a_scripts_own_comm_hook_keeps_working_through_a_lost_rank(tmp_path, torchrun_reference, hook, where,
+                                                                   fault):
+    """The DDP tutorial's Trainer with DDP's gradient-compression hook registered by the script
+    (`register_comm_hook(None, default_hooks.fp16_compress_hook)`): the hook runs inside
+    baton's, its all-reduces over the live group. A rank killed in a step, or right after its
+    optimizer step (the spare runs that step again, the hook's collectives answered from the
+    survivors' record), ends every rank bit for bit equal to torchrun's run of the same file."""
+    args = ["12", "5", "--comm-hook", hook]
+    outs = ["--snapshot-path", "{d}/snapshot.pt", "--export", "{d}/export"]
+    ref = torchrun_reference(NOCODE / "trainer_ddp.py", [*args, *outs])
+    run = tmp_path / "job"
+    (run / "export").mkdir(parents=True)
+    code, job = _faulted(tmp_path, NOCODE / "trainer_ddp.py", fault, where=where,
+                         script_args=[*args, *[a.format(d=run) for a in outs]])
+    assert code == 0 and (tmp_path / "fired").exists(), job.log()
+    _compare(ref, run)
+    assert [(e["kind"], e["status"]) for e in job.events()] == [("unplanned", "resolved")], job.events()

@@ -3,6 +3,8 @@ baton's or of its HTTP client's (the four shapes' runs: test_nocode_moves)."""
 
 from __future__ import annotations
 
+import pytest
+
 from tests.jobs import Job
 
 
@@ -35,3 +37,37 @@ def test_a_script_logging_at_info_gets_its_own_lines_only(tmp_path):
     log = job.log(None)
     assert log.count("INFO:train:step 29") == 2, log[-2000:]
     assert "HTTP Request" not in log and "INFO:baton" not in log and "INFO:httpx" not in log, log[-2000:]
+
+
+STATEFUL_HOOK = """
+import torch, torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powerSGD
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+dist.init_process_group("gloo")
+model = DDP(torch.nn.Linear(4, 1))
+{register}
+print("registered")
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("register, expect", [
+    ("model.register_comm_hook(powerSGD.PowerSGDState(process_group=None), powerSGD.powerSGD_hook)",
+     "a comm hook with state of its own (PowerSGD's error feedback"),
+    ("model._register_builtin_comm_hook(dist.BuiltinCommHookType.FP16_COMPRESS)",
+     "a built-in hook runs in C++ on DDP's own group"),
+])
+def test_a_comm_hook_baton_cannot_move_is_refused_before_training(tmp_path, register, expect):
+    """PowerSGD keeps error feedback and factors across steps inside the hook's state, and a
+    built-in hook reduces in C++ over DDP's own group: either would diverge silently after a
+    move, so the script stops at the registration, saying why and what works instead."""
+    script = tmp_path / "hooked.py"
+    script.write_text(STATEFUL_HOOK.format(register=register))
+    job = Job(tmp_path, nproc=2, spares=0, script=script, out_arg=False)
+    try:
+        assert job.wait(timeout=120) != 0, job.log()
+    finally:
+        job.kill()
+    log = job.log(None)
+    assert expect in log and "registered" not in log, log[-3000:]

@@ -107,12 +107,27 @@ class ScriptDDP(ddp_mod.LiveDDP):
             ddp_mod.broadcast_from_rank0(rt, module)  # what DDP's constructor does: rank 0's values everywhere
         super().__init__(module, process_group=solo_group(), init_sync=False, **bound)
         self._baton_rt = rt
-        self.register_comm_hook(rt, ddp_mod.allreduce_hook)
+        self._baton_hook = ddp_mod.ScriptHook(rt)
+        DistributedDataParallel.register_comm_hook(self, self._baton_hook, ddp_mod.script_or_allreduce_hook)
         rt.tracked.add_wrapped(self, module)
 
     def register_comm_hook(self, state: Any, hook: Callable[..., Any]) -> None:
-        if hook is not ddp_mod.allreduce_hook:
-            raise UsageError("DistributedDataParallel.register_comm_hook: baton's no-code mode reduces the "
-                             "gradients itself (over its live group), so a script's own comm hook (compression, "
-                             "say) cannot be used with it yet")
-        super().register_comm_hook(state, hook)
+        """The script's own hook runs inside baton's. Only a hook without state of its own
+        (compression: fp16/bf16_compress_hook, allreduce_hook): PowerSGD's error feedback, or
+        a sub-group, would not move with the rank."""
+        if self._baton_hook.hook is not None:
+            raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once.")
+        if state is not None and state is not dist.group.WORLD:
+            raise UsageError(f"DistributedDataParallel.register_comm_hook({type(state).__name__}, "
+                             f"{getattr(hook, '__name__', hook)}): a comm hook with state of its own (PowerSGD's "
+                             "error feedback and low-rank factors, or a process group other than the world) "
+                             "is not supported with no code change: that state would not move with the rank. "
+                             "Stateless hooks are (register_comm_hook(None, default_hooks.fp16_compress_hook))")
+        self._check_comm_hook(hook)
+        self._baton_hook.hook, self._baton_hook.state = hook, state
+
+    def _register_builtin_comm_hook(self, comm_hook_type: Any) -> None:
+        raise UsageError(f"DistributedDataParallel._register_builtin_comm_hook({comm_hook_type}): a built-in hook "
+                         "runs in C++ on DDP's own group, not baton's live group, so it is not supported with no "
+                         "code change; register the Python hook instead (register_comm_hook(None, "
+                         "default_hooks.fp16_compress_hook) for FP16_COMPRESS)")

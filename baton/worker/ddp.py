@@ -18,7 +18,8 @@ last bucket (see bundle.py).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -89,6 +90,32 @@ def allreduce_hook(rt, bucket):  # DDP inspects real annotations; see below
 
 
 allreduce_hook.__annotations__ = {"bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}
+
+
+@dataclass
+class ScriptHook:
+    """The comm hook a script registered itself (`default_hooks.fp16_compress_hook`, say), run
+    inside baton's: baton still sees the syncing backward's first and last buckets, and the
+    hook's own collectives go to the live group, where a step's are captured and recorded
+    like any of the script's. None: baton's own averaging (`allreduce_hook`)."""
+
+    rt: "Runtime"
+    hook: Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]] | None = None
+    state: Any = None
+
+
+def script_or_allreduce_hook(hs, bucket):  # DDP inspects real annotations; see below
+    if hs.hook is None:
+        return allreduce_hook(hs.rt, bucket)
+    rt = hs.rt
+    rt.on_sync_backward(first=bucket.index() == 0, last=bucket.is_last())
+    if not rt.loop_started:  # the first step, before its loop is known: DDP's reduction, not a setup collective
+        with rt.group.internal():
+            return hs.hook(hs.state, bucket)
+    return hs.hook(hs.state, bucket)
+
+
+script_or_allreduce_hook.__annotations__ = allreduce_hook.__annotations__
 
 
 def export_layout(ddp: LiveDDP) -> list[list[int]] | None:

@@ -17,7 +17,8 @@ Shape features:
   (its loss all_reduced);
 - a Dataset class built in the script, DataLoader + DistributedSampler(shuffle=True), AdamW;
 - argparse with positional total_epochs/save_every as in the tutorial.
-Extra: `--export DIR` saves each rank's final state to DIR/rank{RANK}.pt.
+Extra: `--export DIR` saves each rank's final state to DIR/rank{RANK}.pt; `--comm-hook fp16|bf16`
+registers DDP's gradient-compression hook.
 """
 
 import argparse
@@ -31,6 +32,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed import destroy_process_group, init_process_group
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset, random_split
 from torch.utils.data.distributed import DistributedSampler
@@ -147,7 +149,7 @@ def prepare_dataloader(dataset: Dataset, batch_size: int, shuffle: bool = True) 
 
 
 def main(save_every: int, total_epochs: int, batch_size: int, snapshot_path: str,
-         use_random_split: bool, seed: int, export: str) -> None:
+         use_random_split: bool, seed: int, export: str, comm_hook: str = "") -> None:
     ddp_setup()
     torch.manual_seed(seed)  # not in the tutorial (model init is unseeded there)
     random.seed(seed)
@@ -155,6 +157,8 @@ def main(save_every: int, total_epochs: int, batch_size: int, snapshot_path: str
     train_data = prepare_dataloader(train_set, batch_size)
     test_data = prepare_dataloader(test_set, batch_size, shuffle=False)
     trainer = Trainer(model, train_data, optimizer, save_every, snapshot_path, test_data)
+    if comm_hook:  # gradients compressed for the all-reduce, as DDP's docs show
+        trainer.model.register_comm_hook(None, getattr(default_hooks, f"{comm_hook}_compress_hook"))
     trainer.train(total_epochs)
     if export:
         os.makedirs(export, exist_ok=True)
@@ -185,7 +189,8 @@ if __name__ == "__main__":
     parser.add_argument("--random-split", action="store_true", help="split one dataset (minGPT-ddp)")
     parser.add_argument("--seed", default=0, type=int)
     parser.add_argument("--export", default="", help="save each rank's final state into this folder")
+    parser.add_argument("--comm-hook", choices=["fp16", "bf16"], default="", help="DDP gradient compression")
     args = parser.parse_args()
     main(args.save_every, args.total_epochs, args.batch_size, args.snapshot_path,
-         args.random_split, args.seed, args.export)
+         args.random_split, args.seed, args.export, args.comm_hook)
     _leave()
