@@ -16,6 +16,7 @@ import torch
 
 from baton.control.client import ApiError
 from tests.jobs import Job, check_resolved_exact, ended_equal, state_diff
+from tests.once import once
 from tests.served import free_port
 
 HELPER = Path(__file__).resolve().parent / "fsdp_on_live_group.py"
@@ -96,21 +97,8 @@ FOUR_ARGS = ["--steps", "50", "--eval-every", "10", "--dropout", "0.1", "--grad-
 
 
 def _shared_reference(tmp_path_factory, name: str, nproc: int, args: list[str]) -> list[dict[str, torch.Tensor]]:
-    """`_torchrun_llama`'s result, computed once per test session even when several pytest-xdist
-    workers ask for it (the others wait for the first instead of running 4 more ranks)."""
-    from filelock import FileLock
-
-    root = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = root.parent  # this session's directory, shared by its workers
-    where = root / f"reference-{name}"
-    with FileLock(str(where) + ".lock"):
-        done = where / "done"
-        if not done.exists():
-            where.mkdir(exist_ok=True)
-            _torchrun_llama(where, nproc, args)
-            done.write_text("ok")
-        return [torch.load(where / f"plain.pt.rank{r}") for r in range(nproc)]
+    """`_torchrun_llama`'s result, computed once per test session (tests/once.py)."""
+    return once(tmp_path_factory, ("llama", name, nproc, tuple(args)), lambda where: _torchrun_llama(where, nproc, args))
 
 
 @pytest.fixture(scope="module")

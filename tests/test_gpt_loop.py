@@ -15,6 +15,7 @@ import torch
 
 from tests.gpt_job import NPROC, check_equal, gpt_job, in_eval, states
 from tests.jobs import state_diff
+from tests.once import once
 
 
 def _check(job, reference, kinds: list[str]) -> list[dict]:
@@ -73,7 +74,10 @@ def test_sigstop_during_evaluation(tmp_path, gpt_reference):
 @pytest.fixture(scope="module")
 def resumed(tmp_path_factory):
     """Rank 0's checkpoint after 30 iterations, and the failure-free run resumed from it."""
-    tmp = tmp_path_factory.mktemp("resumed")
+    return once(tmp_path_factory, "gpt-resumed", _resumed_reference)
+
+
+def _resumed_reference(tmp):
     first = gpt_job(tmp, "first", spares=0, extra=["--max-iters", "30"])
     assert first.wait(timeout=180) == 0, first.log()
     ckpt = first.dir / "ckpt" / "ckpt.pt"

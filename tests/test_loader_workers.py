@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.jobs import Job, check_resolved_exact
+from tests.once import once
 
 EPOCHS = Path(__file__).resolve().parent.parent / "baton" / "examples" / "epochs.py"
 NPROC = 3
@@ -23,7 +24,11 @@ def _job(tmp: Path, name: str, spares: int = 1) -> Job:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    job = _job(tmp_path_factory.mktemp("ref"), "ref", spares=0)
+    return once(tmp_path_factory, "loader-workers", _reference)
+
+
+def _reference(tmp: Path) -> list:
+    job = _job(tmp, "ref", spares=0)
     assert job.wait(timeout=170) == 0, job.log()
     return job.all_rank_params(NPROC)
 

@@ -11,6 +11,7 @@ import time
 import pytest
 
 from tests.jobs import Job, bitwise_equal
+from tests.once import once
 
 NPROC = 3
 STEPS = 40
@@ -20,7 +21,11 @@ ARGS = ["--step-sleep", "0.03"]
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    job = Job(tmp_path_factory.mktemp("ref"), nproc=NPROC, spares=0, steps=STEPS, script_args=ARGS)
+    return once(tmp_path_factory, "migration", _reference)
+
+
+def _reference(tmp):
+    job = Job(tmp, nproc=NPROC, spares=0, steps=STEPS, script_args=ARGS)
     assert job.wait() == 0, job.log()
     params = job.params()
     for other in job.all_rank_params(NPROC):

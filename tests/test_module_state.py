@@ -15,6 +15,7 @@ from baton.worker import module_state
 from baton.worker.module_state import ModuleState
 from baton.worker.tracked import Tracked, UsageError
 from tests.jobs import Job, assert_ranks_equal, check_resolved_exact
+from tests.once import once
 
 SCRIPT = Path(__file__).resolve().parent / "modes_job.py"
 NPROC = 2
@@ -106,7 +107,11 @@ def _job(tmp: Path, name: str, spares: int = 1, args: list[str] | None = None) -
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    job = _job(tmp_path_factory.mktemp("ref"), "ref", spares=0)
+    return once(tmp_path_factory, "module-state", _reference)
+
+
+def _reference(tmp):
+    job = _job(tmp, "ref", spares=0)
     assert job.wait(timeout=120) == 0, job.log()
     states = job.all_rank_params(NPROC)
     assert all(not bool(s["bn_training"]) for s in states)

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.jobs import Job, assert_ranks_equal, check_resolved_exact, state_diff
+from tests.once import once
 from tests.served import Server, run_args
 
 EPOCHS = Path(__file__).resolve().parent.parent / "baton" / "examples" / "epochs.py"
@@ -34,7 +35,11 @@ def _job(tmp: Path, name: str, spares: int = 1, run_args: list[str] | None = Non
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    job = _job(tmp_path_factory.mktemp("ref"), "ref", spares=0)
+    return once(tmp_path_factory, "real-loops", _reference)
+
+
+def _reference(tmp):
+    job = _job(tmp, "ref", spares=0)
     assert job.wait(timeout=180) == 0, job.log()
     states = job.all_rank_params(NPROC)
     # BatchNorm statistics and random streams are each rank's own; parameters are shared.
