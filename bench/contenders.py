@@ -52,10 +52,11 @@ class Workload:
     nproc: int = 3
     step_sleep: float = 0.0
     warmup: int = 10  # steps left out of the step-time median and the CPU window
+    comm_hook: str = ""  # nocode_workload only: "fp16" registers DDP's fp16_compress_hook
 
     def args(self) -> list[str]:
         return ["--params-m", str(self.params_m), "--steps", str(self.steps), "--step-sleep", str(self.step_sleep),
-                "--warmup", str(self.warmup)]
+                "--warmup", str(self.warmup), *(["--comm-hook", self.comm_hook] if self.comm_hook else [])]
 
 
 @dataclass(frozen=True)

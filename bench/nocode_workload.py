@@ -18,6 +18,7 @@ T_PROCESS_START = time.time()
 
 import torch  # noqa: E402 - T_PROCESS_START must be taken before the slow import
 import torch.distributed as dist  # noqa: E402
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 from workload_parts import Progress, build_loader, build_model, finish, window  # noqa: E402
@@ -31,6 +32,7 @@ def main() -> None:
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--run-dir", default=None)
+    p.add_argument("--comm-hook", choices=["fp16"], default=None, help="DDP's gradient-compression hook")
     args = p.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -39,6 +41,8 @@ def main() -> None:
     progress.emit("start", process_start=T_PROCESS_START)
     torch.manual_seed(0)
     model = DistributedDataParallel(build_model(args.params_m))
+    if args.comm_hook:
+        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     loader = build_loader(world, rank, args.batch)
     done, epoch = 0, 0
