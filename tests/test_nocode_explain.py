@@ -145,6 +145,23 @@ for x, y in torch.utils.data.DataLoader(Stream(), batch_size=8):
     assert "IterableDataset without state" in refusal["what"] and "state_dict()" in refusal["fix"]
 
 
+@pytest.mark.parametrize("register, what", [
+    ("model.register_comm_hook(powerSGD.PowerSGDState(process_group=None), powerSGD.powerSGD_hook)",
+     "register_comm_hook"),
+    ("model._register_builtin_comm_hook(dist.BuiltinCommHookType.FP16_COMPRESS)", "_register_builtin_comm_hook"),
+])
+def test_refused_a_comm_hook_that_cannot_move(tmp_path, register, what):
+    """What `baton run` refuses at registration is reported before it runs, at the line of the call."""
+    refusal, _, script = _refused(tmp_path, SETUP + f"""
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powerSGD
+{register}
+for _ in range(3):
+    step(torch.randn(8, 4), torch.randn(8, 1))
+""")
+    assert refusal["where"] == f"{script}:{_line(script, 'model.')}" and refusal["what"].endswith(what), refusal
+    assert "--no-migration" in refusal["fix"], refusal
+
+
 @pytest.mark.parametrize("use, value, what", [
     ("print(i, file=log)", "log = open(os.devnull, 'a')", "TextIOWrapper"),
     ("scale(torch.ones(1))", "scale = lambda t: t * 2", "<lambda>"),

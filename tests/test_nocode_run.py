@@ -56,7 +56,7 @@ dist.destroy_process_group()
     ("model.register_comm_hook(powerSGD.PowerSGDState(process_group=None), powerSGD.powerSGD_hook)",
      "a comm hook with state of its own (PowerSGD's error feedback"),
     ("model._register_builtin_comm_hook(dist.BuiltinCommHookType.FP16_COMPRESS)",
-     "a built-in hook runs in C++ on DDP's own group"),
+     "a built-in comm hook runs in C++ on DDP's own group"),
 ])
 def test_a_comm_hook_baton_cannot_move_is_refused_before_training(tmp_path, register, expect):
     """PowerSGD keeps error feedback and factors across steps inside the hook's state, and a

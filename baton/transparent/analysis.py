@@ -10,11 +10,12 @@ own process and prints it from the launcher's.
 
 from __future__ import annotations
 
+import gc
 from typing import Literal
 
 from pydantic import BaseModel
 
-from baton.transparent import refusals
+from baton.transparent import ddp_rules, refusals
 from baton.transparent.carried import Kind, classify
 from baton.transparent.loops import ActiveLoop
 from baton.transparent.nest import FrameLoops, Found, Nest, Place
@@ -72,6 +73,20 @@ class Report(BaseModel):
 
 def _refusal(r: refusals.Refusal) -> RefusalReport:
     return RefusalReport(where=r.where, what=r.what, why=r.why, fix=r.fix)
+
+
+def ddp_refusals(script: str) -> list[RefusalReport]:
+    """What `baton run` refuses in the DistributedDataParallels the script built (here it ran
+    under plain torch, where nothing refused them as it went)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    out = []
+    for obj in gc.get_objects():
+        if isinstance(obj, DistributedDataParallel):
+            calls = obj.__dict__.get("_baton_calls", {})
+            out += [RefusalReport(where=calls.get(call, f"{script}:0"), what=f"DistributedDataParallel.{call}",
+                                  why=why, fix=refusals.NO_MIGRATION) for call, why in ddp_rules.refusals_of(obj)]
+    return out
 
 
 def build(found: Found, script: str, args: list[str], world_size: int) -> Report:

@@ -114,7 +114,7 @@ def _child(script: str, args: list[str]) -> int:
     import torch
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-    from baton.transparent import analysis, nest
+    from baton.transparent import analysis, ddp_rules, nest
     from baton.transparent.importer import run_script
     from baton.worker.script_files import ScriptModules, script_dir_of
 
@@ -125,10 +125,12 @@ def _child(script: str, args: list[str]) -> int:
         if rank == 0:
             found = nest.find(sys._getframe(1), modules)
             report = analysis.build(found, script, args, world)
+            report.refusals += analysis.ddp_refusals(script)
             Path(os.environ[ENV_OUT]).write_text(report.model_dump_json())
         raise _Explained
 
     register_optimizer_step_pre_hook(stop)
+    ddp_rules.remember_calls()
     try:
         run_script(script, args)
     except _Explained:

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from baton.transparent import ddp_rules
 from baton.worker import ddp as ddp_mod
 from baton.worker.group import solo_group
 from baton.worker.tracked import UsageError
@@ -98,10 +99,9 @@ class ScriptDDP(ddp_mod.LiveDDP):
         bound.pop("module")
         group = bound.pop("process_group", None)
         if group is not None and group is not dist.group.WORLD:
-            raise UsageError("DistributedDataParallel(process_group=...) over a sub-group is not supported with "
-                             "no code change yet: use the default (world) group")
+            raise UsageError(ddp_rules.SUB_GROUP)
         if bound.pop("device_mesh", None) is not None:
-            raise UsageError("DistributedDataParallel(device_mesh=...) is not supported with no code change yet")
+            raise UsageError(ddp_rules.DEVICE_MESH)
         bound.pop("init_sync", None)
         if not rt.joiner:
             ddp_mod.broadcast_from_rank0(rt, module)  # what DDP's constructor does: rank 0's values everywhere
@@ -117,17 +117,12 @@ class ScriptDDP(ddp_mod.LiveDDP):
         a sub-group, would not move with the rank."""
         if self._baton_hook.hook is not None:
             raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once.")
-        if state is not None and state is not dist.group.WORLD:
-            raise UsageError(f"DistributedDataParallel.register_comm_hook({type(state).__name__}, "
-                             f"{getattr(hook, '__name__', hook)}): a comm hook with state of its own (PowerSGD's "
-                             "error feedback and low-rank factors, or a process group other than the world) "
-                             "is not supported with no code change: that state would not move with the rank. "
-                             "Stateless hooks are (register_comm_hook(None, default_hooks.fp16_compress_hook))")
+        why = ddp_rules.hook_refusal(state, hook)
+        if why is not None:
+            raise UsageError(f"DistributedDataParallel.{why}")
         self._check_comm_hook(hook)
         self._baton_hook.hook, self._baton_hook.state = hook, state
 
     def _register_builtin_comm_hook(self, comm_hook_type: Any) -> None:
-        raise UsageError(f"DistributedDataParallel._register_builtin_comm_hook({comm_hook_type}): a built-in hook "
-                         "runs in C++ on DDP's own group, not baton's live group, so it is not supported with no "
-                         "code change; register the Python hook instead (register_comm_hook(None, "
-                         "default_hooks.fp16_compress_hook) for FP16_COMPRESS)")
+        raise UsageError(f"DistributedDataParallel._register_builtin_comm_hook({comm_hook_type}): "
+                         f"{ddp_rules.BUILTIN_HOOK}")
