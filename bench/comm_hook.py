@@ -22,19 +22,11 @@ import sys
 import time
 from pathlib import Path
 
-from common import interleave, median_range, write_readme_sentence
+from common import fmt_range, interleave, median_range, ratio, write_readme_sentence
 from contenders import Contender, Workload, run_job
 
 BENCH = Path(__file__).resolve().parent
 README = BENCH.parent / "README.md"
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
-
-
-def _fmt(r: dict) -> str:
-    return f"{r['median']:.3f}x ({r['min']:.3f}-{r['max']:.3f})" if r["median"] is not None else "n/a"
 
 
 def main() -> int:
@@ -59,11 +51,11 @@ def main() -> int:
     summary = {}
     for what, field in (("step", "step_s"), ("cpu", "cpu_s_per_step")):
         summary[f"{what}_hook_nocode_vs_torchrun"] = median_range(
-            _ratio(r["no-code-hook"].get(field), r["torchrun-hook"].get(field)) for r in rounds)
+            ratio(r["no-code-hook"].get(field), r["torchrun-hook"].get(field)) for r in rounds)
         summary[f"{what}_plain_nocode_vs_torchrun"] = median_range(
-            _ratio(r["no-code"].get(field), r["torchrun"].get(field)) for r in rounds)
+            ratio(r["no-code"].get(field), r["torchrun"].get(field)) for r in rounds)
         summary[f"{what}_hook_vs_plain_torchrun"] = median_range(
-            _ratio(r["torchrun-hook"].get(field), r["torchrun"].get(field)) for r in rounds)
+            ratio(r["torchrun-hook"].get(field), r["torchrun"].get(field)) for r in rounds)
         summary[f"{what}_s"] = {k: median_range(r[k].get(field) for r in rounds) for k in runs}
     out = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
            "workload": vars(args) | {"results_dir": str(args.results_dir)}, "summary": summary, "rounds": rounds}
@@ -73,9 +65,9 @@ def main() -> int:
     s = summary
     text = (f" Measured with `bench/comm_hook.py` ({path.name}: {args.nproc} ranks, a {args.params_m:g}M-parameter "
             f"MLP, {args.rounds} interleaved rounds, medians with min-max): with the script's fp16_compress_hook, "
-            f"no code change against torchrun runs at {_fmt(s['step_hook_nocode_vs_torchrun'])} the step time and "
-            f"{_fmt(s['cpu_hook_nocode_vs_torchrun'])} the CPU per step (without a hook, in the same rounds: "
-            f"{_fmt(s['step_plain_nocode_vs_torchrun'])} and {_fmt(s['cpu_plain_nocode_vs_torchrun'])}). ")
+            f"no code change against torchrun runs at {fmt_range(s['step_hook_nocode_vs_torchrun'])} the step time and "
+            f"{fmt_range(s['cpu_hook_nocode_vs_torchrun'])} the CPU per step (without a hook, in the same rounds: "
+            f"{fmt_range(s['step_plain_nocode_vs_torchrun'])} and {fmt_range(s['cpu_plain_nocode_vs_torchrun'])}). ")
     print(text)
     if not args.no_readme:
         write_readme_sentence(README, "comm-hook", "bench/comm_hook.py", text)

@@ -18,6 +18,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def ratio(a: float | None, b: float | None) -> float | None:
+    """a / b, or None where either figure is missing (or b is 0)."""
+    return a / b if a is not None and b else None
+
+
+def fmt_range(r: dict, unit: str = "x") -> str:
+    """A `median_range` as "1.023x (0.990-1.100)" (unit "s": seconds)."""
+    if r["median"] is None:
+        return "n/a"
+    return f"{r['median']:.3f}{unit} ({r['min']:.3f}-{r['max']:.3f})"
+
+
 def median_range(xs: Iterable[float | None]) -> dict:
     """{"median", "min", "max", "n"}: how every figure is reported. None values (a repetition
     that produced no figure) are dropped; with none left, every field but n is None."""

@@ -39,7 +39,7 @@ from typing import Any, Callable
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # rawcopy, common: as the other bench files
 
 import rawcopy  # noqa: E402
-from common import median_range  # noqa: E402
+from common import median_range, ratio  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 WORKLOAD = REPO / "bench" / "workload.py"
@@ -49,10 +49,6 @@ STEP_SLEEP = 0.02
 
 class BenchError(RuntimeError):
     """The benchmark job did not do what was asked in time; the message names its log."""
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
 
 
 # ----------------------------------------------------------------------------- the job
@@ -245,8 +241,8 @@ def _one_size(mb: float, moves: int, tmp: Path, python: str) -> dict:
            "planned_s": median_range(planned), "unplanned_s": median_range(unplanned),
            "unplanned_ledger_s": median_range(unplanned_ledger), "transfer_s": median_range(transfer),
            "raw_tcp_s": median_range(tcp), "raw_shm_s": median_range(shm)}
-    out["planned_over_tcp"] = _ratio(out["planned_s"]["median"], out["raw_tcp_s"]["median"])
-    out["unplanned_over_tcp"] = _ratio(out["unplanned_s"]["median"], out["raw_tcp_s"]["median"])
+    out["planned_over_tcp"] = ratio(out["planned_s"]["median"], out["raw_tcp_s"]["median"])
+    out["unplanned_over_tcp"] = ratio(out["unplanned_s"]["median"], out["raw_tcp_s"]["median"])
     print(f"  [{tag}] {nbytes / 1e6:.1f} MB: planned {out['planned_s']['median']:.3f}s, unplanned "
           f"{out['unplanned_s']['median']:.3f}s, raw tcp {out['raw_tcp_s']['median']:.4f}s, raw shm "
           f"{out['raw_shm_s']['median']:.4f}s -> planned/tcp {out['planned_over_tcp']:.2f}x, "

@@ -31,15 +31,11 @@ import sys
 import time
 from pathlib import Path
 
-from common import interleave, median_range, write_readme_sentence
+from common import fmt_range, interleave, median_range, ratio, write_readme_sentence
 from contenders import Contender, Workload, _read_events, launch, run_job
 
 BENCH = Path(__file__).resolve().parent
 README = BENCH.parent / "README.md"
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
 
 
 def _moves(c: Contender, w: Workload, run_dir: Path, move_at: int, kill_at: int, timeout: float = 600) -> dict:
@@ -112,14 +108,6 @@ def _ledger(run_dir: Path) -> list[dict]:
         return []
 
 
-def _fmt(r: dict, pct: bool = True) -> str:
-    if r["median"] is None:
-        return "n/a"
-    if pct:
-        return f"{r['median']:.3f}x ({r['min']:.3f}-{r['max']:.3f})"
-    return f"{r['median']:.3f}s ({r['min']:.3f}-{r['max']:.3f})"
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=3)
@@ -143,19 +131,19 @@ def main() -> int:
     moves = interleave(["no-code", "model-aware"], args.rounds,
                        lambda key, i: _moves(contenders[key], w, tmp / f"moves-{key}-{i}", args.move_at, args.kill_at))
     summary = {
-        "step_ratio_nocode_vs_aware": median_range(_ratio(r["no-code"]["step_s"], r["model-aware"]["step_s"])
+        "step_ratio_nocode_vs_aware": median_range(ratio(r["no-code"]["step_s"], r["model-aware"]["step_s"])
                                                    for r in steady),
-        "cpu_ratio_nocode_vs_aware": median_range(_ratio(r["no-code"].get("cpu_s_per_step"),
+        "cpu_ratio_nocode_vs_aware": median_range(ratio(r["no-code"].get("cpu_s_per_step"),
                                                          r["model-aware"].get("cpu_s_per_step")) for r in steady),
-        "step_ratio_nocode_vs_torchrun": median_range(_ratio(r["no-code"]["step_s"], r["torchrun"]["step_s"])
+        "step_ratio_nocode_vs_torchrun": median_range(ratio(r["no-code"]["step_s"], r["torchrun"]["step_s"])
                                                       for r in steady),
-        "cpu_ratio_nocode_vs_torchrun": median_range(_ratio(r["no-code"].get("cpu_s_per_step"),
+        "cpu_ratio_nocode_vs_torchrun": median_range(ratio(r["no-code"].get("cpu_s_per_step"),
                                                             r["torchrun"].get("cpu_s_per_step")) for r in steady),
-        "step_ratio_nocode_vs_no_tail": median_range(_ratio(r["no-code"]["step_s"], r["no-tail"]["step_s"])
+        "step_ratio_nocode_vs_no_tail": median_range(ratio(r["no-code"]["step_s"], r["no-tail"]["step_s"])
                                                      for r in steady),
-        "cpu_ratio_nocode_vs_no_tail": median_range(_ratio(r["no-code"].get("cpu_s_per_step"),
+        "cpu_ratio_nocode_vs_no_tail": median_range(ratio(r["no-code"].get("cpu_s_per_step"),
                                                            r["no-tail"].get("cpu_s_per_step")) for r in steady),
-        "step_ratio_no_tail_vs_aware": median_range(_ratio(r["no-tail"]["step_s"], r["model-aware"]["step_s"])
+        "step_ratio_no_tail_vs_aware": median_range(ratio(r["no-tail"]["step_s"], r["model-aware"]["step_s"])
                                                     for r in steady),
         "step_s": {k: median_range(r[k]["step_s"] for r in steady) for k in contenders},
         "cpu_s_per_step": {k: median_range(r[k].get("cpu_s_per_step") for r in steady) for k in contenders},
@@ -163,9 +151,9 @@ def main() -> int:
     for key in ("planned_downtime_s", "unplanned_stall_s", "unplanned_downtime_s", "planned_setup_s",
                 "unplanned_setup_s"):
         summary[key] = {k: median_range(r[k][key] for r in moves) for k in ("no-code", "model-aware")}
-    summary["planned_ratio"] = median_range(_ratio(r["no-code"]["planned_downtime_s"],
+    summary["planned_ratio"] = median_range(ratio(r["no-code"]["planned_downtime_s"],
                                                    r["model-aware"]["planned_downtime_s"]) for r in moves)
-    summary["unplanned_ratio"] = median_range(_ratio(r["no-code"]["unplanned_stall_s"],
+    summary["unplanned_ratio"] = median_range(ratio(r["no-code"]["unplanned_stall_s"],
                                                      r["model-aware"]["unplanned_stall_s"]) for r in moves)
     summary["all_moves_exact"] = all(r[k]["exact"] for r in moves for k in r)
     summary["kills_absorbed"] = {k: sum(r[k]["kill_absorbed"] for r in moves) for k in ("no-code", "model-aware")}
@@ -180,18 +168,18 @@ def main() -> int:
     s = summary
     text = (f" Measured with `bench/nocode.py` ({path.name}: {args.nproc} ranks, a {args.params_m:g}M-parameter MLP, "
             f"{args.rounds} interleaved rounds, medians with min-max): against its model-aware port, the unmodified "
-            f"script's step time is {_fmt(s['step_ratio_nocode_vs_aware'])} and its whole tree's CPU per step "
-            f"{_fmt(s['cpu_ratio_nocode_vs_aware'])} (against torchrun: {_fmt(s['step_ratio_nocode_vs_torchrun'])} "
-            f"and {_fmt(s['cpu_ratio_nocode_vs_torchrun'])}); of that, the per-step copies that let a rank lost after "
-            f"its last collective of a step be replaced cost {_fmt(s['step_ratio_nocode_vs_no_tail'])} in step time "
-            f"and {_fmt(s['cpu_ratio_nocode_vs_no_tail'])} in CPU (against `--no-tail-copies`, whose step time is "
-            f"{_fmt(s['step_ratio_no_tail_vs_aware'])} the port's); a planned move's downtime "
-            f"{_fmt(s['planned_downtime_s']['no-code'], pct=False)} against "
-            f"{_fmt(s['planned_downtime_s']['model-aware'], pct=False)}, a kill -9's stall "
-            f"{_fmt(s['unplanned_stall_s']['no-code'], pct=False)} against "
-            f"{_fmt(s['unplanned_stall_s']['model-aware'], pct=False)} (the new rank's setup in it: "
-            f"{_fmt(s['unplanned_setup_s']['no-code'], pct=False)} against "
-            f"{_fmt(s['unplanned_setup_s']['model-aware'], pct=False)}). Kills from outside absorbed bit for bit: "
+            f"script's step time is {fmt_range(s['step_ratio_nocode_vs_aware'])} and its whole tree's CPU per step "
+            f"{fmt_range(s['cpu_ratio_nocode_vs_aware'])} (against torchrun: {fmt_range(s['step_ratio_nocode_vs_torchrun'])} "
+            f"and {fmt_range(s['cpu_ratio_nocode_vs_torchrun'])}); of that, the per-step copies that let a rank lost after "
+            f"its last collective of a step be replaced cost {fmt_range(s['step_ratio_nocode_vs_no_tail'])} in step time "
+            f"and {fmt_range(s['cpu_ratio_nocode_vs_no_tail'])} in CPU (against `--no-tail-copies`, whose step time is "
+            f"{fmt_range(s['step_ratio_no_tail_vs_aware'])} the port's); a planned move's downtime "
+            f"{fmt_range(s['planned_downtime_s']['no-code'], unit='s')} against "
+            f"{fmt_range(s['planned_downtime_s']['model-aware'], unit='s')}, a kill -9's stall "
+            f"{fmt_range(s['unplanned_stall_s']['no-code'], unit='s')} against "
+            f"{fmt_range(s['unplanned_stall_s']['model-aware'], unit='s')} (the new rank's setup in it: "
+            f"{fmt_range(s['unplanned_setup_s']['no-code'], unit='s')} against "
+            f"{fmt_range(s['unplanned_setup_s']['model-aware'], unit='s')}). Kills from outside absorbed bit for bit: "
             f"{s['kills_absorbed']['no-code']} of {s['kills']} for the unmodified script, "
             f"{s['kills_absorbed']['model-aware']} of {s['kills']} for the port"
             + ("" if s["kills_absorbed"]["no-code"] == s["kills"] else

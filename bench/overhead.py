@@ -19,14 +19,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from common import interleave, median_range
+from common import interleave, median_range, ratio
 from contenders import Contender, Workload, run_job
 
 METRICS = {"step_s": "ratio_vs_ddp", "mean_step_s": "mean_ratio_vs_ddp", "cpu_s_per_step": "cpu_ratio_vs_ddp"}
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
 
 
 def bench_overhead(py: str, peer_py: str | None, *, sizes_m: list[float], steps: int, warmup: int, nproc: int,
@@ -59,7 +55,7 @@ def bench_overhead(py: str, peer_py: str | None, *, sizes_m: list[float], steps:
         row: dict = {"params": results[0]["ddp"]["params"]}
         for metric, ratio_key in METRICS.items():
             row[metric] = {k: median_range(rnd[k].get(metric) for rnd in results) for k in contenders}
-            row[ratio_key] = {k: median_range(_ratio(rnd[k].get(metric), rnd["ddp"].get(metric)) for rnd in results)
+            row[ratio_key] = {k: median_range(ratio(rnd[k].get(metric), rnd["ddp"].get(metric)) for rnd in results)
                               for k in contenders if k != "ddp"}
         row["cpu_others_s_per_step"] = {k: median_range(rnd[k].get("cpu_others_s_per_step") for rnd in results)
                                         for k in contenders}
@@ -68,7 +64,7 @@ def bench_overhead(py: str, peer_py: str | None, *, sizes_m: list[float], steps:
         own = {k: [rnd[k].get("own_cpu_s_per_step") for rnd in results] for k in contenders}
         own = {k: v for k, v in own.items() if any(x is not None for x in v)}
         row["own_cpu_s_per_step"] = {k: median_range(v) for k, v in own.items()}
-        row["own_cpu_vs_ddp"] = {k: median_range(_ratio(rnd[k].get("own_cpu_s_per_step"),
+        row["own_cpu_vs_ddp"] = {k: median_range(ratio(rnd[k].get("own_cpu_s_per_step"),
                                                         rnd["ddp"].get("cpu_s_per_step")) for rnd in results)
                                  for k in own}
         row["own_cpu_split_s_per_step"] = {
@@ -76,7 +72,7 @@ def bench_overhead(py: str, peer_py: str | None, *, sizes_m: list[float], steps:
                 for part in ("rank entry points", "rank threads", "outside the ranks")} for k in own}
         if "baton-verify" in contenders:
             row["verify_vs_baton"] = {
-                metric: median_range(_ratio(rnd["baton-verify"].get(metric), rnd["baton"].get(metric))
+                metric: median_range(ratio(rnd["baton-verify"].get(metric), rnd["baton"].get(metric))
                                      for rnd in results) for metric in METRICS}
         details = [rnd[k].get("cpu_detail") for rnd in results for k in contenders]
         details = [d for d in details if d]
