@@ -357,11 +357,8 @@ class ScriptRuntime(Runtime):
             self.loop = self.loop.model_copy(update={"start_step": int(state["loop_start"])})
             bundle_state = state["bundle"]
             expected = state.get("digest")
-            self._apply_bundle(bundle_state)
-            self.pos = target  # type: ignore[assignment]
+            self._stand_at(target, gen, bundle_state)  # type: ignore[arg-type]
             self.params_step = target[0]
-            self.at_pos = Bundle.of(self.rank, target, gen, 0, bundle_state)  # type: ignore[arg-type]
-            self.at_pos_rng = bundle_state["rng"]
             self._clear_abort(gen)
             t_loaded = time.perf_counter()
             self.form(cmd)
@@ -469,13 +466,9 @@ class ScriptRuntime(Runtime):
         load_small_state(self.tracked, region.small)
         for ddp, sync in zip(self.tracked.ddps, region.forward_sync):
             ddp.require_forward_param_sync = sync
-        bundle_state = state["bundle"]
-        self._apply_bundle(bundle_state)
+        self._stand_at(target, cmd.generation, state["bundle"])  # type: ignore[arg-type]
         self.loop = self.loop.model_copy(update={"start_step": int(state["loop_start"])})
-        self.pos = target  # type: ignore[assignment]
         self.params_step = target[0]
-        self.at_pos = Bundle.of(self.rank, self.pos, cmd.generation, 0, bundle_state)
-        self.at_pos_rng = bundle_state["rng"]
         self.scope = self.tracked.scope = REGION
         self.current = None
         region.join = lambda: self._form_late(cmd, stats, t0, t_fetched, "the region to where the survivors stand")

@@ -58,10 +58,7 @@ class Joining:
                 else:
                     bundle_state = self._lost_bundle(cmd.lost, target)
                 self._check_setup(bundle_state.get("setup"))
-                self._apply_bundle(bundle_state)
-                self.pos = target  # type: ignore[assignment]
-                self.at_pos = Bundle.of(self.rank, target, gen, 0, bundle_state)  # type: ignore[arg-type]
-                self.at_pos_rng = bundle_state["rng"]
+                self._stand_at(target, gen, bundle_state)  # type: ignore[arg-type]
                 self._clear_abort(gen)
                 t_loaded = time.perf_counter()
                 self.form(cmd)

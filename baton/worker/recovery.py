@@ -128,6 +128,14 @@ class Recovery:
         if data and state.get("data") is not None:
             self.feed.seek(state["data"])
 
+    def _stand_at(self, target: Pos, generation: int, bundle_state: dict[str, Any]) -> None:
+        """Take this rank's own state at `target` from `bundle_state` and stand there: it is
+        also the boundary's bundle, the one a move from here hands over."""
+        self._apply_bundle(bundle_state)
+        self.pos = target
+        self.at_pos = Bundle.of(self.rank, target, generation, 0, bundle_state)
+        self.at_pos_rng = bundle_state["rng"]
+
     def _fetch_state(self, sources: list[Any], generation: int, target: Pos,
                      timeout: float | None = None, kind: bytes = b"F") -> tuple[dict[str, Any], FetchStats]:
         """The state `sources` serve for `generation`, checked to be at `target`."""

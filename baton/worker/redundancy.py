@@ -9,7 +9,7 @@ from typing import Any
 
 from baton import selfcost
 from baton.transfer import codec
-from baton.transfer.bundles import Bundle, Pos
+from baton.transfer.bundles import Pos
 from baton.transfer.protocol import FlatState
 from baton.worker import shards
 from baton.worker.group import CollectiveFailure
@@ -65,8 +65,4 @@ class ShardRedundancy:
         state = {k: v if k == "sharded" else shards.cloned(v) for k, v in state.items()}
         self._load_replicated(state)
         self._load_sharded(state, owned=False)
-        bundle_state = state["bundle"]
-        self._apply_bundle(bundle_state)
-        self.pos = target
-        self.at_pos = Bundle.of(self.rank, target, self.group.generation, 0, bundle_state)
-        self.at_pos_rng = bundle_state["rng"]
+        self._stand_at(target, self.group.generation, state["bundle"])
