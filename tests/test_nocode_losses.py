@@ -242,6 +242,7 @@ def test_a_rank_lost_after_a_step_loop_that_ended_by_a_break_is_replaced_bit_for
     ("imagenet_main.py", ["--epochs", "4"], "1:10:SIGKILL"),
     ("nanogpt_train.py", ["--max_iters=40", "--eval_interval=20"], "0:15:SIGKILL"),
     ("trainer_ddp.py", ["12", "5"], "1:9:SIGSTOP"),
+    ("trainer_ddp.py", ["12", "5"], "1:15:SIGKILL"),  # an epoch's last step: the others go on into the region
 ])
 def test_a_rank_lost_after_its_optimizer_step_is_replaced_bit_for_bit(tmp_path, torchrun_reference, name, args,
                                                                      fault):
@@ -309,6 +310,62 @@ def test_a_collective_after_the_optimizer_step_is_recorded_and_retried(tmp_path,
     code, job = _faulted(tmp_path, script, fault, where="AFTER_STEP", env={"EXPORT": str(run / "export")})
     assert code == 0 and (tmp_path / "fired").exists(), job.log()
     _compare(ref, run)
+    assert [(e["kind"], e["status"]) for e in job.events()] == [("unplanned", "resolved")], job.events()
+
+
+EPOCH_END = """
+import os, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+rank = dist.get_rank()
+model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.2), torch.nn.Linear(16, 1)))
+opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.9)
+data = TensorDataset(torch.randn(256, 8), torch.randn(256, 1))
+sampler = DistributedSampler(data)
+epochs_done, best = 0, float("inf")
+for epoch in range(4):
+    sampler.set_epoch(epoch)
+    running = 0.0
+    for x, y in DataLoader(data, batch_size=8, sampler=sampler):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        running += loss.item()
+    sched.step()  # the epoch's end: no collective here, so the survivors go on to the next epoch
+    epochs_done, best = epoch + 1, min(best, running)
+    if rank == 0:
+        torch.save({"model": model.module.state_dict(), "epoch": epoch}, os.path.join(os.environ["EXPORT"], "ckpt.pt"))
+torch.save({"model": model.module.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
+            "rng": torch.get_rng_state(), "epochs": epochs_done, "best": best},
+           os.path.join(os.environ["EXPORT"], f"rank{rank}.pt"))
+dist.destroy_process_group()
+os._exit(0)  # past gloo's exit-time abort with torch 2.13 (baton/examples/plain_exit.py), as tests/nocode do
+"""
+
+
+@pytest.mark.parametrize("fault", ["1:15:SIGKILL", "0:31:SIGKILL"])
+def test_a_rank_lost_after_an_epochs_last_step_is_replaced_bit_for_bit(tmp_path, torchrun_reference, fault):
+    """The rank dies right after the optimizer step of its epoch's last step. The epoch's end
+    runs no collective, so the survivors leave the step loop, step the scheduler, write the
+    checkpoint and fail in the next epoch's first step: the spare runs the lost step again,
+    leaves the loop as they did, runs the epoch's end with them and joins at the next epoch's
+    first head. (With an evaluation that all-reduces, the survivors wait in it instead:
+    test_a_rank_lost_after_its_optimizer_step_is_replaced_bit_for_bit, trainer_ddp.py.)"""
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(EPOCH_END))
+    ref = torchrun_reference(script, [], env={"EXPORT": "{d}/export"})
+    run = tmp_path / "job"
+    (run / "export").mkdir(parents=True)
+    code, job = _faulted(tmp_path, script, fault, where="AFTER_STEP", env={"EXPORT": str(run / "export")})
+    assert code == 0 and (tmp_path / "fired").exists(), job.log()
+    _compare(ref, run)
+    written = [torch.load(d / "export" / "ckpt.pt") for d in (ref, run)]
+    assert differences(*written) == [] and written[1]["epoch"] == 3
     assert [(e["kind"], e["status"]) for e in job.events()] == [("unplanned", "resolved")], job.events()
 
 

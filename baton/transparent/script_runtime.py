@@ -64,6 +64,9 @@ class _Replay:
     patched: list[Any] = field(default_factory=list)  # the optimizers whose step() takes it instead
     stepped: int = 0
     joined: bool = False  # where the survivors stood, in a collective after the step (`_join_replayed`)
+    # The survivors' record of the region after the step loop, where they went on into it
+    # from the next head (the step was the loop's last): the successor joins them there.
+    region: dict[str, Any] | None = None
 
 
 class PeerLost(BaseException):
@@ -89,6 +92,7 @@ class ScriptRuntime(Runtime):
         self.copies = tail.CopyPool()  # the tensors of records dropped, for the next records' copies
         self.replay: _Replay | None = None  # a successor running again the step its predecessor was lost after
         self.in_tail = False  # recovering in a collective after a step's optimizer step
+        self.exit_join: _Replay | None = None  # ran the step again; the survivors stand past the loop's exit
         self._frame_at: tuple[Any, int] = ((-1, 0), HEAD_SEQ)  # the latest frame's position and sequence
 
     # ---------------------------------------------------------------- the loop, as the script runs it
@@ -129,6 +133,8 @@ class ScriptRuntime(Runtime):
 
     def at_head(self) -> None:
         """A head of the step loop, before its next item is drawn."""
+        if self.exit_join is not None:
+            self._not_at_the_exit()
         if self.replay is not None:  # a successor that ran its predecessor's last step again
             self._end_replay()
             self._start_step()
@@ -157,7 +163,7 @@ class ScriptRuntime(Runtime):
         self._record_step()
         frame = encode_frame(self.rank, self.pos, self.group.generation, self._next_seq(), state)
         self.at_pos, self.at_pos_rng = frame, state["rng"]
-        if self.wards:
+        if self.wards and not self.joiner:  # a successor not yet joined has no generation to push in
             self.pusher.push(frame)
         self.current = self._begin_step(Step)
 
@@ -168,6 +174,8 @@ class ScriptRuntime(Runtime):
         if not self.loop_started or isinstance(exc, (UsageError, KeyboardInterrupt, SystemExit, GeneratorExit)) or \
                 not self.is_peer_failure(exc):
             return False
+        if self.exit_join is not None:
+            self._not_at_the_exit()
         if not in_step_loop or self.scope != "step" or self.head_state is None:
             raise Divergence(f"rank {self.rank}: a peer was lost ({type(exc).__name__}: {exc}) outside a step of the "
                              "script's step loop (in its evaluation or checkpoint after the loop, say); this version "
@@ -220,6 +228,9 @@ class ScriptRuntime(Runtime):
         self.scope = self.tracked.scope = REGION
         self.current = None
         self.region = Region.at_exit(self.pos, self.tracked)
+        if self.exit_join is not None:
+            self._join_at_exit(self.exit_join)
+            return
         state = self._own_state(self.pos)
         state["script"] = section
         if self.wards:
@@ -391,7 +402,9 @@ class ScriptRuntime(Runtime):
         self.loop = self.loop.model_copy(update={"start_step": int(state["loop_start"])})
         self.pos = tuple(rec.pos)  # type: ignore[assignment]
         self.params_step = self.pos[0]
-        self.replay = _Replay(cmd, stats, t0, t_fetched, state["replicated"])
+        region = state.get("region")
+        self.replay = _Replay(cmd, stats, t0, t_fetched, state["replicated"],
+                              region=region if region is not None and tuple(region["pos"]) == tuple(cmd.pos) else None)
         for opt in self.tracked.optimizers():
             previous = opt.__dict__.get("step")
             opt.step = self._stepped_instead(opt)  # type: ignore[method-assign]
@@ -428,8 +441,37 @@ class ScriptRuntime(Runtime):
         self.step_record = None
         self.pos = (rec.pos[0] + 1, 0)
         self.params_step = self.pos[0]
-        if not replay.joined:
-            self._join_replayed(replay)
+        if replay.joined:
+            return
+        if replay.region is not None:  # the survivors' loop ended here: this one must too (at_exit)
+            self.exit_join = replay
+            return
+        self._join_replayed(replay)
+
+    def _join_at_exit(self, replay: _Replay) -> None:
+        """The successor that ran its predecessor's last step again left the step loop there,
+        as the survivors did: it runs the region with their record of it (as `join_in_region`)
+        and forms the generation where the record runs out."""
+        self.exit_join = None
+        served = replay.region
+        assert served is not None and self.region is not None
+        if served["not_replayable"]:
+            self.stop(f"rank {self.rank} was lost after the last step of its step loop (step {self.pos[0] - 1}), "
+                      f"and the survivors' region after the loop runs {served['not_replayable']}, whose result "
+                      "differs by rank: it cannot be run again here. The job stops here: restart it from your "
+                      "own checkpoint.")
+        self.region.replay = Record.replay_of(served)
+        self.region.join = lambda: self._form_late(replay.cmd, replay.stats, replay.t0, replay.t_fetched,
+                                                   "its predecessor's last step again and the region after it")
+        log.info("ran step %d again and left the step loop as the survivors did: %d collectives of the region "
+                 "to answer", self.pos[0] - 1, len(self.region.replay))
+
+    def _not_at_the_exit(self) -> None:
+        """The survivors left the step loop after the step this successor ran again, and this
+        one drew another item: it took another way."""
+        self.stop(f"rank {self.rank}: running again step {self.pos[0] - 1}, the step its predecessor was lost after, "
+                  "the script drew another item from its step loop where the survivors' loop ended. The job stops "
+                  "here: restart it from your own checkpoint.")
 
     def _join_replayed(self, replay: "_Replay | None" = None) -> None:
         """Form the generation with the survivors: at the next head, or where they stood in a
