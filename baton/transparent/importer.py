@@ -4,8 +4,9 @@ The script's own modules are the Python files under its directory, as `python sc
 would import them from `sys.path[0]`; installed packages (site-packages, the standard
 library, torch, baton) run as they are. A loop in one of those is not the script's: if
 the step loop lives there (Lightning, the HF Trainer), `nest` sees no instrumented loop
-around `optimizer.step()` and says so. Instrumented code is compiled afresh at each
-import and never written to `__pycache__`, so a later plain `python` run is unaffected.
+around `optimizer.step()` and says so. Instrumented code is compiled afresh in each
+process (ahead of the import where `precompile` could) and never written to `__pycache__`,
+so a later plain `python` run is unaffected.
 """
 
 from __future__ import annotations
@@ -17,15 +18,16 @@ import types
 from pathlib import Path
 from typing import Any, Sequence
 
+from baton.transparent import precompile
 from baton.transparent.loops import LOOPS
-from baton.transparent.rewrite import HOOKS, compile_instrumented
+from baton.transparent.rewrite import HOOKS
 from baton.worker.script_files import ScriptModules
 
 
 class _InstrumentedLoader(importlib.machinery.SourceFileLoader):
     def get_code(self, fullname: str) -> Any:
         path = self.get_filename(fullname)
-        return compile_instrumented(self.get_data(path), path)
+        return precompile.take(self.get_data(path), path)
 
     def exec_module(self, module: types.ModuleType) -> None:
         module.__dict__[HOOKS] = LOOPS
@@ -58,7 +60,7 @@ def run_script(script: str, args: Sequence[str]) -> None:
                          __package__=None, __cached__=None)
     main.__dict__[HOOKS] = LOOPS
     sys.modules["__main__"] = main
-    code = compile_instrumented(path.read_bytes(), str(path))
+    code = precompile.take(path.read_bytes(), str(path))
     exec(code, main.__dict__)  # noqa: S102 - the user's own script, as `python script.py` runs it
 
 

@@ -47,14 +47,27 @@ _COMPREHENSIONS = (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
 
 def rewrite(source: str | bytes, filename: str) -> ast.Module:
     """The module's syntax tree with every loop instrumented (SyntaxError as compile gives it)."""
+    tree, declared = rewrite_ahead(source, filename)
+    SITES.declare_globals(filename, declared)
+    return tree
+
+
+def rewrite_ahead(source: str | bytes, filename: str) -> tuple[ast.Module, tuple[str, ...]]:
+    """As `rewrite`, and the module globals its functions declare `global`, not yet declared
+    to the runtime (which reads them at every head): a module instrumented ahead of its
+    import (`precompile`) is declared when it is imported."""
     tree = ast.parse(source, filename=filename)
-    SITES.declare_globals(filename, liveness.declared_global(tree))
+    declared = liveness.declared_global(tree)
     tree = _Instrument(filename, tree).visit(tree)
-    return ast.fix_missing_locations(tree)
+    return ast.fix_missing_locations(tree), declared
 
 
 def compile_instrumented(source: str | bytes, filename: str) -> object:
-    return compile(rewrite(source, filename), filename, "exec", dont_inherit=True)
+    return compile_tree(rewrite(source, filename), filename)
+
+
+def compile_tree(tree: ast.Module, filename: str) -> object:
+    return compile(tree, filename, "exec", dont_inherit=True)
 
 
 def _own_nodes(nodes: Iterable[ast.AST]) -> Iterable[ast.AST]:

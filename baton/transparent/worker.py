@@ -13,6 +13,7 @@ handed to the runtime (`controller`). The process exits with the script's exit c
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 
 def main(argv: list[str]) -> None:
@@ -20,7 +21,7 @@ def main(argv: list[str]) -> None:
         print("usage: python -m baton.transparent.worker script.py [args...]", file=sys.stderr)
         sys.exit(2)
     script, args = argv[0], argv[1:]
-    from baton.transparent import intercept
+    from baton.transparent import intercept, precompile
     from baton.transparent.controller import StepLoopController
     from baton.transparent.importer import print_script_error, run_script
     from baton.transparent.script_runtime import ScriptRuntime
@@ -28,9 +29,11 @@ def main(argv: list[str]) -> None:
     from baton.worker.exit import exit_quietly
     from baton.worker.script_files import ScriptModules, script_dir_of
 
+    modules = ScriptModules(script_dir_of(script))
+    precompile.ahead(Path(script), modules)  # a spare: before it waits, not in a move's downtime
     rt = job_mod.join(ScriptRuntime, script)  # which sets torchrun's environment
     assert isinstance(rt, ScriptRuntime)
-    controller = StepLoopController(rt, ScriptModules(script_dir_of(script)), script, args)
+    controller = StepLoopController(rt, modules, script, args)
     intercept.install(rt, job_mod.Job(rt), rt.finish_script)
     controller.attach()
     code = 0
