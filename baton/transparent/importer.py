@@ -18,7 +18,7 @@ import types
 from pathlib import Path
 from typing import Any, Sequence
 
-from baton.transparent import precompile
+from baton.transparent import ahead
 from baton.transparent.loops import LOOPS
 from baton.transparent.rewrite import HOOKS
 from baton.worker.script_files import ScriptModules
@@ -27,7 +27,7 @@ from baton.worker.script_files import ScriptModules
 class _InstrumentedLoader(importlib.machinery.SourceFileLoader):
     def get_code(self, fullname: str) -> Any:
         path = self.get_filename(fullname)
-        return precompile.take(self.get_data(path), path)
+        return ahead.take(self.get_data(path), path)
 
     def exec_module(self, module: types.ModuleType) -> None:
         module.__dict__[HOOKS] = LOOPS
@@ -60,7 +60,7 @@ def run_script(script: str, args: Sequence[str]) -> None:
                          __package__=None, __cached__=None)
     main.__dict__[HOOKS] = LOOPS
     sys.modules["__main__"] = main
-    code = precompile.take(path.read_bytes(), str(path))
+    code = ahead.take(path.read_bytes(), str(path))
     exec(code, main.__dict__)  # noqa: S102 - the user's own script, as `python script.py` runs it
 
 

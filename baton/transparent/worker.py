@@ -21,7 +21,7 @@ def main(argv: list[str]) -> None:
         print("usage: python -m baton.transparent.worker script.py [args...]", file=sys.stderr)
         sys.exit(2)
     script, args = argv[0], argv[1:]
-    from baton.transparent import intercept, precompile
+    from baton.transparent import ahead, intercept
     from baton.transparent.controller import StepLoopController
     from baton.transparent.importer import print_script_error, run_script
     from baton.transparent.script_runtime import ScriptRuntime
@@ -30,7 +30,7 @@ def main(argv: list[str]) -> None:
     from baton.worker.script_files import ScriptModules, script_dir_of
 
     modules = ScriptModules(script_dir_of(script))
-    precompile.ahead(Path(script), modules)  # a spare: before it waits, not in a move's downtime
+    ahead.prepare(Path(script), modules)  # a spare: before it waits, not in a move's downtime
     rt = job_mod.join(ScriptRuntime, script)  # which sets torchrun's environment
     assert isinstance(rt, ScriptRuntime)
     controller = StepLoopController(rt, modules, script, args)
