@@ -71,3 +71,42 @@ def test_a_comm_hook_baton_cannot_move_is_refused_before_training(tmp_path, regi
         job.kill()
     log = job.log(None)
     assert expect in log and "registered" not in log, log[-3000:]
+
+
+TWO_PHASES = """
+import torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+dist.init_process_group("gloo")
+model = DDP(torch.nn.Linear(4, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(5):  # a warm-up phase: the step loop baton finds
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+print("warm-up done", flush=True)
+for step in range(5):  # the main phase, another loop
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+print("main done", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_a_second_loop_that_steps_the_optimizer_stops_the_job_saying_so(tmp_path):
+    """The step loop is the one around the first optimizer.step(); a later phase in another
+    loop would have boundaries baton does not know, so its first optimizer step ends the job
+    non-zero, naming the rule (never a move that cannot be placed)."""
+    script = tmp_path / "phases.py"
+    script.write_text(TWO_PHASES)
+    job = Job(tmp_path, nproc=2, spares=0, script=script, out_arg=False)
+    try:
+        assert job.wait(timeout=120) != 0, job.log()
+    finally:
+        job.kill()
+    log = job.log(None)
+    assert "may step its optimizers in one loop only" in log and "phases.py:8" in log, log[-3000:]
+    assert "phases.py\", line 15" in log, log[-3000:]  # the script's own line, in its traceback
+    out = (tmp_path / "job" / "stdout.log").read_text()
+    assert "warm-up done" in out and "main done" not in out, out

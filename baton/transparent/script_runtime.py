@@ -689,12 +689,9 @@ class ScriptRuntime(Runtime):
     def _check_no_stray_draws(self, where: str) -> None:
         """The script may draw between steps (a loader's iterator, its evaluation): not a rule here."""
 
-    def _on_optimizer_step(self, *_: Any) -> None:
-        if not self.loop_started or self.loading:
-            return
-        if self.scope == "step":
-            self.committed = True
-            self.params_step = self.pos[0] + 1
-            return
-        raise UsageError("optimizer.step() ran outside the step loop baton found (at the first optimizer step): "
-                         "a script with no code change may step its optimizers in one loop only")
+    def _stepped_outside_steps(self) -> str:
+        where = f" ({self.loop.step_loop})" if self.loop is not None and self.loop.step_loop else ""
+        return (f"optimizer.step() ran outside the step loop baton found at the first optimizer step{where}: a "
+                "script with no code change may step its optimizers in one loop only, since a move can stop only "
+                "at that loop's heads. Train every phase in that one loop, or port the script to the model-aware "
+                "API (a `with step:` block in each loop)")

@@ -246,8 +246,11 @@ class Captures:
             self.committed = True
             self.params_step = self.pos[0] + 1
             return
+        raise UsageError(self._stepped_outside_steps())
+
+    def _stepped_outside_steps(self) -> str:
         where = "a boundary function" if self.scope == "boundary" else "outside `with step:`"
-        raise UsageError(f"optimizer.step() ran in {where}: parameters may only change inside steps")
+        return f"optimizer.step() ran in {where}: parameters may only change inside steps"
 
     def is_peer_failure(self, exc: BaseException) -> bool:
         if isinstance(exc, (UsageError, KeyboardInterrupt, SystemExit, GeneratorExit)):
