@@ -93,7 +93,7 @@ def _torchrun_llama(tmp: Path, nproc: int, args: list[str], script: Path = LLAMA
 
 # Residual dropout (random draws inside the step) and gradient accumulation over two microbatches
 # (FSDP2 keeps unsharded gradients between them: what a failure mid-step must discard).
-FOUR_ARGS = ["--steps", "50", "--eval-every", "10", "--dropout", "0.1", "--grad-accum", "2", "--batch-size", "4"]
+FOUR_ARGS = ["--steps", "36", "--eval-every", "10", "--dropout", "0.1", "--grad-accum", "2", "--batch-size", "4"]
 
 
 def _shared_reference(tmp_path_factory, name: str, nproc: int, args: list[str]) -> list[dict[str, torch.Tensor]]:
@@ -300,9 +300,13 @@ def _move_then_kill(tmp_path: Path, script: Path, nproc: int, args: list[str]) -
     return reference, log
 
 
-@pytest.mark.parametrize("replicas, nproc, titan", [(1, 2, []), (1, 2, ["--compile"]), (2, 4, TITAN)],
+# Steps: enough that a fault the test injects once the status shows a step (heartbeats lag
+# by up to a second) lands before the end; 4-rank steps on 2 cores take ~0.5 s, 2-rank ~0.05 s.
+@pytest.mark.parametrize("replicas, nproc, titan, steps", [(1, 2, [], 60), (1, 2, ["--compile"], 60),
+                                                          (2, 4, TITAN, 24)],
                          ids=["fsdp", "fsdp-compiled", "hsdp-bf16-ac"])
-def test_buffers_a_first_forward_registers_reach_each_joiner_with_their_values(tmp_path, replicas, nproc, titan):
+def test_buffers_a_first_forward_registers_reach_each_joiner_with_their_values(tmp_path, replicas, nproc, titan,
+                                                                              steps):
     """The llama with running statistics each RMSNorm registers on its first training forward
     (persistent, each rank's own: FSDP2 syncs no buffer), through a planned move and a kill -9.
     Each joiner registers the statistics it lacks with its predecessor's values before it
@@ -312,7 +316,7 @@ def test_buffers_a_first_forward_registers_reach_each_joiner_with_their_values(t
     failed), and residual dropout draws inside the recomputed blocks. Compiled blocks (no
     checkpointing) take the registration without a graph break, recompile once, and a joiner's
     fresh compile runs the same code: no divergence is claimed, and none happens."""
-    args = ["--steps", "60", "--eval-every", "10", "--dropout", "0.1", "--replicas", str(replicas), *titan]
+    args = ["--steps", str(steps), "--eval-every", "10", "--dropout", "0.1", "--replicas", str(replicas), *titan]
     reference, log = _move_then_kill(tmp_path, LAZY_STATS, nproc, args)
     assert sum("running_mean" in k for k in reference[0]) == 7, sorted(reference[0])  # 3 blocks x 2, and the last
     assert log.count("registered the buffers the source's forward made") == 2, log[-3000:]
@@ -362,6 +366,6 @@ def test_hsdp_in_torchtitans_shape_moves_and_recovers_bitwise(tmp_path):
     (torch.compile, inductor), then sharded with bf16 parameters and fp32 reductions; two
     microbatches a step. A joiner compiles its blocks afresh in its first step and still ends
     bitwise equal to the failure-free run."""
-    args = ["--steps", "60", "--eval-every", "10", "--grad-accum", "2", "--batch-size", "4", "--replicas", "2",
+    args = ["--steps", "24", "--eval-every", "10", "--grad-accum", "2", "--batch-size", "4", "--replicas", "2",
             *TITAN, "--compile"]
     _move_then_kill(tmp_path, LLAMA, 4, args)
