@@ -15,8 +15,8 @@ time and the CPU-seconds of the whole process tree per step over the same window
 contenders.py); ratios are taken within each round, reported as median (min-max) over
 rounds. Moves (one run per baton contender and round): a planned move of rank 1 at step
 `--move-at`, then a kill -9 of rank 1 at step `--kill-at`: the planned downtime and the
-new rank's setup from the ledger, the unplanned stall (from the kill to the next step
-beyond the one reached) from the progress log, the same measure for both.
+new rank's setup from the ledger, the unplanned stall (from the kill to the replacement's
+first completed step, from rank 1's own progress log) the same measure for both.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ README = BENCH.parent / "README.md"
 def _moves(c: Contender, w: Workload, run_dir: Path, move_at: int, kill_at: int, timeout: float = 600) -> dict:
     """One run: a planned move of rank 1 at `move_at`, a kill -9 of rank 1 at `kill_at`."""
     job = launch(c, w, run_dir)
-    progress, offset, reached = run_dir / "progress.jsonl", 0, 0
+    progress, offset, reached, rank1_offset = run_dir / "progress.jsonl", 0, 0, 0
     moved = killed = None
     settled = _MovesSettled(run_dir)
     t0 = time.time()
@@ -53,7 +53,10 @@ def _moves(c: Contender, w: Workload, run_dir: Path, move_at: int, kill_at: int,
             steps = [e for e in events if e["ev"] == "step"]
             reached = max([reached, *(e["step"] for e in steps)])
             if killed is not None and killed["regained"] is None:
-                after = next((e for e in steps if e["t"] > killed["t"] and e["step"] > killed["step"]), None)
+                # the replacement's first completed step: a survivor may still complete the
+                # step the killed rank had finished its part of, which is no return
+                back, rank1_offset = _read_events(run_dir / "progress.rank1.jsonl", rank1_offset)
+                after = next((e for e in back if e["ev"] == "step" and e["t"] > killed["t"]), None)
                 if after is not None:
                     killed["regained"] = after["t"]
             if moved is None and reached >= move_at:

@@ -9,11 +9,12 @@ Every mode trains the same MLP on the same batches in the same order (a
 DataLoader over a DistributedSampler, cycled over epochs), so the modes differ
 only in the harness around the step. What the workload leaves in --run-dir:
 
-  progress.jsonl  rank 0 only, one JSON line per event, wall-clock "t" (time.time()):
+  progress.jsonl  rank 0's events, one JSON line each, wall-clock "t" (time.time()):
                   {"ev": "start", "process_start"} / {"ev": "resume", "step", "load_s"} /
                   {"ev": "step", "step"} (steps done) / {"ev": "absorbed", "step"} (baton: an attempt
                   at that step failed, was absorbed and will run again; not progress) /
                   {"ev": "save", "step", "save_s"} / {"ev": "done"}
+  progress.rank<R>.jsonl  the other ranks' "step" events (a replacement appends to its rank's)
   pid.rank<R>     the pid of the process that is rank R now (rewritten by a restart or a spare)
   cpu.rank<R>.json  this rank's own CPU time (getrusage RUSAGE_SELF: every thread, µs resolution)
                   when it had done --warmup steps and when it had done all --steps, with the

@@ -56,11 +56,12 @@ class Progress:
         if self.dir is not None:
             self.dir.mkdir(parents=True, exist_ok=True)
             (self.dir / f"pid.rank{rank}").write_text(str(os.getpid()))
-            if rank == 0:
-                self.log = open(self.dir / "progress.jsonl", "a", buffering=1)
+            # rank 0's events drive the harness; the others' steps time a replacement's return
+            name = "progress.jsonl" if rank == 0 else f"progress.rank{rank}.jsonl"
+            self.log = open(self.dir / name, "a", buffering=1)
 
     def emit(self, ev: str, **kw) -> None:
-        if self.log is not None:
+        if self.log is not None and (self.rank == 0 or ev == "step"):
             self.log.write(json.dumps({"ev": ev, "t": time.time(), **self.tags, **kw}) + "\n")
 
     def step(self, done: int, **kw) -> None:

@@ -43,8 +43,10 @@ log = logging.getLogger("baton.transfer")
 # `snapshot_key(rank, step)`, goes where the others send a generation), or open a buddy's
 # link: one connection kept from boundary to boundary, over which it asks where each
 # snapshot lies in shared memory (a buddy on the same machine maps it; see shared.py) or
-# fetches it.
-FETCH, PUSH, WARD, SNAPSHOT, SNAPSHOT_LINK = b"F", b"P", b"W", b"S", b"R"
+# fetches it. FETCH_TAIL fetches the part of a published state a joiner needs only in one
+# case (a script's record of the step its predecessor was lost after), published apart so
+# that the others never move its bytes.
+FETCH, PUSH, WARD, SNAPSHOT, SNAPSHOT_LINK, FETCH_TAIL = b"F", b"P", b"W", b"S", b"R", b"T"
 # A link's requests: an op, then the snapshot key.
 LINK_REQUEST = struct.Struct("!cQ")
 LINK_REF, LINK_FETCH = b"R", b"S"
@@ -97,7 +99,8 @@ class TransferServer:
         self._sock.listen(64)
         self.address = self._sock.getsockname()[:2]
         self._cond = threading.Condition()
-        self._published: tuple[int, FlatState, list[list[Piece]], list[memoryview]] | None = None
+        # by request kind (FETCH, FETCH_TAIL): the generation, its state and how it is sent
+        self._published: dict[bytes, tuple[int, FlatState, list[list[Piece]], list[memoryview]]] = {}
         self._closed = False
         # Fault injection for tests: corrupt the first sending of these chunk indices.
         env = os.environ.get("BATON_FAULT_CORRUPT_CHUNKS", "")
@@ -174,16 +177,16 @@ class TransferServer:
             else:
                 self._reading.pop(id(state), None)
 
-    def publish(self, generation: int, state: FlatState) -> None:
+    def publish(self, generation: int, state: FlatState, kind: bytes = FETCH) -> None:
         views = [byte_view(t) for t in state.tensors]
         chunks = plan_chunks([len(v) for v in views], self.chunk_bytes)
         with self._cond:
-            self._published = (generation, state, chunks, views)
+            self._published[kind] = (generation, state, chunks, views)
             self._cond.notify_all()
 
     def retract(self) -> None:
         with self._cond:
-            self._published = None
+            self._published.clear()
 
     def close(self) -> None:
         with self._cond:
@@ -203,15 +206,16 @@ class TransferServer:
                 return
             selfcost.spawn(self._serve, "baton-transfer-conn", (conn,))
 
-    def _wait_published(self, generation: int) -> tuple[FlatState, list[list[Piece]], list[memoryview]] | None:
+    def _wait_published(self, generation: int,
+                        kind: bytes = FETCH) -> tuple[FlatState, list[list[Piece]], list[memoryview]] | None:
         with self._cond:
             ok = self._cond.wait_for(
-                lambda: self._published is not None and self._published[0] >= generation,
+                lambda: kind in self._published and self._published[kind][0] >= generation,
                 timeout=self.publish_wait_s,
             )
-            if not ok or self._published is None or self._published[0] != generation:
+            if not ok or kind not in self._published or self._published[kind][0] != generation:
                 return None
-            _, state, chunks, views = self._published
+            _, state, chunks, views = self._published[kind]
             return state, chunks, views
 
     def _serve(self, conn: socket.socket) -> None:
@@ -223,7 +227,7 @@ class TransferServer:
                 kind = recv_exact(conn, 1)
                 (generation,) = struct.unpack("!Q", recv_exact(conn, 8))
                 digest = recv_exact(conn, 32)
-                if kind not in (FETCH, PUSH, WARD, SNAPSHOT, SNAPSHOT_LINK) or \
+                if kind not in (FETCH, PUSH, WARD, SNAPSHOT, SNAPSHOT_LINK, FETCH_TAIL) or \
                         not hmac.compare_digest(digest, auth_digest(self.token, nonce, generation, kind)):
                     send_json(conn, {"error": "authentication failed: wrong job token"})
                     return
@@ -249,7 +253,7 @@ class TransferServer:
                         self._done_reading(found[0])
                     return
                 else:
-                    found = self._wait_published(generation)
+                    found = self._wait_published(generation, kind)
                     if found is None:
                         send_json(conn, {"error": f"no state published for generation {generation}"})
                         return

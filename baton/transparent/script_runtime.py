@@ -19,6 +19,7 @@ like torchrun's: nothing is captured, and nothing can move yet.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -31,6 +32,7 @@ import torch.distributed as dist
 from baton.control import messages as m
 from baton.transfer import FetchStats, TransferError
 from baton.transfer.bundles import Bundle, encode_frame
+from baton.transfer.server import FETCH, FETCH_TAIL
 from baton.transparent import tail
 from baton.transparent.region import Region, load_small_state, small_state
 from baton.transparent.tail import StepRecord
@@ -306,7 +308,7 @@ class ScriptRuntime(Runtime):
         if not (cmd.full_state or cmd.snapshot):
             state["bundle"] = self._lost_bundle(cmd.lost, tuple(cmd.pos))  # type: ignore[arg-type]
             if "script" not in state["bundle"]:
-                self._tail_bundle(cmd, state)
+                stats = self._tail_bundle(cmd, state, stats)
         if "script" not in state["bundle"]:
             raise Divergence(f"rank {self.rank}: the rank this process replaces was lost where its place in the "
                              f"script was never shared (step {cmd.pos[0]}: before its step loop's first boundary, or "
@@ -327,14 +329,22 @@ class ScriptRuntime(Runtime):
             self.prefetch.close()
             self.ctl.watch_forms(None)
 
-    def _tail_bundle(self, cmd: m.Form, state: dict[str, Any]) -> None:
+    def _tail_bundle(self, cmd: m.Form, state: dict[str, Any], stats: FetchStats) -> FetchStats:
         """The rank was lost after its last collective of the step before the target: its
-        head there, to run that step again from, where the survivors recorded it (tail)."""
-        served = state.get("tail")
+        head there, to run that step again from, where the survivors recorded it (tail),
+        fetched only now that it is needed. The fetch statistics, with its bytes."""
         target = tuple(cmd.pos)
         before = (target[0] - 1, 0)
+        try:
+            fetched, more = self._fetch_state(cmd.fetch_from, cmd.generation, target, cmd.formation_timeout_s,
+                                              kind=FETCH_TAIL)
+        except TransferError as exc:
+            log.info("no record of step %d to run again: %s", before[0], exc)
+            return stats
+        stats = dataclasses.replace(stats, bytes=stats.bytes + more.bytes, seconds=stats.seconds + more.seconds)
+        served = fetched["tail"]
         if served is None or tuple(served["pos"]) != before or served["params"] is None:
-            return
+            return stats
         if served["not_replayable"]:
             raise Divergence(f"rank {self.rank} was lost after its last collective of step {before[0]}, which ran "
                              f"{served['not_replayable']} (its result differs by rank): that step cannot be run "
@@ -342,11 +352,12 @@ class ScriptRuntime(Runtime):
         try:
             head = self._lost_bundle(cmd.lost, before)  # type: ignore[arg-type]
         except TransferError:
-            return
+            return stats
         if "script" in head:
-            state["bundle"], state["replay_tail"] = head, True
+            state["bundle"], state["replay_tail"], state["tail"] = head, True, served
             log.info("rank %d was lost after its last collective of step %d: running that step again",
                      self.rank, before[0])
+        return stats
 
     def join_at_head(self, cmd: m.Form, state: dict[str, Any], stats: FetchStats, t0: float) -> None:
         """The joiner reached its rank's step loop head (the controller walked it there): take
@@ -538,6 +549,14 @@ class ScriptRuntime(Runtime):
         self.ctl.report(m.Formed(generation=gen, pos=self.pos, bytes=stats.bytes, seconds=round(stats.seconds, 4),
                                  setup_s=round(self.setup_s, 4), fetch_wait_s=round(t_fetched - t0, 4)))
         self.joiner = False
+
+    def _served_parts(self, state: dict[str, Any]) -> dict[bytes, dict[str, Any]]:
+        """The record of the step before (tail) apart, and first: a successor fetches it only
+        when its predecessor was lost after that step's last collective (`_tail_bundle`),
+        and its bytes (the parameters at that step's head, its gradient buckets) are as
+        many again as the replicated state's."""
+        tail = state.pop("tail", None)
+        return {FETCH_TAIL: {"pos": state["pos"], "tail": tail}, FETCH: state}
 
     def _state(self, full: bool, digest: bool = True, encoded: bool = False) -> dict[str, Any]:
         """As the model-aware runtime's, with the record of the latest region: a successor

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from baton.control import messages as m
 from baton.transfer import TransferError, codec
 from baton.transfer.protocol import FlatState
+from baton.transfer.server import FETCH
 from baton.worker import shards, verify
 from baton.worker.exit import exit_quietly
 from baton.worker.group import CollectiveFailure
@@ -74,9 +75,15 @@ class PlannedHandover:
         return True  # pragma: no cover
 
     def publish(self, generation: int, full: bool) -> None:
-        meta, tensors = codec.encode(self._state(full))
-        self.server.publish(generation, FlatState(meta=meta, tensors=tensors))
-        log.info("published generation %s (full=%s): %d tensors", generation, full, len(tensors))
+        for kind, part in self._served_parts(self._state(full)).items():
+            meta, tensors = codec.encode(part)
+            self.server.publish(generation, FlatState(meta=meta, tensors=tensors), kind)
+            log.info("published generation %s (full=%s, %s): %d tensors", generation, full, kind.decode(),
+                     len(tensors))
+
+    def _served_parts(self, state: dict[str, Any]) -> dict[bytes, dict[str, Any]]:
+        """What this rank serves, by request kind, in the order published."""
+        return {FETCH: state}
 
     def _state(self, full: bool, digest: bool = True, encoded: bool = False) -> dict[str, Any]:
         """What this rank serves: its replicated state, and with `full` its own and its shards
