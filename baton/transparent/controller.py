@@ -320,6 +320,7 @@ class _CatchUp:
         c = self.c
         assert self.fetched is not None
         cmd, state, stats = self.fetched
+        state, stats = c.rt.fetched_state(state, stats)
         c.step_loop, c.step_site = loop, loop.site.id
         c.catch_up = None
         try:
@@ -331,6 +332,7 @@ class _CatchUp:
         c = self.c
         assert self.fetched is not None
         cmd, state, stats = self.fetched
+        state, stats = c.rt.fetched_state(state, stats)
         c.step_loop, c.step_site = loop, loop.site.id
         c.catch_up = None
         c.rt.join_at_head(cmd, state, stats, self.t0)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -69,6 +70,31 @@ class _Replay:
     # The survivors' record of the region after the step loop, where they went on into it
     # from the next head (the step was the loop's last): the successor joins them there.
     region: dict[str, Any] | None = None
+
+
+_FETCHING = "fetching"  # fetch_for_join's state: the replicas' part, still arriving (a Background)
+
+
+class Background:
+    """One call run on a thread of its own; `result()` waits for it, and raises what it raised."""
+
+    def __init__(self, call: Callable[[], Any]):
+        self._out: list[Any] = []
+        self._thread = threading.Thread(target=self._run, args=(call,), name="baton-join-fetch", daemon=True)
+        self._thread.start()
+
+    def _run(self, call: Callable[[], Any]) -> None:
+        try:
+            self._out.append((True, call()))
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
+            self._out.append((False, exc))
+
+    def result(self) -> Any:
+        self._thread.join()
+        ok, value = self._out[0]
+        if not ok:
+            raise value
+        return value
 
 
 class PeerLost(BaseException):
@@ -301,10 +327,15 @@ class ScriptRuntime(Runtime):
     def fetch_for_join(self) -> tuple[m.Form, dict[str, Any], FetchStats]:
         """A joiner: the Form naming its target and the state it takes over (blocks until both):
         its predecessor's own (a planned move), or the replicas' and its buddies' record of the
-        lost rank at the target (a rebuild)."""
+        lost rank at the target (a rebuild). In a rebuild only the rank's own record is here
+        when this returns, which is what the walk to its place reads; the replicas' state
+        arrives meanwhile, and `fetched_state` waits for it where the joiner loads it."""
         cmd = self.wait_for(m.Form)
         fetched = self.prefetch.take(cmd) if self.prefetch is not None else None
-        state, stats = fetched if fetched is not None else self._fetch_for(cmd)
+        if fetched is None and not (cmd.full_state or cmd.snapshot):
+            state, stats = {_FETCHING: Background(lambda: self._fetch_for(cmd))}, FetchStats()
+        else:
+            state, stats = fetched if fetched is not None else self._fetch_for(cmd)
         if not (cmd.full_state or cmd.snapshot):
             state["bundle"] = self._lost_bundle(cmd.lost, tuple(cmd.pos))  # type: ignore[arg-type]
             if "script" not in state["bundle"]:
@@ -315,6 +346,18 @@ class ScriptRuntime(Runtime):
                              "after its last collective of a step and before the next): it cannot be rebuilt bit "
                              "for bit. The job stops here: restart it from your own checkpoint.")
         return cmd, state, stats
+
+    @staticmethod
+    def fetched_state(state: dict[str, Any], stats: FetchStats) -> tuple[dict[str, Any], FetchStats]:
+        """The whole state to take over: what `fetch_for_join` still fetched, with what this
+        process found meanwhile (the rank's own record, the step to run again)."""
+        fetching = state.pop(_FETCHING, None)
+        if fetching is None:
+            return state, stats
+        fetched, more = fetching.result()
+        fetched.update(state)
+        return fetched, dataclasses.replace(more, bytes=more.bytes + stats.bytes,
+                                            seconds=more.seconds + stats.seconds)
 
     def _take_place(self) -> None:
         """A joiner at its rank's place in the script: its step loop's hooks set up, the
