@@ -55,6 +55,16 @@ class FetchStats:
     resent_chunks: int = 0
     per_source: dict[str, int] = field(default_factory=dict)
 
+    def plus(self, other: "FetchStats") -> "FetchStats":
+        """Two fetches of one state's parts, as one."""
+        per_source = dict(self.per_source)
+        for addr, n in other.per_source.items():
+            per_source[addr] = per_source.get(addr, 0) + n
+        return FetchStats(bytes=self.bytes + other.bytes, seconds=self.seconds + other.seconds,
+                          sources=len(per_source) or max(self.sources, other.sources),
+                          corrupt_chunks=self.corrupt_chunks + other.corrupt_chunks,
+                          resent_chunks=self.resent_chunks + other.resent_chunks, per_source=per_source)
+
 
 def _read_manifest(sock: socket.socket, addr: tuple[str, int]) -> tuple[dict, bytes]:
     """What a source sends before the chunks: the manifest (or its refusal) and the state's

@@ -94,19 +94,25 @@ def _compile(script: Path, modules: ScriptModules) -> int:
 
 def _opening_imports(tree: ast.Module) -> list[str]:
     """The modules the script's first statements import, before any other statement runs
-    (its docstring aside): for `from a import b`, a and a.b (b may be a submodule)."""
+    (its docstring aside)."""
     names: list[str] = []
     for i, node in enumerate(tree.body):
         if i == 0 and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
             continue  # the docstring
-        if isinstance(node, ast.Import):
-            names += [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            if node.module != "__future__":
-                names += [node.module, *(f"{node.module}.{a.name}" for a in node.names if a.name != "*")]
-        else:
+        if not isinstance(node, (ast.Import, ast.ImportFrom)):
             break
+        names += [n for n in _imported(node) if n != "__future__" and not n.startswith("__future__.")]
     return names
+
+
+def _imported(node: ast.AST) -> list[str]:
+    """The modules an import statement may load (none for another node or a relative import):
+    for `from a import b`, a and a.b (b may be a submodule)."""
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+        return [node.module, *(f"{node.module}.{alias.name}" for alias in node.names if alias.name != "*")]
+    return []
 
 
 def _import_installed(names: list[str], search: list[str], modules: ScriptModules) -> int:
@@ -148,15 +154,8 @@ def _is_module(name: str) -> bool:
 def _own_imports(tree: ast.Module, search: list[str], modules: ScriptModules) -> list[Path]:
     """The script's own files that the absolute imports in `tree` name (packages' __init__
     included), found as the import system would from the script's directory."""
-    names: list[str] = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            names += [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names.append(node.module)
-            names += [f"{node.module}.{alias.name}" for alias in node.names if alias.name != "*"]
     found: dict[Path, None] = {}
-    for name in names:
+    for name in (n for node in ast.walk(tree) for n in _imported(node)):
         for origin in _origins(name, search):
             if modules.own(origin):
                 found[Path(origin).resolve()] = None

@@ -5,7 +5,7 @@ would import them from `sys.path[0]`; installed packages (site-packages, the sta
 library, torch, baton) run as they are. A loop in one of those is not the script's: if
 the step loop lives there (Lightning, the HF Trainer), `nest` sees no instrumented loop
 around `optimizer.step()` and says so. Instrumented code is compiled afresh in each
-process (ahead of the import where `precompile` could) and never written to `__pycache__`,
+process (ahead of the import where `ahead` could) and never written to `__pycache__`,
 so a later plain `python` run is unaffected.
 """
 

@@ -55,7 +55,7 @@ def rewrite(source: str | bytes, filename: str) -> ast.Module:
 def rewrite_ahead(source: str | bytes, filename: str) -> tuple[ast.Module, tuple[str, ...]]:
     """As `rewrite`, and the module globals its functions declare `global`, not yet declared
     to the runtime (which reads them at every head): a module instrumented ahead of its
-    import (`precompile`) is declared when it is imported."""
+    import (`ahead`) is declared when it is imported."""
     tree = ast.parse(source, filename=filename)
     declared = liveness.declared_global(tree)
     tree = _Instrument(filename, tree).visit(tree)

@@ -19,10 +19,8 @@ like torchrun's: nothing is captured, and nothing can move yet.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -41,6 +39,7 @@ from baton.worker import fence, shards, verify
 from baton.worker.collectives import SAME_EVERYWHERE, Record, Recorded
 from baton.worker.group import CollectiveFailure
 from baton.worker.job import Step
+from baton.worker.prefetch import Fetch
 from baton.worker.capture import bundle_text
 from baton.worker.runtime import Runtime
 from baton.worker.verify import Divergence
@@ -72,29 +71,7 @@ class _Replay:
     region: dict[str, Any] | None = None
 
 
-_FETCHING = "fetching"  # fetch_for_join's state: the replicas' part, still arriving (a Background)
-
-
-class Background:
-    """One call run on a thread of its own; `result()` waits for it, and raises what it raised."""
-
-    def __init__(self, call: Callable[[], Any]):
-        self._out: list[Any] = []
-        self._thread = threading.Thread(target=self._run, args=(call,), name="baton-join-fetch", daemon=True)
-        self._thread.start()
-
-    def _run(self, call: Callable[[], Any]) -> None:
-        try:
-            self._out.append((True, call()))
-        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
-            self._out.append((False, exc))
-
-    def result(self) -> Any:
-        self._thread.join()
-        ok, value = self._out[0]
-        if not ok:
-            raise value
-        return value
+_FETCHING = "fetching"  # fetch_for_join's state: the replicas' part, still arriving (a prefetch.Fetch)
 
 
 class PeerLost(BaseException):
@@ -333,7 +310,7 @@ class ScriptRuntime(Runtime):
         cmd = self.wait_for(m.Form)
         fetched = self.prefetch.take(cmd) if self.prefetch is not None else None
         if fetched is None and not (cmd.full_state or cmd.snapshot):
-            state, stats = {_FETCHING: Background(lambda: self._fetch_for(cmd))}, FetchStats()
+            state, stats = {_FETCHING: Fetch(cmd, self._fetch_for, f"baton-join-fetch-{cmd.generation}")}, FetchStats()
         else:
             state, stats = fetched if fetched is not None else self._fetch_for(cmd)
         if not (cmd.full_state or cmd.snapshot):
@@ -356,8 +333,7 @@ class ScriptRuntime(Runtime):
             return state, stats
         fetched, more = fetching.result()
         fetched.update(state)
-        return fetched, dataclasses.replace(more, bytes=more.bytes + stats.bytes,
-                                            seconds=more.seconds + stats.seconds)
+        return fetched, more.plus(stats)
 
     def _take_place(self) -> None:
         """A joiner at its rank's place in the script: its step loop's hooks set up, the
@@ -384,7 +360,7 @@ class ScriptRuntime(Runtime):
         except TransferError as exc:
             log.info("no record of step %d to run again: %s", before[0], exc)
             return stats
-        stats = dataclasses.replace(stats, bytes=stats.bytes + more.bytes, seconds=stats.seconds + more.seconds)
+        stats = stats.plus(more)
         served = fetched["tail"]
         if served is None or tuple(served["pos"]) != before or served["params"] is None:
             return stats

@@ -104,7 +104,7 @@ class Joining:
             state["sharded"] = shards.with_rank_local(peer_state["sharded"], state["bundle"]["buffers"], self.rank)
             log.info("rank %d's shards from rank %d (another replica group), its own buffers from its buddy",
                      self.rank, peer)
-            return state, FetchStats(bytes=stats.bytes + peer_stats.bytes, seconds=stats.seconds + peer_stats.seconds)
+            return state, stats.plus(peer_stats)
         raise TransferError(f"no replica of rank {self.rank}'s shards could be fetched: {'; '.join(errors)}")
 
     def _load_sharded(self, state: dict[str, Any], owned: bool = True) -> None:

@@ -22,25 +22,34 @@ log = logging.getLogger("baton.worker")
 Fetched = tuple[dict[str, Any], FetchStats]
 
 
-class _Fetch:
-    """One Form's fetch on its own thread: the state, or what the fetch raised."""
+class Fetch:
+    """One Form's fetch on a thread of its own (`name`): `result()` waits for the state, or
+    raises what the fetch raised."""
 
-    def __init__(self, form: m.Form):
+    def __init__(self, form: m.Form, fetch: Callable[[m.Form], Fetched], name: str):
         self.form = form
         self.done = threading.Event()
-        self.result: Fetched | None = None
-        self.error: BaseException | None = None
+        self._result: Fetched | None = None
+        self._error: BaseException | None = None
         self.seconds = 0.0
+        threading.Thread(target=self._run, args=(fetch,), daemon=True, name=name).start()
 
-    def run(self, fetch: Callable[[m.Form], Fetched]) -> None:
+    def _run(self, fetch: Callable[[m.Form], Fetched]) -> None:
         t0 = time.perf_counter()
         try:
-            self.result = fetch(self.form)
-        except BaseException as exc:  # handed to the step loop, which decides what it means
-            self.error = exc
+            self._result = fetch(self.form)
+        except BaseException as exc:  # handed to whoever waits, who decides what it means
+            self._error = exc
         finally:
             self.seconds = time.perf_counter() - t0
             self.done.set()
+
+    def result(self) -> Fetched:
+        self.done.wait()
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result
 
 
 class Prefetch:
@@ -49,7 +58,7 @@ class Prefetch:
     def __init__(self, fetch: Callable[[m.Form], Fetched]):
         self._fetch = fetch
         self._lock = threading.Lock()
-        self._by_generation: dict[int, _Fetch] = {}
+        self._by_generation: dict[int, Fetch] = {}
         self._closed = False
 
     def offer(self, form: m.Form) -> None:
@@ -62,10 +71,8 @@ class Prefetch:
         with self._lock:
             if self._closed or form.generation in self._by_generation:
                 return
-            job = self._by_generation[form.generation] = _Fetch(form)
-        log.info("generation %s: fetching rank state while the script sets up", form.generation)
-        threading.Thread(target=job.run, args=(self._fetch,), daemon=True,
-                         name=f"baton-prefetch-{form.generation}").start()
+            log.info("generation %s: fetching rank state while the script sets up", form.generation)
+            self._by_generation[form.generation] = Fetch(form, self._fetch, f"baton-prefetch-{form.generation}")
 
     def close(self) -> None:
         """The script reached its step loop: Forms from now on are fetched there."""
@@ -85,6 +92,4 @@ class Prefetch:
         job.done.wait()
         log.info("generation %s: the fetch started during setup took %.3fs, %.3fs of it after setup",
                  form.generation, job.seconds, time.perf_counter() - t0)
-        if job.error is not None:
-            raise job.error
-        return job.result
+        return job.result()
