@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import os
-import platform
 import sys
 import time
 from pathlib import Path
 
-from common import fmt_range, interleave, median_range, ratio, write_readme_sentence
+from common import (add_round_args, fmt_range, interleave, median_range, round_ratio, save_results,
+                    write_readme_sentence)
 from contenders import Contender, Workload, run_job
 
 BENCH = Path(__file__).resolve().parent
@@ -31,13 +29,7 @@ README = BENCH.parent / "README.md"
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--params-m", type=float, default=2.0)
-    p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--warmup", type=int, default=20)
-    p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--results-dir", type=Path, default=BENCH / "results")
-    p.add_argument("--no-readme", action="store_true")
+    add_round_args(p, steps=100, warmup=20)
     args = p.parse_args()
     py = sys.executable
     plain = Workload(params_m=args.params_m, steps=args.steps, nproc=args.nproc, warmup=args.warmup)
@@ -50,18 +42,11 @@ def main() -> int:
                         lambda key, i: run_job(*runs[key], tmp / f"{key}-{i}", cpu_window=True))
     summary = {}
     for what, field in (("step", "step_s"), ("cpu", "cpu_s_per_step")):
-        summary[f"{what}_hook_nocode_vs_torchrun"] = median_range(
-            ratio(r["no-code-hook"].get(field), r["torchrun-hook"].get(field)) for r in rounds)
-        summary[f"{what}_plain_nocode_vs_torchrun"] = median_range(
-            ratio(r["no-code"].get(field), r["torchrun"].get(field)) for r in rounds)
-        summary[f"{what}_hook_vs_plain_torchrun"] = median_range(
-            ratio(r["torchrun-hook"].get(field), r["torchrun"].get(field)) for r in rounds)
+        summary[f"{what}_hook_nocode_vs_torchrun"] = round_ratio(rounds, "no-code-hook", "torchrun-hook", field)
+        summary[f"{what}_plain_nocode_vs_torchrun"] = round_ratio(rounds, "no-code", "torchrun", field)
+        summary[f"{what}_hook_vs_plain_torchrun"] = round_ratio(rounds, "torchrun-hook", "torchrun", field)
         summary[f"{what}_s"] = {k: median_range(r[k].get(field) for r in rounds) for k in runs}
-    out = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
-           "workload": vars(args) | {"results_dir": str(args.results_dir)}, "summary": summary, "rounds": rounds}
-    args.results_dir.mkdir(parents=True, exist_ok=True)
-    path = args.results_dir / f"comm-hook-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps(out, indent=2, default=str))
+    path = save_results(args, "comm-hook", summary=summary, rounds=rounds)
     s = summary
     text = (f" Measured with `bench/comm_hook.py` ({path.name}: {args.nproc} ranks, a {args.params_m:g}M-parameter "
             f"MLP, {args.rounds} interleaved rounds, medians with min-max): with the script's fp16_compress_hook, "

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
+import platform
 import re
 import socket
 import statistics
+import time
 from pathlib import Path
 from typing import Callable, Iterable, TypeVar
 
 T = TypeVar("T")
+
+RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def free_port() -> int:
@@ -37,6 +44,33 @@ def median_range(xs: Iterable[float | None]) -> dict:
     if not xs:
         return {"median": None, "min": None, "max": None, "n": 0}
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
+
+
+def round_ratio(rounds: list[dict[str, dict]], a: str, b: str, field: str) -> dict:
+    """`a`'s `field` over `b`'s, taken within each round: median (min-max) over the rounds."""
+    return median_range(ratio(r[a].get(field), r[b].get(field)) for r in rounds)
+
+
+def add_round_args(p: argparse.ArgumentParser, *, steps: int, warmup: int) -> None:
+    """The options of a section that runs one workload (bench/workload_parts.py's MLP) under
+    several contenders, in interleaved rounds."""
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--params-m", type=float, default=2.0)
+    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--warmup", type=int, default=warmup)
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--results-dir", type=Path, default=RESULTS)
+    p.add_argument("--no-readme", action="store_true")
+
+
+def save_results(args: argparse.Namespace, name: str, **parts: object) -> Path:
+    """`results_dir/<name>-<timestamp>.json`: the machine, the options, then `parts`."""
+    out = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+           "workload": vars(args) | {"results_dir": str(args.results_dir)}, **parts}
+    args.results_dir.mkdir(parents=True, exist_ok=True)
+    path = args.results_dir / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps(out, indent=2, default=str))
+    return path
 
 
 def interleave(keys: list[str], rounds: int, run: Callable[[str, int], T]) -> list[dict[str, T]]:

@@ -24,14 +24,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from common import fmt_range, interleave, median_range, ratio, write_readme_sentence
+from common import (add_round_args, fmt_range, interleave, median_range, round_ratio, save_results,
+                    write_readme_sentence)
 from contenders import Contender, Workload, _read_events, launch, run_job
 
 BENCH = Path(__file__).resolve().parent
@@ -113,15 +113,9 @@ def _ledger(run_dir: Path) -> list[dict]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--params-m", type=float, default=2.0)
-    p.add_argument("--steps", type=int, default=150)
-    p.add_argument("--warmup", type=int, default=30)
-    p.add_argument("--nproc", type=int, default=2)
+    add_round_args(p, steps=150, warmup=30)
     p.add_argument("--move-at", type=int, default=40)
     p.add_argument("--kill-at", type=int, default=100)
-    p.add_argument("--results-dir", type=Path, default=BENCH / "results")
-    p.add_argument("--no-readme", action="store_true")
     args = p.parse_args()
     py = sys.executable
     w = Workload(params_m=args.params_m, steps=args.steps, nproc=args.nproc, warmup=args.warmup)
@@ -134,40 +128,26 @@ def main() -> int:
     moves = interleave(["no-code", "model-aware"], args.rounds,
                        lambda key, i: _moves(contenders[key], w, tmp / f"moves-{key}-{i}", args.move_at, args.kill_at))
     summary = {
-        "step_ratio_nocode_vs_aware": median_range(ratio(r["no-code"]["step_s"], r["model-aware"]["step_s"])
-                                                   for r in steady),
-        "cpu_ratio_nocode_vs_aware": median_range(ratio(r["no-code"].get("cpu_s_per_step"),
-                                                         r["model-aware"].get("cpu_s_per_step")) for r in steady),
-        "step_ratio_nocode_vs_torchrun": median_range(ratio(r["no-code"]["step_s"], r["torchrun"]["step_s"])
-                                                      for r in steady),
-        "cpu_ratio_nocode_vs_torchrun": median_range(ratio(r["no-code"].get("cpu_s_per_step"),
-                                                            r["torchrun"].get("cpu_s_per_step")) for r in steady),
-        "step_ratio_nocode_vs_no_tail": median_range(ratio(r["no-code"]["step_s"], r["no-tail"]["step_s"])
-                                                     for r in steady),
-        "cpu_ratio_nocode_vs_no_tail": median_range(ratio(r["no-code"].get("cpu_s_per_step"),
-                                                           r["no-tail"].get("cpu_s_per_step")) for r in steady),
-        "step_ratio_no_tail_vs_aware": median_range(ratio(r["no-tail"]["step_s"], r["model-aware"]["step_s"])
-                                                    for r in steady),
+        "step_ratio_nocode_vs_aware": round_ratio(steady, "no-code", "model-aware", "step_s"),
+        "cpu_ratio_nocode_vs_aware": round_ratio(steady, "no-code", "model-aware", "cpu_s_per_step"),
+        "step_ratio_nocode_vs_torchrun": round_ratio(steady, "no-code", "torchrun", "step_s"),
+        "cpu_ratio_nocode_vs_torchrun": round_ratio(steady, "no-code", "torchrun", "cpu_s_per_step"),
+        "step_ratio_nocode_vs_no_tail": round_ratio(steady, "no-code", "no-tail", "step_s"),
+        "cpu_ratio_nocode_vs_no_tail": round_ratio(steady, "no-code", "no-tail", "cpu_s_per_step"),
+        "step_ratio_no_tail_vs_aware": round_ratio(steady, "no-tail", "model-aware", "step_s"),
         "step_s": {k: median_range(r[k]["step_s"] for r in steady) for k in contenders},
         "cpu_s_per_step": {k: median_range(r[k].get("cpu_s_per_step") for r in steady) for k in contenders},
     }
     for key in ("planned_downtime_s", "unplanned_stall_s", "unplanned_downtime_s", "planned_setup_s",
                 "unplanned_setup_s"):
         summary[key] = {k: median_range(r[k][key] for r in moves) for k in ("no-code", "model-aware")}
-    summary["planned_ratio"] = median_range(ratio(r["no-code"]["planned_downtime_s"],
-                                                   r["model-aware"]["planned_downtime_s"]) for r in moves)
-    summary["unplanned_ratio"] = median_range(ratio(r["no-code"]["unplanned_stall_s"],
-                                                     r["model-aware"]["unplanned_stall_s"]) for r in moves)
+    summary["planned_ratio"] = round_ratio(moves, "no-code", "model-aware", "planned_downtime_s")
+    summary["unplanned_ratio"] = round_ratio(moves, "no-code", "model-aware", "unplanned_stall_s")
     summary["all_moves_exact"] = all(r[k]["exact"] for r in moves for k in r)
     summary["kills_absorbed"] = {k: sum(r[k]["kill_absorbed"] for r in moves) for k in ("no-code", "model-aware")}
     summary["kills"] = len(moves)
-    out = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
-           "workload": vars(args) | {"results_dir": str(args.results_dir)}, "summary": summary,
-           "steady": steady, "moves": [{k: {x: y for x, y in v.items() if x != "ledger"} for k, v in r.items()}
-                                       for r in moves]}
-    args.results_dir.mkdir(parents=True, exist_ok=True)
-    path = args.results_dir / f"nocode-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps(out, indent=2, default=str))
+    path = save_results(args, "nocode", summary=summary, steady=steady,
+                        moves=[{k: {x: y for x, y in v.items() if x != "ledger"} for k, v in r.items()} for r in moves])
     s = summary
     text = (f" Measured with `bench/nocode.py` ({path.name}: {args.nproc} ranks, a {args.params_m:g}M-parameter MLP, "
             f"{args.rounds} interleaved rounds, medians with min-max): against its model-aware port, the unmodified "
