@@ -295,6 +295,21 @@ os._exit(0)  # past gloo's exit-time abort with torch 2.13 (baton/examples/plain
 """
 
 
+def _killed_after_the_step(tmp_path, torchrun_reference, source: str, fault: str):
+    """`source` (exporting each rank's state to $EXPORT) under torchrun and under baton with the
+    AFTER_STEP fault: it fired, the job ended 0 and every rank equals torchrun's. The two
+    runs' folders and the job."""
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(source))
+    ref = torchrun_reference(script, [], env={"EXPORT": "{d}/export"})
+    run = tmp_path / "job"
+    (run / "export").mkdir(parents=True)
+    code, job = _faulted(tmp_path, script, fault, where="AFTER_STEP", env={"EXPORT": str(run / "export")})
+    assert code == 0 and (tmp_path / "fired").exists(), job.log()
+    _compare(ref, run)
+    return ref, run, job
+
+
 @pytest.mark.parametrize("fault", ["1:25:SIGKILL", "0:33:SIGSTOP"])
 def test_a_collective_after_the_optimizer_step_is_recorded_and_retried(tmp_path, torchrun_reference, fault):
     """A script that all-reduces its loss for the log after its optimizer step (and steps its
@@ -302,14 +317,7 @@ def test_a_collective_after_the_optimizer_step_is_recorded_and_retried(tmp_path,
     in that all_reduce. It recovers there and issues it again; the spare runs the step again
     from the rank's head up to that all_reduce, joins there, and every rank ends equal to
     torchrun's, the logged losses included."""
-    script = tmp_path / "script.py"
-    script.write_text(textwrap.dedent(LOGS_AFTER_STEP))
-    ref = torchrun_reference(script, [], env={"EXPORT": "{d}/export"})
-    run = tmp_path / "job"
-    (run / "export").mkdir(parents=True)
-    code, job = _faulted(tmp_path, script, fault, where="AFTER_STEP", env={"EXPORT": str(run / "export")})
-    assert code == 0 and (tmp_path / "fired").exists(), job.log()
-    _compare(ref, run)
+    *_, job = _killed_after_the_step(tmp_path, torchrun_reference, LOGS_AFTER_STEP, fault)
     assert [(e["kind"], e["status"]) for e in job.events()] == [("unplanned", "resolved")], job.events()
 
 
@@ -356,14 +364,7 @@ def test_a_rank_lost_after_an_epochs_last_step_is_replaced_bit_for_bit(tmp_path,
     leaves the loop as they did, runs the epoch's end with them and joins at the next epoch's
     first head. (With an evaluation that all-reduces, the survivors wait in it instead:
     test_a_rank_lost_after_its_optimizer_step_is_replaced_bit_for_bit, trainer_ddp.py.)"""
-    script = tmp_path / "script.py"
-    script.write_text(textwrap.dedent(EPOCH_END))
-    ref = torchrun_reference(script, [], env={"EXPORT": "{d}/export"})
-    run = tmp_path / "job"
-    (run / "export").mkdir(parents=True)
-    code, job = _faulted(tmp_path, script, fault, where="AFTER_STEP", env={"EXPORT": str(run / "export")})
-    assert code == 0 and (tmp_path / "fired").exists(), job.log()
-    _compare(ref, run)
+    ref, run, job = _killed_after_the_step(tmp_path, torchrun_reference, EPOCH_END, fault)
     written = [torch.load(d / "export" / "ckpt.pt") for d in (ref, run)]
     assert differences(*written) == [] and written[1]["epoch"] == 3
     assert [(e["kind"], e["status"]) for e in job.events()] == [("unplanned", "resolved")], job.events()

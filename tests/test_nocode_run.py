@@ -39,6 +39,18 @@ def test_a_script_logging_at_info_gets_its_own_lines_only(tmp_path):
     assert "HTTP Request" not in log and "INFO:baton" not in log and "INFO:httpx" not in log, log[-2000:]
 
 
+def _stopped(tmp_path, name: str, source: str) -> str:
+    """`source` as `name` under `baton run` (2 ranks): it must end non-zero; its whole log."""
+    script = tmp_path / name
+    script.write_text(source)
+    job = Job(tmp_path, nproc=2, spares=0, script=script, out_arg=False)
+    try:
+        assert job.wait(timeout=120) != 0, job.log()
+    finally:
+        job.kill()
+    return job.log(None)
+
+
 STATEFUL_HOOK = """
 import torch, torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powerSGD
@@ -62,14 +74,7 @@ def test_a_comm_hook_baton_cannot_move_is_refused_before_training(tmp_path, regi
     """PowerSGD keeps error feedback and factors across steps inside the hook's state, and a
     built-in hook reduces in C++ over DDP's own group: either would diverge silently after a
     move, so the script stops at the registration, saying why and what works instead."""
-    script = tmp_path / "hooked.py"
-    script.write_text(STATEFUL_HOOK.format(register=register))
-    job = Job(tmp_path, nproc=2, spares=0, script=script, out_arg=False)
-    try:
-        assert job.wait(timeout=120) != 0, job.log()
-    finally:
-        job.kill()
-    log = job.log(None)
+    log = _stopped(tmp_path, "hooked.py", STATEFUL_HOOK.format(register=register))
     assert expect in log and "registered" not in log, log[-3000:]
 
 
@@ -98,14 +103,7 @@ def test_a_second_loop_that_steps_the_optimizer_stops_the_job_saying_so(tmp_path
     """The step loop is the one around the first optimizer.step(); a later phase in another
     loop would have boundaries baton does not know, so its first optimizer step ends the job
     non-zero, naming the rule (never a move that cannot be placed)."""
-    script = tmp_path / "phases.py"
-    script.write_text(TWO_PHASES)
-    job = Job(tmp_path, nproc=2, spares=0, script=script, out_arg=False)
-    try:
-        assert job.wait(timeout=120) != 0, job.log()
-    finally:
-        job.kill()
-    log = job.log(None)
+    log = _stopped(tmp_path, "phases.py", TWO_PHASES)
     assert "may step its optimizers in one loop only" in log and "phases.py:8" in log, log[-3000:]
     assert "phases.py\", line 15" in log, log[-3000:]  # the script's own line, in its traceback
     out = (tmp_path / "job" / "stdout.log").read_text()
