@@ -120,6 +120,16 @@ class StepLoopController:
             # known, at each loop's first head (where the setup ended, for setup_check)
             loop.head_rng = rng.capture(self.rt.tracked.generators)
 
+    def drawn(self, loop: ActiveLoop) -> None:
+        """The step loop drew its item: the streams now, where a re-run of the iteration,
+        handed the same item without drawing it, puts them back (`again`)."""
+        if loop.site.id == self.step_site and self.catch_up is None:
+            loop.drawn_rng = rng.capture(self.rt.tracked.generators)
+
+    def again(self, loop: ActiveLoop) -> None:
+        if loop.drawn_rng is not None:
+            rng.restore(loop.drawn_rng, self.rt.tracked.generators)
+
     def left(self, loop: ActiveLoop) -> None:
         if self.catch_up is not None and self.catch_up.exiting is loop:
             self.catch_up.arrive_at_exit(loop)

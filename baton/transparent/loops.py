@@ -7,10 +7,12 @@ program are the entries whose frames are on that point's stack (`enclosing`), no
 simply the top of the list.
 
 A `Controller` (the no-code runtime) may be attached: it is told of every head before the
-next item is drawn (where a step boundary is), may hand a loop's variables back at a head
+next item is drawn (where a step boundary is) and after (drawing it may draw random numbers:
+a Dataset's random crop without loader workers), may hand a loop's variables back at a head
 (`restore`) or right after the loop (`restore_exit`: a successor taking over where the
 step loop had ended), and decides whether an exception out of a loop's body is a lost peer to
-absorb (`absorb`): the same iteration then runs again, on the same item. With none
+absorb (`absorb`): the same iteration then runs again, on the same item, with the streams as
+drawing it left them (`again`). With none
 attached (`baton explain`), the loops behave exactly as written.
 """
 
@@ -40,12 +42,17 @@ class ActiveLoop:
     raised: bool = False  # left with an exception on its way out
     counted: "_Counted | None" = field(default=None, repr=False)  # a for loop's iterator (positioned by a successor)
     head_rng: Any = field(default=None, repr=False)  # the random streams at this iteration's head (nest loops)
+    drawn_rng: Any = field(default=None, repr=False)  # the streams right after `item` was drawn (the step loop)
 
 
 class Controller(Protocol):
     """The runtime's side; it sets `LOOPS.restoring` when it has values for a head."""
 
     def before_item(self, loop: ActiveLoop) -> None: ...
+
+    def drawn(self, loop: ActiveLoop) -> None: ...
+
+    def again(self, loop: ActiveLoop) -> None: ...
 
     def restore(self, loop: ActiveLoop) -> dict[str, Any] | None: ...
 
@@ -70,10 +77,12 @@ class _Counted:
 
     def __next__(self) -> Any:
         loop = self._loop
+        controller = LOOPS.controller
         if loop.again:
             loop.again = False
+            if controller is not None:
+                controller.again(loop)
             return loop.item
-        controller = LOOPS.controller
         if controller is not None:
             controller.before_item(loop)
         if loop.exhausted:
@@ -87,6 +96,8 @@ class _Counted:
             loop.ran_out = True
             raise
         loop.iterations += 1
+        if controller is not None:
+            controller.drawn(loop)
         return item
 
     def skip(self, n: int) -> None:
