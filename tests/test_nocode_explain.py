@@ -145,6 +145,27 @@ for x, y in torch.utils.data.DataLoader(Stream(), batch_size=8):
     assert "IterableDataset without state" in refusal["what"] and "state_dict()" in refusal["fix"]
 
 
+def test_refused_batches_drawn_with_next_from_a_dataloader_iterator(tmp_path):
+    """TorchTitan's shape: `batch = next(data_iterator)` in a while loop. The iterator's position
+    cannot be handed over, and a re-run iteration would draw another batch."""
+    refusal, _, script = _refused(tmp_path, SETUP + """
+loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randn(64, 1)),
+                                     batch_size=8)
+data_iterator = iter(loader)
+n = 0
+while n < 20:
+    try:
+        x, y = next(data_iterator)
+    except StopIteration:
+        data_iterator = iter(loader)
+        x, y = next(data_iterator)
+    step(x, y)
+    n += 1
+""")
+    assert refusal["where"] == f"{script}:{_line(script, 'while n < 20')}"
+    assert "DataLoader's iterator" in refusal["what"] and "for x, y in loader" in refusal["fix"]
+
+
 @pytest.mark.parametrize("register, what", [
     ("model.register_comm_hook(powerSGD.PowerSGDState(process_group=None), powerSGD.powerSGD_hook)",
      "register_comm_hook"),

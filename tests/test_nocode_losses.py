@@ -164,6 +164,35 @@ os._exit(0)  # past gloo's exit-time abort with torch 2.13 (baton/examples/plain
 """
 
 
+EMA_AND_SAMPLER = """
+import copy, os, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, RandomSampler, TensorDataset
+
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Dropout(0.2),
+                                torch.nn.Linear(16, 1)))
+ema = copy.deepcopy(model.module).requires_grad_(False)  # an EMA of the weights, no DDP of its own
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+data = TensorDataset(torch.randn(256, 8), torch.randn(256, 1))
+shuffle = torch.Generator().manual_seed(1234 + dist.get_rank())  # each rank its own order
+loader = DataLoader(data, batch_size=8, sampler=RandomSampler(data, generator=shuffle))
+for epoch in range(4):
+    for x, y in loader:
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            for e, p in zip(ema.state_dict().values(), model.module.state_dict().values()):
+                e.copy_(e * 0.9 + p * 0.1) if e.is_floating_point() else e.copy_(p)
+torch.save({"model": model.module.state_dict(), "ema": ema.state_dict(), "shuffle": shuffle.get_state(),
+            "rng": torch.get_rng_state()}, os.path.join(os.environ["EXPORT"], f"rank{dist.get_rank()}.pt"))
+dist.destroy_process_group()
+os._exit(0)  # past gloo's exit-time abort with torch 2.13 (baton/examples/plain_exit.py), as tests/nocode do
+"""
+
+
 @pytest.mark.parametrize("source, fault", [
     (SWALLOWING, "1:40:SIGKILL"),  # the script's own try/except Exception around the step
     (GLOBAL_COUNTER, "0:50:SIGKILL"),  # a module global a function changes, rank 0 killed
@@ -171,6 +200,10 @@ os._exit(0)  # past gloo's exit-time abort with torch 2.13 (baton/examples/plain
     # survivor's re-run gets the same batch without drawing it, and the streams as drawing
     # it left them. Seen: the dropout after it drew other masks, and the job ended 0.
     (NOISY_DATASET, "1:20:SIGKILL"),
+    # State no interception sees: an EMA module updated after each step, and the generator a
+    # sampler shuffles with. Seen: both restarted from the setup's values in the new rank 0,
+    # and the job ended 0.
+    (EMA_AND_SAMPLER, "0:45:SIGKILL"),
 ])
 def test_a_step_that_swallows_the_error_changes_a_global_or_draws_in_its_dataset_is_still_exact(
         tmp_path, torchrun_reference, source, fault):
@@ -349,6 +382,56 @@ def _killed_after_the_step(tmp_path, torchrun_reference, source: str, fault: str
     assert code == 0 and (tmp_path / "fired").exists(), job.log()
     _compare(ref, run)
     return ref, run, job
+
+
+EMA_TRAINER = """
+import copy, os, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+
+class Trainer:  # the model's EMA and the loader live on `self`
+    def __init__(self):
+        torch.manual_seed(0)
+        self.model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.2), torch.nn.Linear(16, 1)))
+        self.ema = copy.deepcopy(self.model.module).requires_grad_(False)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
+        data = TensorDataset(torch.randn(256, 8), torch.randn(256, 1))
+        self.loader = DataLoader(data, batch_size=8, sampler=DistributedSampler(data))
+
+    def _run_batch(self, x, y):
+        with torch.no_grad():  # updated before the step too: the successor starts it from the head
+            for e, p in zip(self.ema.parameters(), self.model.module.parameters()):
+                e.lerp_(p, 0.05)
+        torch.nn.functional.mse_loss(self.model(x), y).backward()
+        self.opt.step()
+        self.opt.zero_grad()
+        with torch.no_grad():
+            for e, p in zip(self.ema.parameters(), self.model.module.parameters()):
+                e.lerp_(p, 0.1)
+
+    def train(self, epochs):
+        for epoch in range(epochs):
+            self.loader.sampler.set_epoch(epoch)
+            for x, y in self.loader:
+                self._run_batch(x, y)
+
+
+dist.init_process_group("gloo")
+trainer = Trainer()
+trainer.train(4)
+torch.save({"model": trainer.model.module.state_dict(), "ema": trainer.ema.state_dict(),
+            "rng": torch.get_rng_state()}, os.path.join(os.environ["EXPORT"], f"rank{dist.get_rank()}.pt"))
+dist.destroy_process_group()
+os._exit(0)  # past gloo's exit-time abort with torch 2.13 (baton/examples/plain_exit.py), as tests/nocode do
+"""
+
+
+def test_an_ema_on_self_is_exact_through_a_rank_lost_after_its_optimizer_step(tmp_path, torchrun_reference):
+    """A Trainer whose EMA (`self.ema`, a plain module) changes before and after the optimizer
+    step: the rank dies right after its optimizer step, and the successor runs that step
+    again from the EMA as it was at the step's head, not as the survivors hold it after."""
+    _killed_after_the_step(tmp_path, torchrun_reference, EMA_TRAINER, "1:21:SIGKILL")
 
 
 @pytest.mark.parametrize("fault", ["1:25:SIGKILL", "0:33:SIGSTOP"])

@@ -188,7 +188,5 @@ def _carried(frame_loops: FrameLoops) -> tuple[list[CarriedReport], list[refusal
             out.append(CarriedReport(loop=where, name=name, kind=got.kind.value, detail=got.detail))
         elif got.kind is Kind.REFUSED:
             out.append(CarriedReport(loop=where, name=name, kind=got.kind.value, detail=got.detail))
-            refused.append(refusals.Refusal(where, f"the loop uses `{name}`, {got.detail}", got.why,
-                                            "keep loaders, counters and plain values on it, "
-                                            + refusals.MODEL_AWARE_FIX))
+            refused.append(refusals.setup_value(where, name, values[name], got.detail, got.why))
     return out, refused

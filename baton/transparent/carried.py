@@ -46,7 +46,7 @@ class Kind(str, enum.Enum):
     ARRAY = "numpy"
     RECORD = "object"  # attributes carried one by one
     STATE = "state"  # moves through state_dict (model, optimizer, scheduler, scaler, generator)
-    LOADER = "loader"  # a DataLoader or its iterator: its position is replayed
+    LOADER = "loader"  # a DataLoader (the loop iterating it replays its position), a Dataset, a Sampler
     SETUP = "setup"  # rebuilt by the successor's own setup
     REFUSED = "refused"
 
@@ -73,9 +73,14 @@ def _state_types() -> tuple[type, ...]:
 
 def _loader_types() -> tuple[type, ...]:
     from torch.utils.data import DataLoader, Dataset, Sampler
+
+    return DataLoader, Dataset, Sampler
+
+
+def _loader_iterator_type() -> type:
     from torch.utils.data.dataloader import _BaseDataLoaderIter
 
-    return DataLoader, _BaseDataLoaderIter, Dataset, Sampler
+    return _BaseDataLoaderIter
 
 
 def _is_setup_object(value: Any) -> bool:
@@ -121,6 +126,11 @@ def classify(value: Any, from_setup: bool = False, _depth: int = 0,
         pass
     if isinstance(value, _state_types()):
         return Classified(Kind.STATE, type(value).__name__)
+    if isinstance(value, _loader_iterator_type()):
+        return Classified(Kind.REFUSED, "a DataLoader's iterator",
+                          "the loop draws its batches from it with next(), and its position lives in the iterator: "
+                          "a successor's iterator would start elsewhere, and an iteration run again after a lost "
+                          "peer would draw a new batch")
     if isinstance(value, _loader_types()):
         return Classified(Kind.LOADER, type(value).__name__)
     if isinstance(value, (types.GeneratorType, types.CoroutineType, types.AsyncGeneratorType)):

@@ -22,6 +22,7 @@ variables were never shared), the job stops non-zero, saying so.
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 from typing import Any
@@ -29,7 +30,7 @@ from typing import Any
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from baton.control import messages as m
-from baton.transparent import analysis, nest, values
+from baton.transparent import analysis, extras, nest, values
 from baton.worker.script_files import ScriptModules
 from baton.transparent.loops import LOOPS, ActiveLoop
 from baton.transparent.sites import SITES
@@ -37,6 +38,8 @@ from baton.transparent.script_runtime import ScriptRuntime
 from baton.worker import rng, setup_check
 from baton.worker.verify import Divergence
 from baton.worker.tracked import UsageError
+
+log = logging.getLogger("baton.worker")
 
 
 class StepLoopController:
@@ -49,6 +52,7 @@ class StepLoopController:
         self.setup: dict[str, int] = {}  # the setup's fingerprint where the nest starts (setup_check)
         self._pending: dict[int, dict[str, Any]] = {}  # id(loop) -> what its next head hands back
         self._pending_exit: dict[int, dict[str, Any]] = {}  # site id -> what the code after the loop takes back
+        self._extras_read: set[int] = set()  # id(frame) of the nest's frames read for untracked state
         rt.script_section = self.script_section
         if rt.joiner:
             assert rt.assignment is not None and rt.assignment.loop is not None, "a joiner is told the loop"
@@ -72,12 +76,24 @@ class StepLoopController:
             raise UsageError(f"baton cannot move this script's ranks bit for bit as it is "
                              f"(`baton explain {self.script}` says more):\n{text}")
         assert found.nest is not None
+        for frame_loops in found.nest.frames:  # before the loop's tracking is set up (start_script_loop)
+            self._track_extras(frame_loops.frame)
         self.step_loop = found.nest.step_loop
         self.step_site = self.step_loop.site.id
         self.nest_keys = [loop.site.key for loop in found.nest.loops]
         outermost = found.nest.loops[0]
         self.setup = _setup_fingerprint(outermost, outermost.head_rng)
         self.rt.start_script_loop(self.step_loop.site.where, self.nest_keys)
+
+    def _track_extras(self, frame: Any) -> None:
+        """The state the setup made in `frame` that nothing tracked yet (an EMA, a sampler's
+        generator), once per frame: every process names it the same way (extras.py)."""
+        if id(frame) in self._extras_read:
+            return
+        self._extras_read.add(id(frame))
+        added = extras.track(self.rt.tracked, frame)
+        if added:
+            log.info("tracking the setup's state in %s: %s", frame.f_code.co_qualname, ", ".join(added))
 
     # ---------------------------------------------------------------- where the script stands
     def script_section(self, exiting: ActiveLoop | None = None) -> dict[str, Any]:
@@ -285,6 +301,7 @@ class _CatchUp:
             if differing:
                 raise Divergence(setup_check.explain(c.rt.rank, differing))
             _restore_globals(state["bundle"]["script"].get("globals", {}))
+        c._track_extras(loop.frame)  # before the streams at this head are put back: they include its generators
         if entry.get("exit"):
             self._end(loop, entry)
             return

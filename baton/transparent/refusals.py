@@ -118,14 +118,26 @@ def _iteration_of(obj: Any, where: str, depth: int) -> Iteration:
         "iterate a DataLoader, a range or a list, " + MODEL_AWARE_FIX))
 
 
+LOADER_ITERATOR_FIX = ("iterate the DataLoader with a for loop (`for x, y in loader:`, a new one each epoch), "
+                       "whose position baton replays, " + MODEL_AWARE_FIX)
+
+
 def carried_value(site_where: str, name: str, value: Any) -> Refusal | None:
     """A refusal if what a loop variable holds cannot be handed to a successor."""
     got = classify(value)
     if got.kind is not Kind.REFUSED:
         return None
-    return Refusal(site_where, f"the loop carries `{name}`, {got.detail}", got.why,
-                   "create it before the loop (the successor's setup makes its own), or keep only plain values "
-                   "and tensors in the loop's variables, " + MODEL_AWARE_FIX)
+    fix = LOADER_ITERATOR_FIX if _is_loader(value) else \
+        ("create it before the loop (the successor's setup makes its own), or keep only plain values "
+         "and tensors in the loop's variables, " + MODEL_AWARE_FIX)
+    return Refusal(site_where, f"the loop carries `{name}`, {got.detail}", got.why, fix)
+
+
+def setup_value(site_where: str, name: str, value: Any, detail: str, why: str) -> Refusal:
+    """A refusal for an object the setup made that the loop uses and that cannot be handed over."""
+    fix = LOADER_ITERATOR_FIX if _is_loader(value) else \
+        "keep loaders, counters and plain values on it, " + MODEL_AWARE_FIX
+    return Refusal(site_where, f"the loop uses `{name}`, {detail}", why, fix)
 
 
 def library_loop(place: Place) -> Refusal:

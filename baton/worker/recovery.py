@@ -116,7 +116,12 @@ class Recovery:
 
     def _apply_bundle(self, state: dict[str, Any], data: bool = True) -> None:
         rng.restore(state["rng"], self.tracked.generators)
-        buffers = self.tracked.local_buffers()
+        buffers = {**self.tracked.local_buffers(), **self.tracked.extra_tensors()}
+        missing = self.tracked.extras_missing(state.get("buffers", {}))
+        if missing:
+            raise Divergence(f"rank {self.rank}: {', '.join(missing)} changed for the first time after the "
+                             "record it goes back to was taken, so its value there is not known. The job stops "
+                             "here: restart it from your own checkpoint.")
         with torch.no_grad():
             for name, value in state.get("buffers", {}).items():
                 if name in buffers:

@@ -98,6 +98,10 @@ class Tracked:
         self.objects: dict[str, Any] = {}  # name -> object with state_dict/load_state_dict
         self.generators: dict[str, Any] = {}  # name -> torch/numpy/python generator
         self.ddps: list[Any] = []  # the DistributedDataParallel modules job.wrap built
+        # modules of rank-local state no model holds (no code change: an EMA; baton.transparent.extras)
+        self.extra_modules: dict[str, torch.nn.Module] = {}
+        self._extra_versions: dict[str, tuple[int, ...]] = {}  # their tensors' versions when first read
+        self.extras_changed: set[str] = set()  # those changed since: captured from then on
         self.local: LocalValues | None = None
         self.scope: str | None = None  # "step" | "boundary" | None, set by the loop
         self.discovered: list[str] = []
@@ -210,7 +214,8 @@ class Tracked:
     def local_buffers(self) -> dict[str, torch.Tensor]:
         """Persistent buffers of wrapped and of sharded models: each rank updates them with its
         own batch (DDP broadcasts them before a forward, FSDP2 never syncs them), so a step
-        abandoned after its forward must give them back. Where they live is found again only
+        abandoned after its forward must give them back; and the parameters and buffers of
+        the extra modules the script has changed since they were first read. Where they live is found again only
         after a registration; each call reads the owner's current tensor, so a buffer the
         script reassigns is still the one captured."""
         out: dict[str, torch.Tensor] = {}
@@ -223,7 +228,26 @@ class Tracked:
                 buf = owner._buffers.get(attr)
                 if buf is not None:
                     out[name] = buf
+        for name, module in self.extra_modules.items():
+            tensors = module.state_dict(keep_vars=True)
+            if name not in self.extras_changed:  # a frozen module (a teacher, a VAE) is never copied
+                versions = tuple(t._version for t in tensors.values())
+                if self._extra_versions.setdefault(name, versions) == versions:
+                    continue
+                self.extras_changed.add(name)
+            for key, t in tensors.items():  # whole: each rank may change them anywhere in a step
+                out[f"{name}.{key}"] = t
         return out
+
+    def extra_tensors(self) -> dict[str, torch.Tensor]:
+        """Every extra module's parameters and buffers, changed or not (what a record restores)."""
+        return {f"{name}.{key}": t for name, module in self.extra_modules.items()
+                for key, t in module.state_dict(keep_vars=True).items()}
+
+    def extras_missing(self, buffers: dict[str, Any]) -> list[str]:
+        """Extra modules changed since first read that a record of buffers lacks: it was taken
+        before their first change, which cannot be undone."""
+        return [name for name in sorted(self.extras_changed) if not any(k.startswith(name + ".") for k in buffers)]
 
     def _buffered_models(self) -> list[tuple[str, torch.nn.Module]]:
         """The models whose buffers are rank state, by the name every rank gives them: those

@@ -1,0 +1,125 @@
+"""State the script's setup made that no interception saw, found in the frames of the nest.
+
+Optimizers, schedulers and scalers are tracked as they are created, models as DDP wraps
+them or fully_shard shards them. A script holds more state than that: an EMA of its
+model (a plain module it updates after each step), a `torch.Generator` its sampler
+shuffles with. Left out, a rank's successor would start them from the setup's values
+and its run would differ from the lost rank's, with nothing to say so. So each frame of
+the nest is read as a joiner reaches it (and, in the ranks that start the job, at the
+first optimizer step): the setup's names in it (not bound by a loop of that code), and
+one level into the script's own objects (`self.ema`, `self.train_data`), give
+
+- modules holding tensors that no tracked model holds: their parameters and buffers are
+  rank-local state, in the record of every head that goes to the buddies, as a wrapped
+  model's BatchNorm statistics are (an EMA of such statistics differs by rank; and a
+  module the step changes before a failure is put back for its re-run), and
+- generators, held directly or by a DataLoader or Sampler: their state joins the random
+  streams in that record.
+
+The cost: a copy of each such module per step (an EMA: the model's size again).
+
+Every process reads the same frames in the same order with the same rule, so they give
+every object the same name (`script.<path>`).
+"""
+
+from __future__ import annotations
+
+from types import FrameType, ModuleType
+from typing import Any, Iterator
+
+import torch
+
+from baton.transparent.carried import _script_record_type
+from baton.transparent.sites import SITES
+from baton.worker import rng
+from baton.worker.tracked import Tracked
+
+PREFIX = "script."
+
+
+def is_extra(name: str) -> bool:
+    return name.startswith(PREFIX)
+
+
+def track(tracked: Tracked, frame: FrameType) -> list[str]:
+    """Track what `frame`'s setup names hold that nothing tracks yet; the names added."""
+    owned = _owned_tensors(tracked)
+    known = {id(o) for o in (*tracked.objects.values(), *tracked.generators.values(),
+                             *tracked.extra_modules.values())}
+    added = []
+    for path, obj in _candidates(frame):
+        if id(obj) in known:
+            continue
+        known.add(id(obj))
+        if isinstance(obj, torch.nn.Module):
+            tensors = [*obj.parameters(), *obj.buffers()]
+            if not tensors or all(id(t) in owned for t in tensors) or _sharded(tensors):
+                continue
+            owned.update(id(t) for t in tensors)
+        name = PREFIX + path
+        while name in tracked.extra_modules or name in tracked.generators:
+            name += "_"
+        if isinstance(obj, torch.nn.Module):
+            tracked.extra_modules[name] = obj
+        else:
+            tracked.add(name, obj)
+        added.append(name)
+    return added
+
+
+def _owned_tensors(tracked: Tracked) -> set[int]:
+    return {id(t) for obj in tracked.objects.values() if isinstance(obj, torch.nn.Module)
+            for t in (*obj.parameters(), *obj.buffers())}
+
+
+def _sharded(tensors: list[torch.Tensor]) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(t, DTensor) for t in tensors)
+
+
+def _setup_names(frame: FrameType) -> list[str]:
+    """The names of `frame`'s scope that no loop of its code binds, sorted."""
+    code = frame.f_code
+    bound: set[str] = set()
+    for sid in range(len(SITES)):
+        site = SITES[sid]
+        if site.file == code.co_filename and site.scope == code.co_qualname:
+            bound.update(site.assigned)
+    scope = frame.f_locals if code.co_qualname == "<module>" else \
+        {**{n: v for n, v in frame.f_globals.items() if n in code.co_names}, **frame.f_locals}
+    return sorted(n for n in scope if n not in bound and not n.startswith("__"))
+
+
+def _candidates(frame: FrameType) -> Iterator[tuple[str, Any]]:
+    code = frame.f_code
+    scope = frame.f_locals if code.co_qualname == "<module>" else \
+        {**{n: v for n, v in frame.f_globals.items() if n in code.co_names}, **frame.f_locals}
+    for name in _setup_names(frame):
+        value = scope[name]
+        yield from _state_in(name, value)
+        attrs = getattr(value, "__dict__", None)
+        if isinstance(attrs, dict) and not isinstance(value, (type, ModuleType, torch.nn.Module)) and \
+                _script_record_type(type(value)):
+            for attr in sorted(attrs):
+                yield from _state_in(f"{name}.{attr}", attrs[attr])
+
+
+def _state_in(path: str, value: Any) -> Iterator[tuple[str, Any]]:
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.utils.data import BatchSampler, DataLoader, Sampler
+
+    if isinstance(value, DistributedDataParallel):
+        return
+    if isinstance(value, torch.nn.Module):
+        yield path, value
+    elif rng.is_generator(value):
+        yield path, value
+    elif isinstance(value, DataLoader):
+        yield from _state_in(f"{path}.generator", value.generator)
+        yield from _state_in(f"{path}.sampler", value.sampler)
+        yield from _state_in(f"{path}.batch_sampler", value.batch_sampler)
+    elif isinstance(value, BatchSampler):
+        yield from _state_in(f"{path}.sampler", value.sampler)
+    elif isinstance(value, Sampler):
+        yield from _state_in(f"{path}.generator", getattr(value, "generator", None))
