@@ -78,34 +78,44 @@ def _sharded(tensors: list[torch.Tensor]) -> bool:
     return any(isinstance(t, DTensor) for t in tensors)
 
 
-def _setup_names(frame: FrameType) -> list[str]:
-    """The names of `frame`'s scope that no loop of its code binds, sorted."""
+def _scope(frame: FrameType) -> dict[str, Any]:
+    code = frame.f_code
+    if code.co_qualname == "<module>":
+        return frame.f_locals
+    return {**{n: v for n, v in frame.f_globals.items() if n in code.co_names}, **frame.f_locals}
+
+
+def _names(frame: FrameType) -> tuple[list[str], set[str]]:
+    """The names of `frame`'s scope that no loop of its code binds (sorted), and those its
+    loops read."""
     code = frame.f_code
     bound: set[str] = set()
+    read: set[str] = set()
     for sid in range(len(SITES)):
         site = SITES[sid]
         if site.file == code.co_filename and site.scope == code.co_qualname:
             bound.update(site.assigned)
-    scope = frame.f_locals if code.co_qualname == "<module>" else \
-        {**{n: v for n, v in frame.f_globals.items() if n in code.co_names}, **frame.f_locals}
-    return sorted(n for n in scope if n not in bound and not n.startswith("__"))
+            read.update(site.reads)
+    return sorted(n for n in _scope(frame) if n not in bound and not n.startswith("__")), read
 
 
 def _candidates(frame: FrameType) -> Iterator[tuple[str, Any]]:
-    code = frame.f_code
-    scope = frame.f_locals if code.co_qualname == "<module>" else \
-        {**{n: v for n, v in frame.f_globals.items() if n in code.co_names}, **frame.f_locals}
-    for name in _setup_names(frame):
+    """Modules anywhere in the setup's names (only those changed are ever copied), the
+    generators of its loaders and samplers, and the generators its loops use themselves: a
+    generator the setup alone used (to make data, on the rank that made it) is no state."""
+    scope = _scope(frame)
+    names, read = _names(frame)
+    for name in names:
         value = scope[name]
-        yield from _state_in(name, value)
+        yield from _state_in(name, value, name in read)
         attrs = getattr(value, "__dict__", None)
         if isinstance(attrs, dict) and not isinstance(value, (type, ModuleType, torch.nn.Module)) and \
                 _script_record_type(type(value)):
             for attr in sorted(attrs):
-                yield from _state_in(f"{name}.{attr}", attrs[attr])
+                yield from _state_in(f"{name}.{attr}", attrs[attr], name in read)
 
 
-def _state_in(path: str, value: Any) -> Iterator[tuple[str, Any]]:
+def _state_in(path: str, value: Any, used: bool = True) -> Iterator[tuple[str, Any]]:
     from torch.nn.parallel import DistributedDataParallel
     from torch.utils.data import BatchSampler, DataLoader, Sampler
 
@@ -114,7 +124,8 @@ def _state_in(path: str, value: Any) -> Iterator[tuple[str, Any]]:
     if isinstance(value, torch.nn.Module):
         yield path, value
     elif rng.is_generator(value):
-        yield path, value
+        if used:
+            yield path, value
     elif isinstance(value, DataLoader):
         yield from _state_in(f"{path}.generator", value.generator)
         yield from _state_in(f"{path}.sampler", value.sampler)
