@@ -390,7 +390,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 
-class Trainer:  # the model's EMA and the loader live on `self`
+class Trainer:  # the model's EMA and the loader live on `self`; a global module a function updates too
     def __init__(self):
         torch.manual_seed(0)
         self.model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.2), torch.nn.Linear(16, 1)))
@@ -403,6 +403,7 @@ class Trainer:  # the model's EMA and the loader live on `self`
         with torch.no_grad():  # updated before the step too: the successor starts it from the head
             for e, p in zip(self.ema.parameters(), self.model.module.parameters()):
                 e.lerp_(p, 0.05)
+        track_output(self.model.module, x)
         torch.nn.functional.mse_loss(self.model(x), y).backward()
         self.opt.step()
         self.opt.zero_grad()
@@ -417,11 +418,19 @@ class Trainer:  # the model's EMA and the loader live on `self`
                 self._run_batch(x, y)
 
 
+output_stats = torch.nn.BatchNorm1d(1, affine=False)  # a module-level global only a function uses
+
+
+def track_output(model, x):
+    with torch.no_grad():
+        output_stats(model(x))
+
+
 dist.init_process_group("gloo")
 trainer = Trainer()
 trainer.train(4)
 torch.save({"model": trainer.model.module.state_dict(), "ema": trainer.ema.state_dict(),
-            "rng": torch.get_rng_state()}, os.path.join(os.environ["EXPORT"], f"rank{dist.get_rank()}.pt"))
+            "output_stats": output_stats.state_dict(), "rng": torch.get_rng_state()}, os.path.join(os.environ["EXPORT"], f"rank{dist.get_rank()}.pt"))
 dist.destroy_process_group()
 os._exit(0)  # past gloo's exit-time abort with torch 2.13 (baton/examples/plain_exit.py), as tests/nocode do
 """
@@ -429,8 +438,9 @@ os._exit(0)  # past gloo's exit-time abort with torch 2.13 (baton/examples/plain
 
 def test_an_ema_on_self_is_exact_through_a_rank_lost_after_its_optimizer_step(tmp_path, torchrun_reference):
     """A Trainer whose EMA (`self.ema`, a plain module) changes before and after the optimizer
-    step: the rank dies right after its optimizer step, and the successor runs that step
-    again from the EMA as it was at the step's head, not as the survivors hold it after."""
+    step, and a module-level BatchNorm that a function feeds the outputs to: the rank dies
+    right after its optimizer step, and the successor runs that step again from both as
+    they were at the step's head, not as the survivors hold them after."""
     _killed_after_the_step(tmp_path, torchrun_reference, EMA_TRAINER, "1:21:SIGKILL")
 
 

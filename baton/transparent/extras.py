@@ -100,7 +100,8 @@ def _names(frame: FrameType) -> tuple[list[str], set[str]]:
 
 
 def _candidates(frame: FrameType) -> Iterator[tuple[str, Any]]:
-    """Modules anywhere in the setup's names (only those changed are ever copied), the
+    """Modules anywhere in the setup's names and the file's globals (only those changed are
+    ever copied), the
     generators of its loaders and samplers, and the generators its loops use themselves: a
     generator the setup alone used (to make data, on the rank that made it) is no state."""
     scope = _scope(frame)
@@ -113,6 +114,10 @@ def _candidates(frame: FrameType) -> Iterator[tuple[str, Any]]:
                 _script_record_type(type(value)):
             for attr in sorted(attrs):
                 yield from _state_in(f"{name}.{attr}", attrs[attr], name in read)
+    if frame.f_code.co_qualname != "<module>":  # an EMA a function updates through a global of the file
+        for name in sorted(frame.f_globals):
+            if name not in scope and isinstance(frame.f_globals[name], torch.nn.Module):
+                yield from _state_in(name, frame.f_globals[name])
 
 
 def _state_in(path: str, value: Any, used: bool = True) -> Iterator[tuple[str, Any]]:
