@@ -338,6 +338,87 @@ def test_a_rank_lost_after_its_optimizer_step_is_replaced_bit_for_bit(tmp_path, 
     assert [(e["kind"], e["status"]) for e in job.events()] == [("unplanned", "resolved")], job.events()
 
 
+ACCUMULATING_FOR = """
+import os, signal, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.2), torch.nn.Linear(16, 1)))
+opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+data = TensorDataset(torch.randn(256, 8), torch.randn(256, 1))
+sampler = DistributedSampler(data)
+accum = 4  # an optimizer step every 4 batches of the loader loop (HF examples' shape)
+for epoch in range(4):
+    sampler.set_epoch(epoch)
+    for i, (x, y) in enumerate(DataLoader(data, batch_size=8, sampler=sampler)):
+        loss = torch.nn.functional.mse_loss(model(x), y) / accum
+        if dist.get_rank() == 1 and epoch == 1 and i == 6 and os.environ.get("KILL_MARK") and \\
+                not os.path.exists(os.environ["KILL_MARK"]):  # killed in its step's third batch
+            open(os.environ["KILL_MARK"], "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+        loss.backward()
+        if (i + 1) % accum == 0:
+            opt.step()
+            opt.zero_grad()
+torch.save({"model": model.module.state_dict(), "opt": opt.state_dict(), "rng": torch.get_rng_state()},
+           os.path.join(os.environ["EXPORT"], f"rank{dist.get_rank()}.pt"))
+dist.destroy_process_group()
+os._exit(0)  # past gloo's exit-time abort with torch 2.13 (baton/examples/plain_exit.py), as tests/nocode do
+"""
+
+ACCUMULATING_WHILE = """
+import os, signal, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.2), torch.nn.Linear(16, 1)))
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+X, Y = torch.randn(256, 8), torch.randn(256, 1)
+accum, it, running = 4, 0, 0.0
+while it < 120:
+    ix = torch.randint(0, 256, (8,))
+    loss = torch.nn.functional.mse_loss(model(X[ix]), Y[ix]) / accum
+    running += loss.item()
+    if dist.get_rank() == 0 and it == 22 and os.environ.get("KILL_MARK") and not os.path.exists(os.environ["KILL_MARK"]):
+        open(os.environ["KILL_MARK"], "w").close()  # rank 0, killed in its step's third iteration
+        os.kill(os.getpid(), signal.SIGKILL)
+    loss.backward()
+    if (it + 1) % accum == 0:
+        opt.step()
+        opt.zero_grad()
+    it += 1
+torch.save({"model": model.module.state_dict(), "rng": torch.get_rng_state(), "running": torch.tensor(running)},
+           os.path.join(os.environ["EXPORT"], f"rank{dist.get_rank()}.pt"))
+dist.destroy_process_group()
+os._exit(0)  # past gloo's exit-time abort with torch 2.13 (baton/examples/plain_exit.py), as tests/nocode do
+"""
+
+
+@pytest.mark.parametrize("source", [ACCUMULATING_FOR, ACCUMULATING_WHILE], ids=["for", "while"])
+def test_a_step_accumulating_over_several_iterations_runs_again_from_its_first(tmp_path, torchrun_reference, source):
+    """The step loop iterates micro-batches and steps the optimizer every fourth: a step spans
+    four iterations. A rank killed in the third runs the whole step again: the survivor from
+    the step's first head, handed again the three items it had drawn. Seen: the survivor ran
+    the step from its current item only and the job stopped on mismatched collectives."""
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(source))
+    ref = torchrun_reference(script, [], env={"EXPORT": "{d}/export"})
+    run = tmp_path / "job"
+    (run / "export").mkdir(parents=True)
+    job = Job(tmp_path, nproc=2, spares=1, script=script, out_arg=False, name="job",
+              env={"EXPORT": str(run / "export"), "KILL_MARK": str(tmp_path / "killed")})
+    try:
+        assert job.wait(timeout=170) == 0, job.log()
+    finally:
+        job.kill()
+    assert (tmp_path / "killed").exists()
+    _compare(ref, run)
+    assert [(e["kind"], e["status"]) for e in job.events()] == [("unplanned", "resolved")], job.events()
+
+
 LOGS_AFTER_STEP = """
 import os, torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP

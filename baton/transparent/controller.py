@@ -130,21 +130,22 @@ class StepLoopController:
             return
         if loop.site.id == self.step_site:
             self.step_loop = loop  # entered again (the next epoch): the same site, a new entry
-            self.rt.at_head()
+            if self.rt.at_head():  # a step begins here
+                loop.step_heads, loop.drawn = 0, []
+            loop.step_heads += 1
         elif (self.step_site is None and loop.iterations == 0) or loop.site.key in self.nest_keys:
             # the streams at each head of an outer loop of the nest, and, until the nest is
             # known, at each loop's first head (where the setup ended, for setup_check)
             loop.head_rng = rng.capture(self.rt.tracked.generators)
 
     def drawn(self, loop: ActiveLoop) -> None:
-        """The step loop drew its item: the streams now, where a re-run of the iteration,
+        """The step loop drew an item: it and the streams now, where a re-run of the step,
         handed the same item without drawing it, puts them back (`again`)."""
         if loop.site.id == self.step_site and self.catch_up is None:
-            loop.drawn_rng = rng.capture(self.rt.tracked.generators)
+            loop.drawn.append((loop.item, rng.capture(self.rt.tracked.generators)))
 
-    def again(self, loop: ActiveLoop) -> None:
-        if loop.drawn_rng is not None:
-            rng.restore(loop.drawn_rng, self.rt.tracked.generators)
+    def again(self, loop: ActiveLoop, streams: Any) -> None:
+        rng.restore(streams, self.rt.tracked.generators)
 
     def left(self, loop: ActiveLoop) -> None:
         if self.catch_up is not None and self.catch_up.exiting is loop:
@@ -357,6 +358,7 @@ class _CatchUp:
 
     def _arrive(self, loop: ActiveLoop) -> None:
         c = self.c
+        loop.step_heads, loop.drawn = 1, []  # its step begins at this head
         assert self.fetched is not None
         cmd, state, stats = self.fetched
         state, stats = c.rt.fetched_state(state, stats)

@@ -11,7 +11,8 @@ next item is drawn (where a step boundary is) and after (drawing it may draw ran
 a Dataset's random crop without loader workers), may hand a loop's variables back at a head
 (`restore`) or right after the loop (`restore_exit`: a successor taking over where the
 step loop had ended), and decides whether an exception out of a loop's body is a lost peer to
-absorb (`absorb`): the same iteration then runs again, on the same item, with the streams as
+absorb (`absorb`): the step then runs again from its first head, on the same items (a step
+that accumulates gradients over several iterations drew several), each with the streams as
 drawing it left them (`again`). With none
 attached (`baton explain`), the loops behave exactly as written.
 """
@@ -35,14 +36,18 @@ class ActiveLoop:
     iterable: Any = None  # a for loop's iterable, as the script wrote it
     iterator: Any = field(default=None, repr=False)  # what `iter(iterable)` gave
     item: Any = field(default=None, repr=False)  # the item of the running iteration
-    again: bool = False  # hand `item` once more: the iteration runs again after a recovery
+    # The step loop: the heads passed since its step began (a step accumulating gradients
+    # over several iterations spans several), and a for loop's items drawn since, each with
+    # the random streams as drawing it left them; after a recovery, those to hand again.
+    step_heads: int = 0
+    drawn: list[tuple[Any, Any]] = field(default_factory=list, repr=False)
+    replay: list[tuple[Any, Any]] = field(default_factory=list, repr=False)
     exhausted: bool = False  # end the loop at the next head (a successor reaching a loop's exit)
     ran_out: bool = False  # a for loop's iterator ran out, a while loop's test was false (not a break, ...)
     breaking: bool = False  # leave by a break at the next head (a successor: its predecessor did)
     raised: bool = False  # left with an exception on its way out
     counted: "_Counted | None" = field(default=None, repr=False)  # a for loop's iterator (positioned by a successor)
     head_rng: Any = field(default=None, repr=False)  # the random streams at this iteration's head (nest loops)
-    drawn_rng: Any = field(default=None, repr=False)  # the streams right after `item` was drawn (the step loop)
 
 
 class Controller(Protocol):
@@ -52,7 +57,7 @@ class Controller(Protocol):
 
     def drawn(self, loop: ActiveLoop) -> None: ...
 
-    def again(self, loop: ActiveLoop) -> None: ...
+    def again(self, loop: ActiveLoop, streams: Any) -> None: ...
 
     def restore(self, loop: ActiveLoop) -> dict[str, Any] | None: ...
 
@@ -78,11 +83,17 @@ class _Counted:
     def __next__(self) -> Any:
         loop = self._loop
         controller = LOOPS.controller
-        if loop.again:
-            loop.again = False
+        if loop.replay:  # an iteration runs again after a recovery: the items its step had drawn
+            if controller is not None and loop.drawn:
+                controller.before_item(loop)  # a head inside the step (accumulation), not its first
+            else:
+                loop.step_heads += 1  # its first head: the step began again at the recovery
+            loop.item, streams = item, _ = loop.replay.pop(0)
+            loop.iterations += 1
+            loop.drawn.append((item, streams))
             if controller is not None:
-                controller.again(loop)
-            return loop.item
+                controller.again(loop, streams)
+            return item
         if controller is not None:
             controller.before_item(loop)
         if loop.exhausted:
@@ -190,9 +201,12 @@ class Loops:
         loop = self._current(sid, sys._getframe(1))
         if not self.controller.absorb(loop, exc):
             return False
-        loop.again = loop.site.kind == "for"
-        if loop.site.kind == "while":
-            loop.iterations -= 1  # the head that follows begins the same iteration again
+        if loop.site.kind == "for":  # hand again every item the step had drawn, from its first head
+            loop.replay, loop.drawn = loop.drawn, []
+            loop.iterations -= len(loop.replay)
+        else:  # the head that follows begins the step's first iteration again
+            loop.iterations -= loop.step_heads
+        loop.step_heads = 0
         return True
 
     def enclosing(self, frame: FrameType | None) -> list[ActiveLoop]:

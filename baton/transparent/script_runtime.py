@@ -136,26 +136,28 @@ class ScriptRuntime(Runtime):
         for i, model in enumerate(roots):
             self.tracked.add("model" if i == 0 and "model" not in self.tracked.objects else f"sharded{i}", model)
 
-    def at_head(self) -> None:
-        """A head of the step loop, before its next item is drawn."""
+    def at_head(self) -> bool:
+        """A head of the step loop, before its next item is drawn. Whether a step begins here
+        (not where a step accumulating gradients over several iterations goes on)."""
         if self.exit_join is not None:
             self._not_at_the_exit()
         if self.replay is not None:  # a successor that ran its predecessor's last step again
             self._end_replay()
             self._start_step()
-            return
+            return True
         if self.region is not None and self.region.active:
             self.region.active = False
             self._join_if_deferred()  # a successor that ran the region: the survivors stand here
         if self.scope == "step":
             if not self.committed:
-                return  # no optimizer step yet (gradient accumulation): the same step goes on
+                return False  # no optimizer step yet (gradient accumulation): the same step goes on
             self._complete_step()
         if self.ctl.attention:  # a move may stop here: the state it hands over is this head's
             self.at_pos, self.at_pos_rng = self._capture_head()
         while not self._boundary():
             pass
         self._start_step()
+        return True
 
     def _start_step(self, state: dict[str, Any] | None = None) -> None:
         """Begin the step at this head: this rank's own state here, where the script stands
