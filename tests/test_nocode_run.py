@@ -108,3 +108,32 @@ def test_a_second_loop_that_steps_the_optimizer_stops_the_job_saying_so(tmp_path
     assert "phases.py\", line 15" in log, log[-3000:]  # the script's own line, in its traceback
     out = (tmp_path / "job" / "stdout.log").read_text()
     assert "warm-up done" in out and "main done" not in out, out
+
+
+TWO_MODELS_IN_TURN = """
+import torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+dist.init_process_group("gloo")
+G, D = DDP(torch.nn.Linear(4, 8)), DDP(torch.nn.Linear(8, 1))
+opt_g, opt_d = torch.optim.Adam(G.parameters()), torch.optim.Adam(D.parameters())
+for it in range(5):  # a GAN's iteration: the discriminator's step, then the generator's
+    fake = G(torch.randn(16, 4))
+    (D(torch.randn(16, 8)).mean() - D(fake.detach()).mean()).backward()
+    opt_d.step()
+    opt_d.zero_grad()
+    D(fake).mean().backward()
+    opt_g.step()
+    opt_g.zero_grad()
+    print("iteration done", flush=True)
+"""
+
+
+def test_two_models_trained_in_turn_stop_the_job_saying_so(tmp_path):
+    """A second backward after the iteration's first optimizer step (a GAN's generator after its
+    discriminator) cannot be captured as one step: the job stops in the first iteration,
+    naming the script's line, why, and `--no-migration`, never a run that could not move."""
+    log = _stopped(tmp_path, "gan.py", TWO_MODELS_IN_TURN)
+    assert "gan.py:13: a backward of a DistributedDataParallel model ran after optimizer.step()" in log, log[-3000:]
+    assert "two models trained in turn" in log and "--no-migration" in log, log[-3000:]
+    assert "iteration done" not in (tmp_path / "job" / "stdout.log").read_text()

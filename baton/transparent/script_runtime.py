@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -34,6 +35,7 @@ from baton.transfer.bundles import Bundle, encode_frame
 from baton.transfer.server import FETCH, FETCH_TAIL
 from baton.transparent import tail
 from baton.transparent.region import Region, load_small_state, small_state
+from baton.transparent.sites import SITES
 from baton.transparent.tail import StepRecord
 from baton.worker import fence, shards, verify
 from baton.worker.collectives import SAME_EVERYWHERE, Record, Recorded
@@ -729,9 +731,28 @@ class ScriptRuntime(Runtime):
     def _check_no_stray_draws(self, where: str) -> None:
         """The script may draw between steps (a loader's iterator, its evaluation): not a rule here."""
 
+    def _backward_after_step(self) -> str:
+        own = next((f for f in _stack() if f.f_code.co_filename in SITES.files), None)
+        where = f"{own.f_code.co_filename}:{own.f_lineno}: " if own is not None else ""
+        return (f"{where}a backward of a DistributedDataParallel model ran after optimizer.step() in the same "
+                "iteration of the step loop (two models trained in turn, as a GAN's discriminator and generator): "
+                "a script with no code change may run one backward-and-step phase per iteration, because each "
+                "step's state is captured at its gradient all-reduce and committed at its optimizer step, and a "
+                "rank lost between two phases could not be rebuilt bit for bit. This version does not move such "
+                "a script: run it with `baton run --no-migration` (a failure then ends the job promptly, and you "
+                "restart from your own checkpoint)")
+
     def _stepped_outside_steps(self) -> str:
         where = f" ({self.loop.step_loop})" if self.loop is not None and self.loop.step_loop else ""
         return (f"optimizer.step() ran outside the step loop baton found at the first optimizer step{where}: a "
                 "script with no code change may step its optimizers in one loop only, since a move can stop only "
                 "at that loop's heads. Train every phase in that one loop, or port the script to the model-aware "
                 "API (a `with step:` block in each loop)")
+
+
+def _stack() -> Iterator[Any]:
+    """The calling thread's frames, innermost first."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        yield frame
+        frame = frame.f_back

@@ -123,7 +123,7 @@ class Captures:
             raise UsageError("a gradient all-reduce (loss.backward() of a wrapped model) ran outside "
                              "`with step:`")
         if self.committed:
-            raise UsageError("loss.backward() ran after optimizer.step() in the same step")
+            raise UsageError(self._backward_after_step())
         if first and not self.backward_captured:
             self._capture_point()  # the output's nodes were not reached (or not hooked)
         if last:
@@ -247,6 +247,9 @@ class Captures:
             self.params_step = self.pos[0] + 1
             return
         raise UsageError(self._stepped_outside_steps())
+
+    def _backward_after_step(self) -> str:
+        return "loss.backward() ran after optimizer.step() in the same step"
 
     def _stepped_outside_steps(self) -> str:
         where = "a boundary function" if self.scope == "boundary" else "outside `with step:`"
