@@ -166,6 +166,22 @@ while n < 20:
     assert "DataLoader's iterator" in refusal["what"] and "for x, y in loader" in refusal["fix"]
 
 
+def test_refused_a_loader_with_persistent_workers_iterated_each_epoch(tmp_path):
+    """Persistent workers keep their random streams from one epoch to the next, where a
+    successor's could not be brought (seen: augmentations drawn in the workers differed after
+    a loss in a later epoch, exit 0)."""
+    refusal, _, script = _refused(tmp_path, SETUP + """
+data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
+loader = torch.utils.data.DataLoader(data, batch_size=8, num_workers=1, persistent_workers=True)
+for epoch in range(3):
+    for x, y in loader:
+        step(x, y)
+""")
+    assert refusal["where"] == f"{script}:{_line(script, 'for x, y in loader')}"
+    assert "persistent_workers=True" in refusal["what"] and "persistent_workers=False" in refusal["fix"]
+    assert "--no-migration" in refusal["fix"]
+
+
 @pytest.mark.parametrize("register, what", [
     ("model.register_comm_hook(powerSGD.PowerSGDState(process_group=None), powerSGD.powerSGD_hook)",
      "register_comm_hook"),

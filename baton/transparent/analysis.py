@@ -102,8 +102,8 @@ def build(found: Found, script: str, args: list[str], world_size: int) -> Report
     body = step.site.body
     if body:
         report.step_body = f"{step.site.file}:{body[0].line}-{body[-1].end_line}"
-    for loop in nest.loops:
-        it = refusals.iteration(loop)
+    for depth, loop in enumerate(nest.loops):
+        it = refusals.iteration(loop, repeated=depth > 0)
         report.loops.append(LoopReport(where=loop.site.where, scope=loop.site.scope, header=loop.site.header,
                                        iterates=it.what, position=it.how, step=loop is step))
         if it.refusal is not None:

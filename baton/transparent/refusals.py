@@ -56,7 +56,7 @@ def _is_loader(obj: Any) -> bool:
     return isinstance(obj, (DataLoader, _BaseDataLoaderIter))
 
 
-def _loader_iteration(obj: Any, where: str) -> Iteration:
+def _loader_iteration(obj: Any, where: str, repeated: bool) -> Iteration:
     from torch.utils.data import DataLoader, IterableDataset
 
     dataset = obj.dataset if isinstance(obj, DataLoader) else getattr(obj, "_dataset", None)
@@ -73,28 +73,39 @@ def _loader_iteration(obj: Any, where: str) -> Iteration:
             "without replaying the whole stream",
             "give the dataset state_dict()/load_state_dict() (or use a map-style Dataset with a sampler), "
             + MODEL_AWARE_FIX))
+    persistent = getattr(obj, "persistent_workers", False) if isinstance(obj, DataLoader) else \
+        getattr(obj, "_persistent_workers", False)
+    if repeated and persistent and (getattr(obj, "num_workers", 0) or getattr(obj, "_num_workers", 0)):
+        return Iteration(what, "", Refusal(
+            where, "a DataLoader with persistent_workers=True, iterated again each time an outer loop comes round",
+            "its worker processes keep their random streams from one pass to the next (a random crop drawn "
+            "in a worker), and a successor, which starts its workers at its rank's epoch, cannot bring them "
+            "where its predecessor's were without loading every earlier epoch again",
+            "persistent_workers=False (the workers start each epoch from a seed the main process draws, which "
+            "baton carries). " + NO_MIGRATION))
     if isinstance(dataset, IterableDataset):
         return Iteration(what, "its position through the dataset's state_dict()")
     return Iteration(what, "replayed to its position (the batches drawn so far are drawn again, "
                            "augmentations included)")
 
 
-def iteration(loop: ActiveLoop) -> Iteration:
-    """What `loop` iterates over and how a successor reaches the same iteration."""
+def iteration(loop: ActiveLoop, repeated: bool = False) -> Iteration:
+    """What `loop` iterates over and how a successor reaches the same iteration; `repeated`:
+    an outer loop of the nest runs it again and again."""
     where = loop.site.where
     if loop.site.kind == "while":
         return Iteration("a while loop", "its variables say where it is")
-    return _iteration_of(loop.iterable, where, 0)
+    return _iteration_of(loop.iterable, where, 0, repeated)
 
 
-def _iteration_of(obj: Any, where: str, depth: int) -> Iteration:
+def _iteration_of(obj: Any, where: str, depth: int, repeated: bool = False) -> Iteration:
     if isinstance(obj, range):
         return Iteration(f"range({obj.start}, {obj.stop}" + (f", {obj.step})" if obj.step != 1 else ")"),
                          "by index")
     if isinstance(obj, (list, tuple, str, bytes, dict)):
         return Iteration(f"a {type(obj).__name__} of {len(obj)}", "by index")
     if _is_loader(obj):
-        return _loader_iteration(obj, where)
+        return _loader_iteration(obj, where, repeated)
     if isinstance(obj, (types.GeneratorType, types.AsyncGeneratorType)):
         return Iteration(f"generator {obj.__qualname__}", "", Refusal(
             where, f"batches from a Python generator ({obj.__qualname__})",
@@ -109,7 +120,7 @@ def _iteration_of(obj: Any, where: str, depth: int) -> Iteration:
         parts = [inner] if inner is not None else _inner_iterators(obj) \
             if name in ("enumerate", "zip", "map", "filter", "islice", "chain") else []
         if parts:
-            got = [_iteration_of(p, where, depth + 1) for p in parts]
+            got = [_iteration_of(p, where, depth + 1, repeated) for p in parts]
             refused = next((g.refusal for g in got if g.refusal is not None), None)
             return Iteration(f"{name}({', '.join(g.what for g in got)})",
                              "; ".join(g.how for g in got if g.how), refused)
