@@ -419,6 +419,82 @@ def test_a_step_accumulating_over_several_iterations_runs_again_from_its_first(t
     assert [(e["kind"], e["status"]) for e in job.events()] == [("unplanned", "resolved")], job.events()
 
 
+OWN_SAMPLER = """
+import os, signal, numpy as np, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Sampler, TensorDataset
+
+
+class ShardSampler(Sampler):  # the script's own: a new permutation from its own generator each pass
+    def __init__(self, n, rank, world, seed):
+        self.n, self.rank, self.world = n, rank, world
+        self.rng = np.random.default_rng(seed)
+        self.passes = 0
+
+    def __iter__(self):
+        self.passes += COUNTS
+        return iter(self.rng.permutation(self.n)[self.rank::self.world].tolist())
+
+    def __len__(self):
+        return self.n // self.world
+
+
+def main():
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.2), torch.nn.Linear(16, 1)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    data = TensorDataset(torch.randn(128, 8), torch.randn(128, 1))
+    loader = DataLoader(data, batch_size=8, sampler=ShardSampler(128, rank, 2, 5))
+    for epoch in range(4):
+        for i, (x, y) in enumerate(loader):
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            if rank == 1 and epoch == 2 and i == 3 and os.environ.get("KILL_MARK") and \\
+                    not os.path.exists(os.environ["KILL_MARK"]):
+                open(os.environ["KILL_MARK"], "w").close()
+                os.kill(os.getpid(), signal.SIGKILL)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    torch.save({"model": model.module.state_dict(), "rng": torch.get_rng_state(),
+                "sampler": loader.sampler.rng.bit_generator.state["state"]["state"] % 2**62},
+               os.path.join(os.environ["EXPORT"], f"rank{rank}.pt"))
+    dist.destroy_process_group()
+    os._exit(0)  # past gloo's exit-time abort with torch 2.13 (baton/examples/plain_exit.py), as tests/nocode do
+
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+@pytest.mark.parametrize("counts", [0, 1], ids=["own-generator", "pass-counter"])
+def test_a_scripts_own_sampler_is_carried_or_the_job_stops_saying_why(tmp_path, torchrun_reference, counts):
+    """A sampler of the script's own that shuffles with its own numpy generator, rank 1 killed in
+    the third epoch: the generator is put back at the epoch's head before the successor's
+    sampler draws its permutation (seen: it drew from the setup's state, exit 0). One that
+    also counts its passes in an attribute cannot be brought there by a walk: the job stops
+    non-zero, naming that cause."""
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(OWN_SAMPLER).replace("COUNTS", str(counts)))
+    ref = torchrun_reference(script, [], env={"EXPORT": "{d}/export"})
+    run = tmp_path / "job"
+    (run / "export").mkdir(parents=True)
+    job = Job(tmp_path, nproc=2, spares=1, script=script, out_arg=False, name="job",
+              env={"EXPORT": str(run / "export"), "KILL_MARK": str(tmp_path / "killed")})
+    try:
+        code = job.wait(timeout=170)
+    finally:
+        job.kill()
+    assert (tmp_path / "killed").exists(), job.log()
+    if counts:
+        assert code != 0 and "a count of its passes" in job.log(), job.log()
+        return
+    assert code == 0, job.log()
+    _compare(ref, run)
+
+
 LOGS_AFTER_STEP = """
 import os, torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP

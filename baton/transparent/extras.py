@@ -13,8 +13,10 @@ one level into the script's own objects (`self.ema`, `self.train_data`), give
   rank-local state, in the record of every head that goes to the buddies, as a wrapped
   model's BatchNorm statistics are (an EMA of such statistics differs by rank; and a
   module the step changes before a failure is put back for its re-run), and
-- generators, held directly or by a DataLoader or Sampler: their state joins the random
-  streams in that record.
+- generators, held directly or by a DataLoader or Sampler (any attribute of it: a script's
+  own sampler's `self.rng`): their state joins the random streams in that record, and in
+  those noted at each head of an outer loop, where a successor's walk puts them back
+  before the loop below it draws its first item (a sampler's permutation).
 
 The cost: a copy of each such module per step (an EMA: the model's size again).
 
@@ -137,5 +139,8 @@ def _state_in(path: str, value: Any, used: bool = True) -> Iterator[tuple[str, A
         yield from _state_in(f"{path}.batch_sampler", value.batch_sampler)
     elif isinstance(value, BatchSampler):
         yield from _state_in(f"{path}.sampler", value.sampler)
-    elif isinstance(value, Sampler):
-        yield from _state_in(f"{path}.generator", getattr(value, "generator", None))
+    elif isinstance(value, Sampler):  # `generator`, or a script's own sampler's `self.rng`
+        attrs = getattr(value, "__dict__", {})
+        for attr in sorted(attrs):
+            if rng.is_generator(attrs[attr]):
+                yield f"{path}.{attr}", attrs[attr]

@@ -91,4 +91,7 @@ def explain(rank: int, differing: list[str]) -> str:
             "differ(s) where the step loop starts. The script's setup is not deterministic (an unseeded "
             "random_split or initialisation, say): every process that runs it must build the same data and "
             "draw the same random numbers before its loop. Seed the setup (torch.manual_seed, a generator "
-            "for random_split). The job stops here rather than train the new rank on other data.")
+            "for random_split). Or a Sampler or Dataset of the script changes its own plain attributes as it is "
+            "iterated (a count of its passes), which a successor walking to its rank's epoch does not repeat: "
+            "derive them from the epoch instead (as DistributedSampler.set_epoch does). The job stops here "
+            "rather than train the new rank on other data.")
