@@ -174,6 +174,13 @@ class _Controller:
 
     def before_item(self, loop: ActiveLoop) -> None:
         self.heads += 1
+        loop.step_heads, loop.drawn = 1, []  # each head begins a step, as the runtime's do without accumulation
+
+    def drawn(self, loop: ActiveLoop) -> None:
+        loop.drawn.append((loop.item, None))
+
+    def again(self, loop: ActiveLoop, streams: Any) -> None:
+        pass
 
     def left(self, loop: ActiveLoop) -> None:
         pass
