@@ -297,6 +297,68 @@ def test_a_rank_lost_after_its_optimizer_step_is_replaced_bit_for_bit(tmp_path, 
     assert [(e["kind"], e["status"]) for e in job.events()] == [("unplanned", "resolved")], job.events()
 
 
+METERS_BY_NAME = """
+import collections, contextlib, os, signal, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+
+class Meter:
+    def __init__(self):
+        self.sum, self.n = 0.0, 0
+
+    def update(self, v, k=1):
+        self.sum += v * k
+        self.n += k
+
+    @property
+    def avg(self):
+        return self.sum / max(self.n, 1)
+
+
+def train(model, opt, loader, accum, meters, history, rank, epoch):
+    for i, (x, y) in enumerate(loader):
+        sync = (i + 1) % accum == 0
+        with contextlib.nullcontext() if sync else model.no_sync():  # DDP's own accumulation
+            loss = torch.nn.functional.mse_loss(model(x), y) / accum
+            if rank == 0 and epoch == 2 and i == 5 and os.environ.get("KILL_MARK") and \\
+                    not os.path.exists(os.environ["KILL_MARK"]):
+                open(os.environ["KILL_MARK"], "w").close()
+                os.kill(os.getpid(), signal.SIGKILL)
+            loss.backward()
+        meters["loss"].update(loss.item(), len(x))
+        meters["batches"].update(1.0)
+        if sync:
+            opt.step()
+            opt.zero_grad()
+            history.append(meters["loss"].avg)
+
+
+def main():
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.2), torch.nn.Linear(16, 1)))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    data = TensorDataset(torch.randn(256, 8), torch.randn(256, 1))
+    sampler = DistributedSampler(data)
+    loader = DataLoader(data, batch_size=8, sampler=sampler)
+    meters, history = collections.defaultdict(Meter), []  # meters made as they are first used
+    for epoch in range(4):
+        sampler.set_epoch(epoch)
+        train(model, opt, loader, 4, meters, history, rank, epoch)
+    torch.save({"model": model.module.state_dict(), "opt": opt.state_dict(), "rng": torch.get_rng_state(),
+                "history": torch.tensor(history), "meters": {k: (m.sum, m.n) for k, m in meters.items()}},
+               os.path.join(os.environ["EXPORT"], f"rank{rank}.pt"))
+    dist.destroy_process_group()
+    os._exit(0)  # past gloo's exit-time abort with torch 2.13 (baton/examples/plain_exit.py), as tests/nocode do
+
+
+if __name__ == "__main__":
+    main()
+"""
+
+
 ACCUMULATING_FOR = """
 import os, signal, torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -369,7 +431,8 @@ os._exit(0)  # past gloo's exit-time abort with torch 2.13 (baton/examples/plain
 """
 
 
-@pytest.mark.parametrize("source", [ACCUMULATING_FOR, ACCUMULATING_WHILE], ids=["for", "while"])
+@pytest.mark.parametrize("source", [ACCUMULATING_FOR, ACCUMULATING_WHILE, METERS_BY_NAME],
+                         ids=["for", "while", "no_sync-and-meters-by-name"])
 def test_a_step_accumulating_over_several_iterations_runs_again_from_its_first(tmp_path, torchrun_reference, source):
     """The step loop iterates micro-batches and steps the optimizer every fourth: a step spans
     four iterations. A rank killed in the third runs the whole step again: the survivor from
@@ -377,7 +440,9 @@ def test_a_step_accumulating_over_several_iterations_runs_again_from_its_first(t
     as drawing it left them (the loader's dataset draws noise: the dropout after it must draw
     the same masks). Seen: the survivor ran the step from its current item only and the job
     stopped on mismatched collectives; and, with one item a step, the re-run's dropout drew
-    other masks, exit 0."""
+    other masks, exit 0. The third accumulates with DDP's no_sync() and keeps its meters in a
+    `defaultdict(Meter)`, put back by name into the successor's own (seen: restored as plain
+    dicts, the script failed on `meters["loss"].update(...)`)."""
     script = tmp_path / "script.py"
     script.write_text(textwrap.dedent(source))
     ref = torchrun_reference(script, [], env={"EXPORT": "{d}/export"})

@@ -67,13 +67,13 @@ def restore_record(obj: Any, captured: dict[str, Any], where: str) -> None:
         raise RestoreError(f"{where} is a {type(obj).__qualname__} here but was a {captured[RECORD]} in the rank "
                            "this process takes over: the script's setup must build the same objects on every run")
     for name, saved in captured["attrs"].items():
-        current = getattr(obj, name, None)
-        if is_record(saved):
-            restore_record(current, saved, f"{where}.{name}")
-        elif isinstance(saved, list) and isinstance(current, list) and any(is_record(x) for x in saved):
-            restore_list(current, saved, f"{where}.{name}")
-        else:
-            setattr(obj, name, saved)
+        setattr(obj, name, rebound(saved, getattr(obj, name, None), f"{where}.{name}"))
+
+
+def _holds_records(saved: Any) -> bool:
+    items = saved.values() if isinstance(saved, dict) and not is_record(saved) else \
+        saved if isinstance(saved, list) else ()
+    return any(is_record(x) or _holds_records(x) for x in items)
 
 
 def restore_list(current: list[Any], saved: list[Any], where: str) -> None:
@@ -81,39 +81,55 @@ def restore_list(current: list[Any], saved: list[Any], where: str) -> None:
         raise RestoreError(f"{where} holds {len(current)} items here but {len(saved)} in the rank this process "
                            "takes over")
     for i, item in enumerate(saved):
-        if is_record(item):
-            restore_record(current[i], item, f"{where}[{i}]")
+        current[i] = rebound(item, current[i], f"{where}[{i}]")
+
+
+def restore_dict(current: dict[Any, Any], saved: dict[Any, Any], where: str) -> None:
+    """`saved`'s entries into `current`, in their order; an object of the successor's own is
+    kept under its key and given the record's attributes, one a defaultdict makes (a
+    `defaultdict(AverageMeter)` of meters) is made by it first."""
+    old = dict(current)
+    current.clear()
+    for key, item in saved.items():
+        if is_record(item) and key not in old:
+            if getattr(current, "default_factory", None) is None:
+                raise RestoreError(f"{where}[{key!r}] is missing here, but the rank this process takes over held an "
+                                   f"object ({item[RECORD]}) under it")
+            restore_record(current[key], item, f"{where}[{key!r}]")  # made by the defaultdict's factory
         else:
-            current[i] = item
+            current[key] = rebound(item, old.get(key), f"{where}[{key!r}]")
 
 
 def restore_container(current: Any, saved: Any, where: str) -> None:
     """Put a list or dict a loop changes in place (`history.append(x)`) back as it was, in
     the successor's own object, so every reference to it sees the contents."""
     if isinstance(current, list) and isinstance(saved, list):
-        if any(is_record(x) for x in saved):
+        if _holds_records(saved):
             restore_list(current, saved, where)
         else:
             current[:] = saved
-    elif isinstance(current, dict) and isinstance(saved, dict):
-        current.clear()
-        current.update(saved)
+    elif isinstance(current, dict) and isinstance(saved, dict) and not is_record(saved):
+        restore_dict(current, saved, where)
     else:
         raise RestoreError(f"{where} is a {type(current).__name__} here but was a {type(saved).__name__} in the rank "
                            "this process takes over")
 
 
 def rebound(captured: Any, current: Any, where: str) -> Any:
-    """What a loop variable is bound to again: a record goes into the successor's object of
-    that name (kept, so other references see it); anything else is the captured value."""
+    """What a loop variable (or an attribute, an item) is bound to again: a record goes into
+    the successor's object of that name (kept, so other references see it), as do the
+    records inside a list or dict; anything else is the captured value."""
     if is_record(captured):
         if current is None:
             raise RestoreError(f"{where} is not bound here yet, but the rank this process takes over held an "
                                f"object ({captured[RECORD]}) in it")
         restore_record(current, captured, where)
         return current
-    if isinstance(captured, list) and isinstance(current, list) and any(is_record(x) for x in captured):
+    if isinstance(captured, list) and isinstance(current, list) and _holds_records(captured):
         restore_list(current, captured, where)
+        return current
+    if isinstance(captured, dict) and isinstance(current, dict) and _holds_records(captured):
+        restore_dict(current, captured, where)
         return current
     return captured
 
