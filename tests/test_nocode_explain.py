@@ -145,6 +145,30 @@ for x, y in torch.utils.data.DataLoader(Stream(), batch_size=8):
     assert "IterableDataset without state" in refusal["what"] and "state_dict()" in refusal["fix"]
 
 
+def test_the_setup_state_that_moves_with_the_rank_is_listed(tmp_path):
+    """An EMA module outside DDP and the generator a sampler shuffles with are neither loop
+    variables nor tracked by an interception: explain lists them as carried, by kind; the
+    model DDP holds (here also as `raw`) and a stateless loss module are not listed."""
+    script = tmp_path / "ema.py"
+    script.write_text(textwrap.dedent(SETUP + """
+import copy
+from torch.utils.data import DataLoader, RandomSampler, TensorDataset
+raw = model.module
+ema = copy.deepcopy(raw)
+criterion = torch.nn.MSELoss()
+data = TensorDataset(torch.randn(32, 4), torch.randn(32, 1))
+loader = DataLoader(data, batch_size=8, sampler=RandomSampler(data, generator=torch.Generator().manual_seed(0)))
+for epoch in range(2):
+    for x, y in loader:
+        step(x, y)
+        ema.weight.data.lerp_(raw.weight.data, 0.1)
+"""))
+    code, report, log = _explain(tmp_path, script)
+    assert code == 0, log
+    kinds = {c["name"]: (c["kind"], c["detail"]) for c in report["carried"] if c["kind"] in ("module", "generator")}
+    assert kinds == {"ema": ("module", "Linear"), "loader.sampler.generator": ("generator", "Generator")}, kinds
+
+
 def test_refused_batches_drawn_with_next_from_a_dataloader_iterator(tmp_path):
     """TorchTitan's shape: `batch = next(data_iterator)` in a while loop. The iterator's position
     cannot be handed over, and a re-run iteration would draw another batch."""

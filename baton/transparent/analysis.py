@@ -13,9 +13,10 @@ from __future__ import annotations
 import gc
 from typing import Literal
 
+import torch
 from pydantic import BaseModel
 
-from baton.transparent import ddp_rules, refusals
+from baton.transparent import ddp_rules, extras, refusals
 from baton.transparent.carried import Kind, classify
 from baton.transparent.loops import ActiveLoop
 from baton.transparent.nest import FrameLoops, Found, Nest, Place
@@ -89,7 +90,9 @@ def ddp_refusals(script: str) -> list[RefusalReport]:
     return out
 
 
-def build(found: Found, script: str, args: list[str], world_size: int) -> Report:
+def build(found: Found, script: str, args: list[str], world_size: int, explaining: bool = False) -> Report:
+    """The report; `explaining` (baton explain) adds the setup's untracked state that moves with
+    the rank (extras.py), which a run finds itself as it tracks it."""
     report = Report(script=script, args=list(args), world_size=world_size,
                     call=found.call.where if found.call else "")
     if found.nest is None:
@@ -113,7 +116,17 @@ def build(found: Found, script: str, args: list[str], world_size: int) -> Report
         carried, refused = _carried(frame_loops)
         report.carried += carried
         report.refusals += [_refusal(r) for r in refused]
+        if explaining:
+            report.carried += _setup_state(frame_loops)
     return report
+
+
+def _setup_state(frame_loops: FrameLoops) -> list[CarriedReport]:
+    """The modules and generators of the frame's setup that move with the rank (extras.py)."""
+    where = frame_loops.loops[0].site.where
+    return [CarriedReport(loop=where, name=name.removeprefix(extras.PREFIX), detail=type(obj).__name__,
+                          kind="module" if isinstance(obj, torch.nn.Module) else "generator")
+            for name, obj in extras.untracked_in(frame_loops.frame)]
 
 
 def _point(nest: Nest, loop: ActiveLoop) -> int:

@@ -124,7 +124,7 @@ def _child(script: str, args: list[str]) -> int:
     def stop(_opt: torch.optim.Optimizer, *_: object) -> None:
         if rank == 0:
             found = nest.find(sys._getframe(1), modules)
-            report = analysis.build(found, script, args, world)
+            report = analysis.build(found, script, args, world, explaining=True)
             report.refusals += analysis.ddp_refusals(script)
             Path(os.environ[ENV_OUT]).write_text(report.model_dump_json())
         raise _Explained

@@ -69,6 +69,29 @@ def track(tracked: Tracked, frame: FrameType) -> list[str]:
     return added
 
 
+def untracked_in(frame: FrameType) -> list[tuple[str, Any]]:
+    """What `track` would add in `frame` in a process where nothing is tracked yet but the
+    models the script wrapped in DDP or sharded (`baton explain`, which runs under plain torch)."""
+    import gc
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    owned = {id(t) for obj in gc.get_objects() if isinstance(obj, DistributedDataParallel)
+             for t in (*obj.module.parameters(), *obj.module.buffers())}
+    out, seen = [], set()
+    for path, obj in _candidates(frame):
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.nn.Module):
+            tensors = [*obj.parameters(), *obj.buffers()]
+            if not tensors or all(id(t) in owned for t in tensors) or _sharded(tensors):
+                continue
+            owned.update(id(t) for t in tensors)
+        out.append((PREFIX + path, obj))
+    return out
+
+
 def _owned_tensors(tracked: Tracked) -> set[int]:
     return {id(t) for obj in tracked.objects.values() if isinstance(obj, torch.nn.Module)
             for t in (*obj.parameters(), *obj.buffers())}

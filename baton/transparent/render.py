@@ -16,6 +16,8 @@ _KIND_TEXT = {
     "numpy": "carried as it is",
     "object": "carried attribute by attribute",
     "state": "moves with its state_dict",
+    "module": "in the rank's record at each head, once changed",
+    "generator": "with the rank's random streams",
     "loader": "position replayed",
     "setup": "rebuilt by the successor's setup",
     "later": "checked when bound",
