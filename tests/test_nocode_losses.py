@@ -141,16 +141,23 @@ opt = torch.optim.SGD(model.parameters(), lr=0.05)
 data = TensorDataset(torch.randn(256, 8), torch.randn(256, 1))
 shuffle = torch.Generator().manual_seed(1234 + dist.get_rank())  # each rank its own order
 loader = DataLoader(data, batch_size=8, sampler=RandomSampler(data, generator=shuffle))
+slow = [p.detach().clone() for p in model.parameters()]  # another average, kept as a list of tensors
+seen_loss = torch.zeros(())  # a running total changed in place
 for epoch in range(4):
     for x, y in loader:
-        torch.nn.functional.mse_loss(model(x), y).backward()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        seen_loss.add_(loss.detach())  # before the backward: a re-run must not add it twice
+        loss.backward()
         opt.step()
         opt.zero_grad()
         with torch.no_grad():
             for e, p in zip(ema.state_dict().values(), model.module.state_dict().values()):
                 e.copy_(e * 0.9 + p * 0.1) if e.is_floating_point() else e.copy_(p)
+            for e, p in zip(slow, model.parameters()):
+                e.lerp_(p, 0.01)
 torch.save({"model": model.module.state_dict(), "ema": ema.state_dict(), "shuffle": shuffle.get_state(),
-            "rng": torch.get_rng_state()}, os.path.join(os.environ["EXPORT"], f"rank{dist.get_rank()}.pt"))
+            "slow": slow, "seen_loss": seen_loss, "rng": torch.get_rng_state()},
+           os.path.join(os.environ["EXPORT"], f"rank{dist.get_rank()}.pt"))
 dist.destroy_process_group()
 os._exit(0)  # past gloo's exit-time abort with torch 2.13 (baton/examples/plain_exit.py), as tests/nocode do
 """
@@ -159,9 +166,10 @@ os._exit(0)  # past gloo's exit-time abort with torch 2.13 (baton/examples/plain
 @pytest.mark.parametrize("source, fault", [
     (SWALLOWING, "1:40:SIGKILL"),  # the script's own try/except Exception around the step
     (GLOBAL_COUNTER, "0:50:SIGKILL"),  # a module global a function changes, rank 0 killed
-    # State no interception sees: an EMA module updated after each step, and the generator a
-    # sampler shuffles with. Seen: both restarted from the setup's values in the new rank 0,
-    # and the job ended 0.
+    # State no interception sees: an EMA module updated after each step, the generator a
+    # sampler shuffles with, an average kept as a list of tensors and a total changed in
+    # place. Seen: each restarted from the setup's values in the new rank 0 (and the total
+    # counted the re-run step twice in the survivor), and the job ended 0.
     (EMA_AND_SAMPLER, "0:45:SIGKILL"),
 ])
 def test_a_step_that_swallows_the_error_changes_a_global_or_keeps_state_aside_is_still_exact(

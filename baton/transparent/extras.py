@@ -9,8 +9,9 @@ the nest is read as a joiner reaches it (and, in the ranks that start the job, a
 first optimizer step): the setup's names in it (not bound by a loop of that code), and
 one level into the script's own objects (`self.ema`, `self.train_data`), give
 
-- modules holding tensors that no tracked model holds: their parameters and buffers are
-  rank-local state, in the record of every head that goes to the buddies, as a wrapped
+- modules holding tensors that no tracked model holds (sharded too: an EMA of an FSDP2
+  model, by its local shards), and tensors the loops read (an EMA kept as a list of
+  tensors, a running total changed in place): their tensors are rank-local state, in the record of every head that goes to the buddies, as a wrapped
   model's BatchNorm statistics are (an EMA of such statistics differs by rank; and a
   module the step changes before a failure is put back for its re-run), and
 - generators, held directly or by a DataLoader or Sampler (any attribute of it: a script's
@@ -18,7 +19,9 @@ one level into the script's own objects (`self.ema`, `self.train_data`), give
   those noted at each head of an outer loop, where a successor's walk puts them back
   before the loop below it draws its first item (a sampler's permutation).
 
-The cost: a copy of each such module per step (an EMA: the model's size again).
+The cost: a copy of each such object per step once it has changed (an EMA: the model's
+size again); one that never changes (a frozen teacher, a dataset held as a tensor) is never
+copied.
 
 Every process reads the same frames in the same order with the same rule, so they give
 every object the same name (`script.<path>`).
@@ -46,27 +49,34 @@ def is_extra(name: str) -> bool:
 def track(tracked: Tracked, frame: FrameType) -> list[str]:
     """Track what `frame`'s setup names hold that nothing tracks yet; the names added."""
     owned = _owned_tensors(tracked)
-    known = {id(o) for o in (*tracked.objects.values(), *tracked.generators.values(),
-                             *tracked.extra_modules.values())}
+    known = {id(o) for o in (*tracked.objects.values(), *tracked.generators.values(), *tracked.extras.values())}
     added = []
     for path, obj in _candidates(frame):
         if id(obj) in known:
             continue
         known.add(id(obj))
-        if isinstance(obj, torch.nn.Module):
-            tensors = [*obj.parameters(), *obj.buffers()]
-            if not tensors or all(id(t) in owned for t in tensors) or _sharded(tensors):
+        if not rng.is_generator(obj):
+            tensors = _tensors(obj)
+            if not tensors or all(id(t) in owned for t in tensors):  # a tracked model's, or a part of one
                 continue
             owned.update(id(t) for t in tensors)
         name = PREFIX + path
-        while name in tracked.extra_modules or name in tracked.generators:
+        while name in tracked.extras or name in tracked.generators:
             name += "_"
-        if isinstance(obj, torch.nn.Module):
-            tracked.extra_modules[name] = obj
-        else:
+        if rng.is_generator(obj):
             tracked.add(name, obj)
+        else:
+            tracked.extras[name] = obj
         added.append(name)
     return added
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.nn.Module):
+        return [*obj.parameters(), *obj.buffers()]
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    return list(obj.values() if isinstance(obj, dict) else obj)
 
 
 def untracked_in(frame: FrameType) -> list[tuple[str, Any]]:
@@ -83,8 +93,8 @@ def untracked_in(frame: FrameType) -> list[tuple[str, Any]]:
         if id(obj) in seen:
             continue
         seen.add(id(obj))
-        if isinstance(obj, torch.nn.Module):
-            tensors = [*obj.parameters(), *obj.buffers()]
+        if not rng.is_generator(obj):
+            tensors = _tensors(obj)
             if not tensors or all(id(t) in owned for t in tensors) or _sharded(tensors):
                 continue
             owned.update(id(t) for t in tensors)
@@ -111,24 +121,27 @@ def _scope(frame: FrameType) -> dict[str, Any]:
 
 
 def _names(frame: FrameType) -> tuple[list[str], set[str]]:
-    """The names of `frame`'s scope that no loop of its code binds (sorted), and those its
-    loops read."""
+    """The names of `frame`'s scope that no loop of its code binds or changes in place by a
+    method (`history.append`: carried as a loop's value), sorted; and those its loops read."""
     code = frame.f_code
     bound: set[str] = set()
     read: set[str] = set()
     for sid in range(len(SITES)):
         site = SITES[sid]
         if site.file == code.co_filename and site.scope == code.co_qualname:
-            bound.update(site.assigned)
+            bound.update(site.assigned, site.mutated)
             read.update(site.reads)
     return sorted(n for n in _scope(frame) if n not in bound and not n.startswith("__")), read
 
 
 def _candidates(frame: FrameType) -> Iterator[tuple[str, Any]]:
-    """Modules anywhere in the setup's names and the file's globals (only those changed are
-    ever copied), the
+    """Modules anywhere in the setup's names and in the file's globals; tensors (and lists,
+    tuples and dicts of tensors) the loops read or the file holds (an EMA kept as a list of
+    tensors, a running total changed in place): only those changed are ever copied. The
     generators of its loaders and samplers, and the generators its loops use themselves: a
-    generator the setup alone used (to make data, on the rank that made it) is no state."""
+    generator the setup alone used (to make data, on the rank that made it) is no state.
+    Objects of the script's classes are looked into for modules, loaders and generators
+    (their tensors are carried with their other attributes, as loop values)."""
     scope = _scope(frame)
     names, read = _names(frame)
     for name in names:
@@ -138,11 +151,25 @@ def _candidates(frame: FrameType) -> Iterator[tuple[str, Any]]:
         if isinstance(attrs, dict) and not isinstance(value, (type, ModuleType, torch.nn.Module)) and \
                 _script_record_type(type(value)):
             for attr in sorted(attrs):
-                yield from _state_in(f"{name}.{attr}", attrs[attr], name in read)
+                if not _is_tensor_state(attrs[attr]):
+                    yield from _state_in(f"{name}.{attr}", attrs[attr], name in read)
     if frame.f_code.co_qualname != "<module>":  # an EMA a function updates through a global of the file
         for name in sorted(frame.f_globals):
-            if name not in scope and isinstance(frame.f_globals[name], torch.nn.Module):
-                yield from _state_in(name, frame.f_globals[name])
+            value = frame.f_globals[name]
+            if name not in scope and (isinstance(value, torch.nn.Module) or _is_tensor_state(value)):
+                yield from _state_in(name, value)
+
+
+def _is_tensor_state(value: Any) -> bool:
+    """A tensor, or a non-empty list, tuple or dict of tensors (not parameters: those are a module's)."""
+    def plain(t: Any) -> bool:
+        return isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter)
+
+    if isinstance(value, (list, tuple)):
+        return bool(value) and all(plain(t) for t in value)
+    if isinstance(value, dict):
+        return bool(value) and all(plain(t) for t in value.values())
+    return plain(value)
 
 
 def _state_in(path: str, value: Any, used: bool = True) -> Iterator[tuple[str, Any]]:
@@ -153,6 +180,9 @@ def _state_in(path: str, value: Any, used: bool = True) -> Iterator[tuple[str, A
         return
     if isinstance(value, torch.nn.Module):
         yield path, value
+    elif _is_tensor_state(value):
+        if used:
+            yield path, value
     elif rng.is_generator(value):
         if used:
             yield path, value

@@ -98,8 +98,8 @@ class Tracked:
         self.objects: dict[str, Any] = {}  # name -> object with state_dict/load_state_dict
         self.generators: dict[str, Any] = {}  # name -> torch/numpy/python generator
         self.ddps: list[Any] = []  # the DistributedDataParallel modules job.wrap built
-        # modules of rank-local state no model holds (no code change: an EMA; baton.transparent.extras)
-        self.extra_modules: dict[str, torch.nn.Module] = {}
+        # rank-local state no model holds (no code change: an EMA module, tensors; baton.transparent.extras)
+        self.extras: dict[str, Any] = {}
         self._extra_versions: dict[str, tuple[int, ...]] = {}  # their tensors' versions when first read
         self.extras_changed: set[str] = set()  # those changed since: captured from then on
         self.local: LocalValues | None = None
@@ -228,26 +228,27 @@ class Tracked:
                 buf = owner._buffers.get(attr)
                 if buf is not None:
                     out[name] = buf
-        for name, module in self.extra_modules.items():
-            tensors = module.state_dict(keep_vars=True)
+        for name, obj in self.extras.items():
+            tensors = _own_tensors(obj)
             if name not in self.extras_changed:  # a frozen module (a teacher, a VAE) is never copied
                 versions = tuple(t._version for t in tensors.values())
                 if self._extra_versions.setdefault(name, versions) == versions:
                     continue
                 self.extras_changed.add(name)
             for key, t in tensors.items():  # whole: each rank may change them anywhere in a step
-                out[f"{name}.{key}"] = t
+                out[f"{name}.{key}" if key else name] = t
         return out
 
     def extra_tensors(self) -> dict[str, torch.Tensor]:
         """Every extra module's parameters and buffers, changed or not (what a record restores)."""
-        return {f"{name}.{key}": t for name, module in self.extra_modules.items()
-                for key, t in module.state_dict(keep_vars=True).items()}
+        return {f"{name}.{key}" if key else name: t for name, obj in self.extras.items()
+                for key, t in _own_tensors(obj).items()}
 
     def extras_missing(self, buffers: dict[str, Any]) -> list[str]:
         """Extra modules changed since first read that a record of buffers lacks: it was taken
         before their first change, which cannot be undone."""
-        return [name for name in sorted(self.extras_changed) if not any(k.startswith(name + ".") for k in buffers)]
+        return [name for name in sorted(self.extras_changed)
+                if not any(k == name or k.startswith(name + ".") for k in buffers)]
 
     def _buffered_models(self) -> list[tuple[str, torch.nn.Module]]:
         """The models whose buffers are rank state, by the name every rank gives them: those
@@ -429,6 +430,19 @@ def reset_scaler_stage(scaler: torch.amp.GradScaler) -> None:
 # Module names that wrappers add and state-dict keys leave out, as the DCP helpers do
 # (checkpoint_wrapper's, torch.compile's).
 _WRAPPER_NAMES = frozenset({"_checkpoint_wrapped_module", "_orig_mod"})
+
+
+def _own_tensors(obj: Any) -> dict[str, torch.Tensor]:
+    """An extra's tensors as this rank holds them, by key: a module's parameters and buffers
+    (a sharded one's, an EMA of an FSDP2 model, as its local shards), a tensor ("") or the
+    items of a list, tuple or dict of tensors."""
+    if isinstance(obj, torch.nn.Module):
+        found = obj.state_dict(keep_vars=True)
+    elif isinstance(obj, torch.Tensor):
+        found = {"": obj}
+    else:
+        found = {str(k): t for k, t in (obj.items() if isinstance(obj, dict) else enumerate(obj))}
+    return {key: getattr(t, "_local_tensor", t) for key, t in found.items()}
 
 
 def _buffer_places(module: torch.nn.Module, prefix: str) -> list[tuple[str, torch.nn.Module, str]]:
