@@ -543,6 +543,62 @@ def test_a_scripts_own_sampler_is_carried_or_the_job_stops_saying_why(tmp_path, 
     _compare(ref, run)
 
 
+SHARDED_EMA = """
+import os, signal, torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+mesh = init_device_mesh("cpu", (2,))
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dropout(0.1), torch.nn.Linear(32, 2))
+fully_shard(model[0], mesh=mesh)
+fully_shard(model, mesh=mesh)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+ema = [p.detach().clone() for p in model.parameters()]  # DTensors: this rank's shards of an average
+torch.manual_seed(1 + rank)
+for it in range(60):
+    x = torch.randn(16, 8)
+    loss = torch.nn.functional.mse_loss(model(x), x[:, :2])
+    if rank == 1 and it == 30 and os.environ.get("KILL_MARK") and not os.path.exists(os.environ["KILL_MARK"]):
+        open(os.environ["KILL_MARK"], "w").close()
+        os.kill(os.getpid(), signal.SIGKILL)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    with torch.no_grad():
+        for e, p in zip(ema, model.parameters()):
+            e.lerp_(p, 0.1)
+torch.save({"model": {k: v.to_local() for k, v in model.state_dict().items()}, "ema": [e.to_local() for e in ema],
+            "rng": torch.get_rng_state()}, os.path.join(os.environ["EXPORT"], f"rank{rank}.pt"))
+dist.destroy_process_group()
+os._exit(0)  # past gloo's exit-time abort with torch 2.13 (baton/examples/plain_exit.py), as tests/nocode do
+"""
+
+
+def test_a_sharded_average_of_an_fsdp2_model_moves_by_its_shards(tmp_path, torchrun_reference):
+    """An FSDP2 script keeps an EMA as a list of DTensors (each rank's shards), changed in
+    place after each step; rank 1 is killed mid-step and rebuilt from its buddy's copy. The
+    EMA's shards come with its record (seen: never copied, since an in-place op on a DTensor
+    bumps its own version counter, not its shard's; and `e`, the comprehension's variable in
+    the export, made the loop's `e` look live: a DTensor the codec could not carry)."""
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(SHARDED_EMA))
+    ref = torchrun_reference(script, [], env={"EXPORT": "{d}/export"})
+    run = tmp_path / "job"
+    (run / "export").mkdir(parents=True)
+    job = Job(tmp_path, nproc=2, spares=1, script=script, out_arg=False, name="job", run_args=["--redundancy", "1"],
+              env={"EXPORT": str(run / "export"), "KILL_MARK": str(tmp_path / "killed")})
+    try:
+        assert job.wait(timeout=170) == 0, job.log()
+    finally:
+        job.kill()
+    assert (tmp_path / "killed").exists()
+    _compare(ref, run)
+    assert [(e["kind"], e["status"]) for e in job.events()] == [("unplanned", "resolved")], job.events()
+
+
 LOGS_AFTER_STEP = """
 import os, torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP

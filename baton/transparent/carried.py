@@ -105,6 +105,12 @@ def classify(value: Any, from_setup: bool = False, _depth: int = 0,
     seen = _seen if _seen is not None else set()
     if isinstance(value, torch.nn.Parameter):
         return Classified(Kind.STATE, "Parameter (moves with its model)")
+    if isinstance(value, torch.Tensor) and hasattr(value, "_local_tensor"):  # a DTensor (not imported: costly)
+        if from_setup:  # made by the setup, changed in place: the rank's own shard moves (extras.py)
+            return Classified(Kind.STATE, f"DTensor{list(value.shape)}")
+        return Classified(Kind.REFUSED, f"DTensor{list(value.shape)}",
+                          "a DTensor holds this rank's shard of a tensor spread over a device mesh, which a value "
+                          "handed to a successor cannot rebuild")
     if isinstance(value, torch.Tensor):
         return Classified(Kind.TENSOR, _tensor_detail(value))
     if isinstance(value, enum.Enum):

@@ -91,7 +91,7 @@ class StepLoopController:
         if id(frame) in self._extras_read:
             return
         self._extras_read.add(id(frame))
-        added = extras.track(self.rt.tracked, frame)
+        added = extras.track(self.rt.tracked, frame, self.rt.shard_roots)
         if added:
             log.info("tracking the setup's state in %s: %s", frame.f_code.co_qualname, ", ".join(added))
 

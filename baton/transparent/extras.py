@@ -46,9 +46,11 @@ def is_extra(name: str) -> bool:
     return name.startswith(PREFIX)
 
 
-def track(tracked: Tracked, frame: FrameType) -> list[str]:
-    """Track what `frame`'s setup names hold that nothing tracks yet; the names added."""
-    owned = _owned_tensors(tracked)
+def track(tracked: Tracked, frame: FrameType, sharded: list[torch.nn.Module]) -> list[str]:
+    """Track what `frame`'s setup names hold that nothing tracks yet; the names added.
+    `sharded`: the modules fully_shard() was given (tracked as sharded models only once the
+    loop starts, after a joiner's walk has read its frames)."""
+    owned = _owned_tensors(tracked) | {id(t) for m in sharded for t in (*m.parameters(), *m.buffers())}
     known = {id(o) for o in (*tracked.objects.values(), *tracked.generators.values(), *tracked.extras.values())}
     added = []
     for path, obj in _candidates(frame):

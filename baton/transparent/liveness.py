@@ -17,16 +17,27 @@ import ast
 from typing import Iterable
 
 
+_COMPREHENSIONS = (ast.ListComp, ast.SetComp, ast.GeneratorExp, ast.DictComp)
+
+
 def loads(nodes: Iterable[ast.AST]) -> set[str]:
     """Every name read under `nodes`, nested scopes included (an augmented assignment and a
-    `del` read their target too)."""
+    `del` read their target too), but a comprehension's own variables (`[e.item() for e in
+    ema]` reads `ema`, not the `e` of the scope around it)."""
     out: set[str] = set()
     for top in nodes:
-        for node in ast.walk(top):
-            if isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Load, ast.Del)):
-                out.add(node.id)
-            elif isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Name):
-                out.add(node.target.id)
+        out |= _loads(top)
+    return out
+
+
+def _loads(node: ast.AST) -> set[str]:
+    if isinstance(node, ast.Name):
+        return {node.id} if isinstance(node.ctx, (ast.Load, ast.Del)) else set()
+    out = {node.target.id} if isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Name) else set()
+    for child in ast.iter_child_nodes(node):
+        out |= _loads(child)
+    if isinstance(node, _COMPREHENSIONS):  # its first iterable is read in the scope around it
+        out = (out - set().union(*(_stores(g.target) for g in node.generators))) | _loads(node.generators[0].iter)
     return out
 
 

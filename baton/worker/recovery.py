@@ -126,6 +126,7 @@ class Recovery:
             for name, value in state.get("buffers", {}).items():
                 if name in buffers:
                     buffers[name].copy_(value)
+        self.tracked.note_extras_restored(state.get("buffers", {}))
         if self.tracked.local is not None and state.get("local"):
             self.tracked.local.load(state["local"])
         if "modes" in state:

@@ -231,18 +231,26 @@ class Tracked:
         for name, obj in self.extras.items():
             tensors = _own_tensors(obj)
             if name not in self.extras_changed:  # a frozen module (a teacher, a VAE) is never copied
+                # (a DTensor's own counter: an in-place op bumps it, not its local shard's)
                 versions = tuple(t._version for t in tensors.values())
                 if self._extra_versions.setdefault(name, versions) == versions:
                     continue
                 self.extras_changed.add(name)
             for key, t in tensors.items():  # whole: each rank may change them anywhere in a step
-                out[f"{name}.{key}" if key else name] = t
+                out[f"{name}.{key}" if key else name] = _local(t)
         return out
 
     def extra_tensors(self) -> dict[str, torch.Tensor]:
         """Every extra module's parameters and buffers, changed or not (what a record restores)."""
-        return {f"{name}.{key}" if key else name: t for name, obj in self.extras.items()
+        return {f"{name}.{key}" if key else name: _local(t) for name, obj in self.extras.items()
                 for key, t in _own_tensors(obj).items()}
+
+    def note_extras_restored(self, buffers: dict[str, Any]) -> None:
+        """The extras a record held were put back: they are captured from now on (a copy into
+        a DTensor's shard leaves the DTensor's own version counter as it was)."""
+        for name in self.extras:
+            if name not in self.extras_changed and any(k == name or k.startswith(name + ".") for k in buffers):
+                self.extras_changed.add(name)
 
     def extras_missing(self, buffers: dict[str, Any]) -> list[str]:
         """Extra modules changed since first read that a record of buffers lacks: it was taken
@@ -433,16 +441,19 @@ _WRAPPER_NAMES = frozenset({"_checkpoint_wrapped_module", "_orig_mod"})
 
 
 def _own_tensors(obj: Any) -> dict[str, torch.Tensor]:
-    """An extra's tensors as this rank holds them, by key: a module's parameters and buffers
-    (a sharded one's, an EMA of an FSDP2 model, as its local shards), a tensor ("") or the
+    """An extra's tensors by key: a module's parameters and buffers, a tensor ("") or the
     items of a list, tuple or dict of tensors."""
     if isinstance(obj, torch.nn.Module):
-        found = obj.state_dict(keep_vars=True)
-    elif isinstance(obj, torch.Tensor):
-        found = {"": obj}
-    else:
-        found = {str(k): t for k, t in (obj.items() if isinstance(obj, dict) else enumerate(obj))}
-    return {key: getattr(t, "_local_tensor", t) for key, t in found.items()}
+        return obj.state_dict(keep_vars=True)
+    if isinstance(obj, torch.Tensor):
+        return {"": obj}
+    return {str(k): t for k, t in (obj.items() if isinstance(obj, dict) else enumerate(obj))}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of `t`: a DTensor's local shard (an EMA of an FSDP2 model's
+    parameters), a plain tensor itself."""
+    return getattr(t, "_local_tensor", t)
 
 
 def _buffer_places(module: torch.nn.Module, prefix: str) -> list[tuple[str, torch.nn.Module, str]]:
