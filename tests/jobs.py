@@ -63,6 +63,12 @@ class Job:
     def status(self) -> dict[str, Any]:
         return self.client.status()["jobs"][0]
 
+    def wait_spare(self, timeout: float = 120.0) -> dict[str, Any]:
+        """Until a spare is ready to take a rank: a move asked for before then is refused ("no
+        spare available"), and on a busy machine the spare's start can lag the first steps."""
+        return self.wait_until(lambda st: any(s["state"] == "spare" for s in st["spares"]), timeout=timeout,
+                               what="a spare ready")
+
     def wait_until(self, predicate, timeout: float = 60.0, what: str = "condition") -> dict[str, Any]:
         deadline = time.time() + timeout
         last = "none yet"  # the last status read, or why it failed: said when the wait fails

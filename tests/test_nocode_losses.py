@@ -424,7 +424,8 @@ while it < 120:
     ix = torch.randint(0, 256, (8,))
     loss = torch.nn.functional.mse_loss(model(X[ix]), Y[ix]) / accum
     running += loss.item()
-    if dist.get_rank() == 0 and it == 22 and os.environ.get("KILL_MARK") and not os.path.exists(os.environ["KILL_MARK"]):
+    if dist.get_rank() == 0 and it == 22 and os.environ.get("KILL_MARK") and \\
+            not os.path.exists(os.environ["KILL_MARK"]):
         open(os.environ["KILL_MARK"], "w").close()  # rank 0, killed in its step's third iteration
         os.kill(os.getpid(), signal.SIGKILL)
     loss.backward()
@@ -691,7 +692,8 @@ dist.init_process_group("gloo")
 trainer = Trainer()
 trainer.train(4)
 torch.save({"model": trainer.model.module.state_dict(), "ema": trainer.ema.state_dict(),
-            "output_stats": output_stats.state_dict(), "rng": torch.get_rng_state()}, os.path.join(os.environ["EXPORT"], f"rank{dist.get_rank()}.pt"))
+            "output_stats": output_stats.state_dict(), "rng": torch.get_rng_state()},
+           os.path.join(os.environ["EXPORT"], f"rank{dist.get_rank()}.pt"))
 dist.destroy_process_group()
 os._exit(0)  # past gloo's exit-time abort with torch 2.13 (baton/examples/plain_exit.py), as tests/nocode do
 """

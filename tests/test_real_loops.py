@@ -55,6 +55,7 @@ def test_planned_move_mid_epoch(tmp_path, reference):
     job = _job(tmp_path, "planned")
     try:
         job.wait_step(5)
+        job.wait_spare()
         job.client.migrate(1)
         events = _check(job, reference)
         assert [e["kind"] for e in events] == ["planned"]

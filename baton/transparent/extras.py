@@ -9,11 +9,12 @@ the nest is read as a joiner reaches it (and, in the ranks that start the job, a
 first optimizer step): the setup's names in it (not bound by a loop of that code), and
 one level into the script's own objects (`self.ema`, `self.train_data`), give
 
-- modules holding tensors that no tracked model holds (sharded too: an EMA of an FSDP2
-  model, by its local shards), and tensors the loops read (an EMA kept as a list of
-  tensors, a running total changed in place): their tensors are rank-local state, in the record of every head that goes to the buddies, as a wrapped
-  model's BatchNorm statistics are (an EMA of such statistics differs by rank; and a
-  module the step changes before a failure is put back for its re-run), and
+- modules holding tensors that no tracked model holds, and tensors the loops read (an
+  EMA kept as a list of tensors, or of DTensors: each rank's shards; a running total
+  changed in place): rank-local state, in the record of every head that goes to the
+  buddies, as a wrapped model's BatchNorm statistics are (an EMA of such statistics
+  differs by rank; and what the step changed before a failure is put back for its
+  re-run), and
 - generators, held directly or by a DataLoader or Sampler (any attribute of it: a script's
   own sampler's `self.rng`): their state joins the random streams in that record, and in
   those noted at each head of an outer loop, where a successor's walk puts them back
@@ -162,15 +163,18 @@ def _candidates(frame: FrameType) -> Iterator[tuple[str, Any]]:
                 yield from _state_in(name, value)
 
 
+_MAX_ITEMS = 4096  # a longer list of tensors is data (samples), not state a step changes
+
+
 def _is_tensor_state(value: Any) -> bool:
-    """A tensor, or a non-empty list, tuple or dict of tensors (not parameters: those are a module's)."""
+    """A tensor, or a list, tuple or dict of up to _MAX_ITEMS tensors (not parameters:
+    those are a module's)."""
     def plain(t: Any) -> bool:
         return isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter)
 
-    if isinstance(value, (list, tuple)):
-        return bool(value) and all(plain(t) for t in value)
-    if isinstance(value, dict):
-        return bool(value) and all(plain(t) for t in value.values())
+    if isinstance(value, (list, tuple, dict)):
+        items = value.values() if isinstance(value, dict) else value
+        return 0 < len(value) <= _MAX_ITEMS and all(plain(t) for t in items)
     return plain(value)
 
 
