@@ -57,6 +57,32 @@ def _compare(ref, run) -> None:
         assert differences(a, b) == [], f"rank {rank}"
 
 
+def _self_killed(tmp_path, torchrun_reference, source: str, run_args: list[str] | None = None):
+    """`source`, which kills itself once with SIGKILL where $KILL_MARK is set and missing (never
+    under torchrun), exporting each rank's state to $EXPORT: run under torchrun and under
+    baton. The kill fired; baton's exit code, the job and both runs' folders."""
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(source))
+    ref = torchrun_reference(script, [], env={"EXPORT": "{d}/export"})
+    run = tmp_path / "job"
+    (run / "export").mkdir(parents=True)
+    job = Job(tmp_path, nproc=2, spares=1, script=script, out_arg=False, name="job", run_args=run_args,
+              env={"EXPORT": str(run / "export"), "KILL_MARK": str(tmp_path / "killed")})
+    try:
+        code = job.wait(timeout=170)
+    finally:
+        job.kill()
+    assert (tmp_path / "killed").exists(), job.log()
+    return code, job, ref, run
+
+
+def _absorbed(code: int, job: Job, ref, run) -> None:
+    """The job ended 0, every rank equal to torchrun's, one unplanned move resolved."""
+    assert code == 0, job.log()
+    _compare(ref, run)
+    assert [(e["kind"], e["status"]) for e in job.events()] == [("unplanned", "resolved")], job.events()
+
+
 SWALLOWING = """
 import os, torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -452,20 +478,7 @@ def test_a_step_accumulating_over_several_iterations_runs_again_from_its_first(t
     other masks, exit 0. The third accumulates with DDP's no_sync() and keeps its meters in a
     `defaultdict(Meter)`, put back by name into the successor's own (seen: restored as plain
     dicts, the script failed on `meters["loss"].update(...)`)."""
-    script = tmp_path / "script.py"
-    script.write_text(textwrap.dedent(source))
-    ref = torchrun_reference(script, [], env={"EXPORT": "{d}/export"})
-    run = tmp_path / "job"
-    (run / "export").mkdir(parents=True)
-    job = Job(tmp_path, nproc=2, spares=1, script=script, out_arg=False, name="job",
-              env={"EXPORT": str(run / "export"), "KILL_MARK": str(tmp_path / "killed")})
-    try:
-        assert job.wait(timeout=170) == 0, job.log()
-    finally:
-        job.kill()
-    assert (tmp_path / "killed").exists()
-    _compare(ref, run)
-    assert [(e["kind"], e["status"]) for e in job.events()] == [("unplanned", "resolved")], job.events()
+    _absorbed(*_self_killed(tmp_path, torchrun_reference, source))
 
 
 OWN_SAMPLER = """
@@ -525,18 +538,7 @@ def test_a_scripts_own_sampler_is_carried_or_the_job_stops_saying_why(tmp_path, 
     sampler draws its permutation (seen: it drew from the setup's state, exit 0). One that
     also counts its passes in an attribute cannot be brought there by a walk: the job stops
     non-zero, naming that cause."""
-    script = tmp_path / "script.py"
-    script.write_text(textwrap.dedent(OWN_SAMPLER).replace("COUNTS", str(counts)))
-    ref = torchrun_reference(script, [], env={"EXPORT": "{d}/export"})
-    run = tmp_path / "job"
-    (run / "export").mkdir(parents=True)
-    job = Job(tmp_path, nproc=2, spares=1, script=script, out_arg=False, name="job",
-              env={"EXPORT": str(run / "export"), "KILL_MARK": str(tmp_path / "killed")})
-    try:
-        code = job.wait(timeout=170)
-    finally:
-        job.kill()
-    assert (tmp_path / "killed").exists(), job.log()
+    code, job, ref, run = _self_killed(tmp_path, torchrun_reference, OWN_SAMPLER.replace("COUNTS", str(counts)))
     if counts:
         assert code != 0 and "a count of its passes" in job.log(), job.log()
         return
@@ -584,20 +586,7 @@ def test_a_sharded_average_of_an_fsdp2_model_moves_by_its_shards(tmp_path, torch
     EMA's shards come with its record (seen: never copied, since an in-place op on a DTensor
     bumps its own version counter, not its shard's; and `e`, the comprehension's variable in
     the export, made the loop's `e` look live: a DTensor the codec could not carry)."""
-    script = tmp_path / "script.py"
-    script.write_text(textwrap.dedent(SHARDED_EMA))
-    ref = torchrun_reference(script, [], env={"EXPORT": "{d}/export"})
-    run = tmp_path / "job"
-    (run / "export").mkdir(parents=True)
-    job = Job(tmp_path, nproc=2, spares=1, script=script, out_arg=False, name="job", run_args=["--redundancy", "1"],
-              env={"EXPORT": str(run / "export"), "KILL_MARK": str(tmp_path / "killed")})
-    try:
-        assert job.wait(timeout=170) == 0, job.log()
-    finally:
-        job.kill()
-    assert (tmp_path / "killed").exists()
-    _compare(ref, run)
-    assert [(e["kind"], e["status"]) for e in job.events()] == [("unplanned", "resolved")], job.events()
+    _absorbed(*_self_killed(tmp_path, torchrun_reference, SHARDED_EMA, run_args=["--redundancy", "1"]))
 
 
 LOGS_AFTER_STEP = """

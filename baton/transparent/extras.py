@@ -43,10 +43,6 @@ from baton.worker.tracked import Tracked
 PREFIX = "script."
 
 
-def is_extra(name: str) -> bool:
-    return name.startswith(PREFIX)
-
-
 def track(tracked: Tracked, frame: FrameType, sharded: list[torch.nn.Module]) -> list[str]:
     """Track what `frame`'s setup names hold that nothing tracks yet; the names added.
     `sharded`: the modules fully_shard() was given (tracked as sharded models only once the
@@ -54,15 +50,7 @@ def track(tracked: Tracked, frame: FrameType, sharded: list[torch.nn.Module]) ->
     owned = _owned_tensors(tracked) | {id(t) for m in sharded for t in (*m.parameters(), *m.buffers())}
     known = {id(o) for o in (*tracked.objects.values(), *tracked.generators.values(), *tracked.extras.values())}
     added = []
-    for path, obj in _candidates(frame):
-        if id(obj) in known:
-            continue
-        known.add(id(obj))
-        if not rng.is_generator(obj):
-            tensors = _tensors(obj)
-            if not tensors or all(id(t) in owned for t in tensors):  # a tracked model's, or a part of one
-                continue
-            owned.update(id(t) for t in tensors)
+    for path, obj in _untracked(frame, owned, known):
         name = PREFIX + path
         while name in tracked.extras or name in tracked.generators:
             name += "_"
@@ -74,35 +62,41 @@ def track(tracked: Tracked, frame: FrameType, sharded: list[torch.nn.Module]) ->
     return added
 
 
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    if isinstance(obj, torch.nn.Module):
-        return [*obj.parameters(), *obj.buffers()]
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    return list(obj.values() if isinstance(obj, dict) else obj)
-
-
 def untracked_in(frame: FrameType) -> list[tuple[str, Any]]:
     """What `track` would add in `frame` in a process where nothing is tracked yet but the
-    models the script wrapped in DDP or sharded (`baton explain`, which runs under plain torch)."""
+    models the script wrapped in DDP (`baton explain`, which runs under plain torch: sharded
+    state is left out, as nothing says which modules fully_shard() was given)."""
     import gc
 
     from torch.nn.parallel import DistributedDataParallel
 
     owned = {id(t) for obj in gc.get_objects() if isinstance(obj, DistributedDataParallel)
              for t in (*obj.module.parameters(), *obj.module.buffers())}
-    out, seen = [], set()
+    return [(PREFIX + path, obj) for path, obj in _untracked(frame, owned, set())
+            if rng.is_generator(obj) or not _sharded(_tensors(obj))]
+
+
+def _untracked(frame: FrameType, owned: set[int], known: set[int]) -> Iterator[tuple[str, Any]]:
+    """The candidates of `frame` not `known` (by id), once each: generators, and holders of
+    tensors not all `owned` (a tracked model's, or a part of one); `owned` grows with theirs."""
     for path, obj in _candidates(frame):
-        if id(obj) in seen:
+        if id(obj) in known:
             continue
-        seen.add(id(obj))
+        known.add(id(obj))
         if not rng.is_generator(obj):
             tensors = _tensors(obj)
-            if not tensors or all(id(t) in owned for t in tensors) or _sharded(tensors):
+            if not tensors or all(id(t) in owned for t in tensors):
                 continue
             owned.update(id(t) for t in tensors)
-        out.append((PREFIX + path, obj))
-    return out
+        yield path, obj
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.nn.Module):
+        return [*obj.parameters(), *obj.buffers()]
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    return list(obj.values() if isinstance(obj, dict) else obj)
 
 
 def _owned_tensors(tracked: Tracked) -> set[int]:

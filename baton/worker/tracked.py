@@ -214,8 +214,8 @@ class Tracked:
     def local_buffers(self) -> dict[str, torch.Tensor]:
         """Persistent buffers of wrapped and of sharded models: each rank updates them with its
         own batch (DDP broadcasts them before a forward, FSDP2 never syncs them), so a step
-        abandoned after its forward must give them back; and the parameters and buffers of
-        the extra modules the script has changed since they were first read. Where they live is found again only
+        abandoned after its forward must give them back; and the tensors of the extras the
+        script has changed since they were first read. Where they live is found again only
         after a registration; each call reads the owner's current tensor, so a buffer the
         script reassigns is still the one captured."""
         out: dict[str, torch.Tensor] = {}
@@ -248,15 +248,12 @@ class Tracked:
     def note_extras_restored(self, buffers: dict[str, Any]) -> None:
         """The extras a record held were put back: they are captured from now on (a copy into
         a DTensor's shard leaves the DTensor's own version counter as it was)."""
-        for name in self.extras:
-            if name not in self.extras_changed and any(k == name or k.startswith(name + ".") for k in buffers):
-                self.extras_changed.add(name)
+        self.extras_changed.update(name for name in self.extras if _holds(buffers, name))
 
     def extras_missing(self, buffers: dict[str, Any]) -> list[str]:
         """Extra modules changed since first read that a record of buffers lacks: it was taken
         before their first change, which cannot be undone."""
-        return [name for name in sorted(self.extras_changed)
-                if not any(k == name or k.startswith(name + ".") for k in buffers)]
+        return [name for name in sorted(self.extras_changed) if not _holds(buffers, name)]
 
     def _buffered_models(self) -> list[tuple[str, torch.nn.Module]]:
         """The models whose buffers are rank state, by the name every rank gives them: those
@@ -438,6 +435,11 @@ def reset_scaler_stage(scaler: torch.amp.GradScaler) -> None:
 # Module names that wrappers add and state-dict keys leave out, as the DCP helpers do
 # (checkpoint_wrapper's, torch.compile's).
 _WRAPPER_NAMES = frozenset({"_checkpoint_wrapped_module", "_orig_mod"})
+
+
+def _holds(buffers: dict[str, Any], name: str) -> bool:
+    """Whether a record of buffers holds the extra `name` (a tensor, or its items)."""
+    return any(k == name or k.startswith(name + ".") for k in buffers)
 
 
 def _own_tensors(obj: Any) -> dict[str, torch.Tensor]:
