@@ -25,7 +25,13 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'baton' has no attribute {name!r}")
 
 
-if _os.environ.get("BATON_WORKER_ID") and _os.environ.get("BATON_MODE") == "model-aware":
-    from baton.worker import rank_env as _rank_env
+def _worker_process_started() -> None:
+    """What a worker's process does before its script runs: at this import, or, in a worker
+    the zygote forked (which imported baton before it was a worker), right after the fork."""
+    if _os.environ.get("BATON_WORKER_ID") and _os.environ.get("BATON_MODE") == "model-aware":
+        from baton.worker import rank_env
 
-    _rank_env.install()  # RANK, WORLD_SIZE ... read before baton.init() join the job first, as torchrun sets them
+        rank_env.install()  # RANK, WORLD_SIZE ... read before baton.init() join the job first, as torchrun sets them
+
+
+_worker_process_started()

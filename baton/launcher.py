@@ -234,6 +234,8 @@ def run(opts: RunOptions, listeners: list[Callable[[str, dict[str, Any]], None]]
 
     sched = make_scheduler(placement, opts, env, on_exit)
     orch.scheduler = sched
+    if isinstance(sched, LocalScheduler):
+        orch.imports_cpu = sched.zygote.cpu_s
 
     def on_signal(signum: int, _frame: Any) -> None:
         print(f"[baton] received signal {signum}: stopping the job", file=sys.stderr, flush=True)

@@ -130,6 +130,7 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing):
         self.training_since: float | None = None  # when every rank had entered the step loop
         self.lives = 0  # earlier lives of this job's control plane (restarts from its store)
         self.helper_cpu: Callable[[], float] = lambda: 0.0  # CPU of its helper processes (the store)
+        self.imports_cpu: Callable[[], float] = lambda: 0.0  # the workers' imports, done once in the zygote
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -479,9 +480,10 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing):
         spares = [w for w in self.workers.values() if not w.held_rank]
         out = {"ranks_s": sum(w.cpu_s for w in ranks), "ranks_baton_s": sum(w.baton_cpu_s for w in ranks),
                "spares_s": sum(w.cpu_s for w in spares),
-               "control_plane_s": time.process_time() + self.helper_cpu()}
+               "control_plane_s": time.process_time() + self.helper_cpu(), "imports_s": self.imports_cpu()}
         out["baton_s"] = out["ranks_baton_s"] + out["spares_s"] + out["control_plane_s"]
-        out["total_s"] = out["ranks_s"] + out["spares_s"] + out["control_plane_s"]
+        # Not baton's: each worker would import torch itself; forked, they share one import.
+        out["total_s"] = out["ranks_s"] + out["spares_s"] + out["control_plane_s"] + out["imports_s"]
         return {k: round(v, 4) for k, v in out.items()}
 
     def _on_finished(self, w: Worker, rep: m.Finished) -> None:

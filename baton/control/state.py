@@ -134,7 +134,8 @@ def describe_cpu(cpu: dict[str, float]) -> str:
     return (f"baton's own CPU {cpu['baton_s']:.2f}s of the job's {cpu['total_s']:.1f}s "
             f"({pct(cpu['baton_s'], cpu['total_s'])}): in the ranks {cpu['ranks_baton_s']:.2f}s "
             f"({pct(cpu['ranks_baton_s'], cpu['ranks_s'])} of their {cpu['ranks_s']:.1f}s), "
-            f"spares {cpu['spares_s']:.2f}s, control plane {cpu['control_plane_s']:.2f}s")
+            f"spares {cpu['spares_s']:.2f}s, control plane {cpu['control_plane_s']:.2f}s"
+            + (f"; the workers' imports, once, {cpu['imports_s']:.2f}s" if cpu.get("imports_s") else ""))
 
 
 def to_json(obj: Any) -> Any:

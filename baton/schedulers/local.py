@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import time
 from typing import Callable
 
-from baton.schedulers.processes import WorkerProcesses
+from baton.schedulers.forked import Zygote
+from baton.schedulers.processes import Process, WorkerProcesses
 
 
 class LocalScheduler:
@@ -25,7 +25,8 @@ class LocalScheduler:
         self.base_env = env
         self.num_slots = num_slots
         self.python = python
-        self._procs = WorkerProcesses(on_exit)
+        self.zygote = Zygote(python, env)  # forks the workers: each skips torch's import
+        self._procs = WorkerProcesses(on_exit, zygote=self.zygote)
 
     def slots(self) -> list[str]:
         return [f"local/{i}" for i in range(self.num_slots)]
@@ -65,7 +66,7 @@ class LocalScheduler:
         self._procs.shutdown(_terminate, lambda _left: None, grace_s)
 
 
-def _terminate(procs: dict[str, subprocess.Popen]) -> None:
+def _terminate(procs: dict[str, Process]) -> None:
     for p in procs.values():
         try:
             os.kill(p.pid, signal.SIGCONT)

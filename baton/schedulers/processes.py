@@ -4,7 +4,8 @@ Every process is started from one long-lived thread: a child that asks the kerne
 it when its parent dies (`PR_SET_PDEATHSIG`) is killed when the *thread* that forked it
 ends, and effects are applied by whichever thread decided them (an API worker thread that
 may go away). Each process then has a waiter thread of its own, so a death is reported the
-instant it happens, at no idle cost.
+instant it happens, at no idle cost. With a zygote (`forked`), that thread starts it first
+and workers are forked from it; a process the zygote cannot fork is started as before.
 """
 
 from __future__ import annotations
@@ -14,22 +15,40 @@ import subprocess
 import threading
 import time
 from concurrent.futures import Future
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
+
+from baton.schedulers.forked import Zygote, ZygoteGone
+
+
+class Process(Protocol):
+    """What the schedulers use of a worker's process: `subprocess.Popen`, or a forked one."""
+
+    pid: int
+    returncode: int | None
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def kill(self) -> None: ...
+
+    def terminate(self) -> None: ...
 
 
 class WorkerProcesses:
     def __init__(self, on_exit: Callable[[str, int], None] | None,
-                 exit_code: Callable[[int], int] = lambda code: code):
+                 exit_code: Callable[[int], int] = lambda code: code, zygote: Zygote | None = None):
         self.on_exit = on_exit
+        self.zygote = zygote
         self._exit_code = exit_code  # how a scheduler's wrapper reports a signal (srun: 128 + n)
-        self._procs: dict[str, subprocess.Popen] = {}
+        self._procs: dict[str, Process] = {}
         self._lock = threading.Lock()
         self._stopped = threading.Event()
         self._spawns: queue.Queue[tuple[list[str], dict[str, Any], Future]] = queue.Queue()
         threading.Thread(target=self._spawner, name="baton-spawner", daemon=True).start()
 
-    def start(self, worker_id: str, argv: list[str], **popen: Any) -> subprocess.Popen:
-        done: Future[subprocess.Popen] = Future()
+    def start(self, worker_id: str, argv: list[str], **popen: Any) -> Process:
+        done: Future[Process] = Future()
         self._spawns.put((argv, popen, done))
         proc = done.result()
         with self._lock:
@@ -38,7 +57,7 @@ class WorkerProcesses:
                          daemon=True).start()
         return proc
 
-    def running(self, worker_id: str) -> subprocess.Popen | None:
+    def running(self, worker_id: str) -> Process | None:
         with self._lock:
             proc = self._procs.get(worker_id)
         return proc if proc is not None and proc.poll() is None else None
@@ -52,8 +71,8 @@ class WorkerProcesses:
         with self._lock:
             return [w for w, p in self._procs.items() if p.poll() is None]
 
-    def shutdown(self, terminate: Callable[[dict[str, subprocess.Popen]], None],
-                 kill: Callable[[dict[str, subprocess.Popen]], None], grace_s: float) -> None:
+    def shutdown(self, terminate: Callable[[dict[str, Process]], None],
+                 kill: Callable[[dict[str, Process]], None], grace_s: float) -> None:
         """Ask every remaining process to stop (`terminate`), `kill` what is left after the
         grace, and report no more ends: the job is over."""
         with self._lock:
@@ -72,16 +91,28 @@ class WorkerProcesses:
                 p.kill()
                 p.wait()
         self._stopped.set()
+        if self.zygote is not None:
+            self.zygote.close()
 
     def _spawner(self) -> None:
+        if self.zygote is not None:
+            self.zygote.start()
         while True:
             argv, popen, done = self._spawns.get()
             try:
-                done.set_result(subprocess.Popen(argv, **popen))
+                done.set_result(self._spawn(argv, popen))
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
                 done.set_exception(exc)
 
-    def _wait(self, worker_id: str, proc: subprocess.Popen) -> None:
+    def _spawn(self, argv: list[str], popen: dict[str, Any]) -> Process:
+        if self.zygote is not None:
+            try:
+                return self.zygote.spawn(argv, **popen)
+            except ZygoteGone as exc:
+                self.zygote.fell_back(str(exc))
+        return subprocess.Popen(argv, **popen)
+
+    def _wait(self, worker_id: str, proc: Process) -> None:
         code = proc.wait()
         with self._lock:
             self._procs.pop(worker_id, None)

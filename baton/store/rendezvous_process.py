@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 
+from baton import procfs
 from baton.store.rendezvous import rendezvous_store
 
 READY_TIMEOUT_S = 120.0  # a cold torch import on a loaded node can take tens of seconds
@@ -48,15 +49,8 @@ class RendezvousProcess:
 
     def cpu_s(self) -> float:
         """CPU-seconds of every store process so far: part of the control plane's cost."""
-        live = 0.0
         proc = self._proc
-        if proc is not None and proc.returncode is None:
-            try:
-                with open(f"/proc/{proc.pid}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-                live = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-            except (OSError, ValueError, IndexError):
-                pass
+        live = procfs.cpu_s(proc.pid) if proc is not None and proc.returncode is None else 0.0
         return self._past_cpu_s + live
 
     def start(self) -> "RendezvousProcess":

@@ -1,0 +1,203 @@
+"""The launcher's side of the zygote (`baton.schedulers.zygote`): start it, ask it for
+workers, and hand out each worker as a process handle shaped like `subprocess.Popen`.
+
+The zygote is started from the scheduler's spawner thread (see `processes`), so it dies
+with the launcher; its workers die with it. If it cannot start, or dies, workers are
+started as their own `python` again (`subprocess.Popen`), with one line saying so: slower,
+never wrong. `BATON_ZYGOTE=0` asks for that from the start.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any
+
+from baton import procfs
+from baton.schedulers.zygote import Exited, Lines, Ready, Refused, Spawn, Started, can_fork, send
+
+log = logging.getLogger(__name__)
+
+READY_TIMEOUT_S = 120.0  # a cold torch import on a loaded node can take tens of seconds
+ENV_SWITCH = "BATON_ZYGOTE"
+# Read when python, torch or their libraries start: a worker that needs other values than the
+# zygote started with is started as its own process.
+STARTUP_ENV = ("PYTHON", "LD_", "OMP_", "MKL_", "KMP_", "GOMP_", "MALLOC_", "TORCH_", "CUDA_")
+
+
+class ZygoteGone(RuntimeError):
+    """The zygote is not there to fork a worker (it did not start, or it died)."""
+
+
+class ForkedProcess:
+    """A worker the zygote forked: the parts of `subprocess.Popen` the schedulers use."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self.returncode: int | None = None
+        self._ended = threading.Event()
+
+    def ended(self, code: int) -> None:
+        if self.returncode is None:
+            self.returncode = code
+        self._ended.set()
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if not self._ended.wait(timeout):
+            raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0.0)
+        assert self.returncode is not None
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class Zygote:
+    """Starts workers by forking them from one warm process; see the module docstring."""
+
+    def __init__(self, python: str, env: dict[str, str]):
+        self.python = python
+        self.env = env
+        self._proc: subprocess.Popen | None = None
+        self._sock: socket.socket | None = None
+        self._lock = threading.Lock()  # one request in flight: its answer is the next Started/Refused
+        self._answer: Future[ForkedProcess | Refused] | None = None
+        self._children: dict[int, ForkedProcess] = {}
+        self._gone: str | None = None
+        self._told = False
+
+    def start(self) -> None:
+        """Start the zygote and wait until it has imported what workers import."""
+        if os.environ.get(ENV_SWITCH, self.env.get(ENV_SWITCH, "1")) == "0":
+            self._gone = f"{ENV_SWITCH}=0"
+            return
+        ours, theirs = socket.socketpair()
+        try:
+            env = {**self.env, "BATON_PARENT_PID": str(os.getpid())}
+            self._proc = subprocess.Popen([self.python, "-m", "baton.schedulers.zygote", str(theirs.fileno())],
+                                          env=env, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
+        except OSError as exc:
+            self._gone = f"it could not start: {exc}"
+            return
+        finally:
+            theirs.close()
+        lines = Lines(ours)
+        ready, _, _ = select.select([ours], [], [], READY_TIMEOUT_S)
+        first = lines.read() if ready else None
+        if not first or not isinstance(first[0], Ready):
+            self._proc.kill()
+            self._proc.wait()
+            ours.close()
+            self._gone = f"it did not start (exit code {self._proc.returncode})"
+            return
+        self._sock = ours
+        threading.Thread(target=self._read, args=(lines,), name="baton-zygote", daemon=True).start()
+
+    def spawn(self, argv: list[str], env: dict[str, str], start_new_session: bool = False,
+              **popen: Any) -> ForkedProcess:
+        """Fork `argv` from the zygote; ZygoteGone when it cannot (start it as a process then)."""
+        if popen or not can_fork(argv):
+            raise ZygoteGone(f"it does not fork {argv[:2]} with {sorted(popen)}")
+        if read_at_start := sorted(k for k in set(env) | set(self.env) if k.startswith(STARTUP_ENV)
+                                   and env.get(k) != self.env.get(k)):
+            raise ZygoteGone(f"it started with other values of {', '.join(read_at_start)}, read only at start")
+        with self._lock:
+            if self._gone is not None or self._sock is None:
+                raise ZygoteGone(self._gone or "not started")
+            answer: Future[ForkedProcess | Refused] = Future()
+            self._answer = answer
+            try:
+                send(self._sock, Spawn(argv=argv, env=env, cwd=os.getcwd(), new_session=start_new_session))
+            except OSError as exc:
+                raise ZygoteGone(f"it is unreachable: {exc}") from None
+            try:
+                got = answer.result(timeout=READY_TIMEOUT_S)
+            except (TimeoutError, ZygoteGone) as exc:
+                raise ZygoteGone(str(exc) or "it did not answer") from None
+            if isinstance(got, Refused):
+                raise ZygoteGone(got.error)
+            return got
+
+    def fell_back(self, reason: str) -> None:
+        """Say once that workers start as their own processes from now on, and why."""
+        if not self._told and reason != f"{ENV_SWITCH}=0":
+            self._told = True
+            print(f"[baton] starting workers as new processes (slower start): the zygote {reason}",
+                  file=sys.stderr, flush=True)
+
+    def cpu_s(self) -> float:
+        """The zygote's own CPU-seconds (its imports): part of the launcher's cost."""
+        proc = self._proc
+        return procfs.cpu_s(proc.pid) if proc is not None and proc.returncode is None else 0.0
+
+    def close(self) -> None:
+        """Stop the zygote (any worker still alive dies with it)."""
+        with self._lock:
+            self._gone = self._gone or "closed"
+            if self._sock is not None:
+                try:  # shutdown, not only close: our reader thread's recv holds the socket open
+                    self._sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                self._sock.close()
+        if self._proc is not None:
+            try:
+                self._proc.wait(timeout=5.0)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+
+    def _read(self, lines: Lines) -> None:
+        try:
+            while (msgs := lines.read()) is not None:
+                for msg in msgs:
+                    if isinstance(msg, Started):  # known before its Exited can be read
+                        self._children[msg.pid] = ForkedProcess(msg.pid)
+                    if isinstance(msg, (Started, Refused)) and self._answer is not None:
+                        self._answer.set_result(self._children[msg.pid] if isinstance(msg, Started) else msg)
+                        self._answer = None
+                    elif isinstance(msg, Exited) and msg.pid in self._children:
+                        self._children.pop(msg.pid).ended(msg.code)
+        except (OSError, ValueError) as exc:
+            if self._gone is None:  # not closed by us
+                log.warning("the zygote's channel failed: %s", exc)
+        self._gone = self._gone or f"exited (code {self._proc.wait() if self._proc else None})"
+        if self._answer is not None:
+            self._answer.set_exception(ZygoteGone(self._gone))
+        # Its workers die with it (PR_SET_PDEATHSIG): report them as killed.
+        for proc in list(self._children.values()):
+            _wait_gone(proc.pid)
+            proc.ended(-signal.SIGKILL)
+        self._children.clear()
+
+
+def _wait_gone(pid: int, limit_s: float = 2.0) -> None:
+    """Until `pid` no longer runs (its parent's death kills it; a moment for the kernel)."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.01)

@@ -1,0 +1,233 @@
+"""One warm process per job that forks the local workers, so none imports torch again.
+
+A worker's imports (torch, torch.distributed, baton's runtime) cost about 3 CPU-seconds:
+more than a small job's training, and most of the time a spare or a replacement takes to
+start. On one machine, `baton run` starts this process once: it imports those modules,
+then forks each worker on the launcher's request, and the child becomes `python script.py
+args` (or `python -m module args`): its argv, environment, working directory, session,
+process title (what `ps` shows) and a fresh `__main__`. The worker is the zygote's child;
+the zygote reaps it and reports its exit status at once, and the worker dies with the
+zygote (PR_SET_PDEATHSIG, set before anything else runs), as it dies with the launcher.
+
+Forking is safe because the zygote runs no torch op and starts no thread: the child is a
+copy of one idle thread, as a DataLoader worker's fork is. What differs from a fresh
+`python`: the modules imported here are already imported in the worker (their import-time
+reads of the environment saw the job's environment, which lacks only the worker's own
+BATON_* keys: `baton._worker_process_started` redoes what depends on those), and every
+worker shares the zygote's string hash seed.
+
+Run as `python -m baton.schedulers.zygote FD` by `Zygote` only. Messages are JSON lines
+on the socket FD; nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+import builtins
+import ctypes
+import gc
+import io
+import os
+import select
+import signal
+import socket
+import sys
+import types
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, Field, TypeAdapter
+
+PRELOADED = ("torch", "torch.distributed", "torch.nn.parallel", "numpy", "baton.worker.job",
+             "baton.transparent.worker")
+PR_SET_PDEATHSIG = 1
+
+
+class Spawn(BaseModel):
+    type: Literal["spawn"] = "spawn"
+    argv: list[str]  # [python, script, args...] or [python, -m, module, args...]
+    env: dict[str, str]
+    cwd: str
+    new_session: bool = False
+
+
+class Ready(BaseModel):
+    type: Literal["ready"] = "ready"
+    pid: int
+
+
+class Started(BaseModel):
+    type: Literal["started"] = "started"
+    pid: int
+
+
+class Refused(BaseModel):
+    type: Literal["refused"] = "refused"
+    error: str
+
+
+class Exited(BaseModel):
+    type: Literal["exited"] = "exited"
+    pid: int
+    code: int  # as subprocess reports it: the exit status, or -N for signal N
+
+
+Message = Annotated[Union[Spawn, Ready, Started, Refused, Exited], Field(discriminator="type")]
+MESSAGE: TypeAdapter[Message] = TypeAdapter(Message)
+
+
+def can_fork(argv: list[str]) -> bool:
+    """The command lines a zygote can become: `python script args` or `python -m module args`."""
+    if len(argv) < 2:
+        return False
+    if argv[1] == "-m":
+        return len(argv) >= 3 and not argv[2].startswith("-")
+    return not argv[1].startswith("-")
+
+
+def send(sock: socket.socket, msg: BaseModel) -> None:
+    sock.sendall(msg.model_dump_json().encode() + b"\n")
+
+
+class Lines:
+    """JSON lines read from a socket, one message at a time."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self._buf = b""
+
+    def read(self) -> list[Message] | None:
+        """The messages one recv completes; None once the other side has closed."""
+        data = self.sock.recv(1 << 16)
+        if not data:
+            return None
+        self._buf += data
+        *lines, self._buf = self._buf.split(b"\n")
+        return [MESSAGE.validate_json(line) for line in lines if line]
+
+
+# ------------------------------------------------------------------ the zygote process
+
+def _die_with_parent() -> None:
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def serve(sock: socket.socket) -> Spawn:
+    """Fork a worker for each request and report each one's end; return only in a child."""
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_r, False)
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    lines = Lines(sock)
+    send(sock, Ready(pid=os.getpid()))
+    while True:
+        ready, _, _ = select.select([sock, wake_r], [], [])
+        if wake_r in ready:
+            while _drained(wake_r):
+                pass
+        _reap(sock)
+        if sock not in ready:
+            continue
+        msgs = lines.read()
+        if msgs is None:  # the launcher is done with us (or gone): the workers go with us
+            os._exit(0)  # nothing to finalize: this process only imported and forked
+        for req in msgs:
+            if not isinstance(req, Spawn) or not can_fork(req.argv):
+                send(sock, Refused(error=f"not a command a zygote forks: {req!r}"[:500]))
+                continue
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                gc.enable()
+                signal.set_wakeup_fd(-1)
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                for fd in (wake_r, wake_w):
+                    os.close(fd)
+                sock.close()
+                _die_with_parent()
+                return req
+            send(sock, Started(pid=pid))
+
+
+def _drained(fd: int) -> bool:
+    try:
+        return bool(os.read(fd, 512))
+    except BlockingIOError:
+        return False
+
+
+def _reap(sock: socket.socket) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        send(sock, Exited(pid=pid, code=os.waitstatus_to_exitcode(status)))
+
+
+def become(req: Spawn) -> None:
+    """Turn this fresh child into `python script args` / `python -m module args`."""
+    if req.new_session:
+        os.setsid()
+    os.chdir(req.cwd)
+    try:  # before the environment changes: it finds the memory to write the title to there
+        import setproctitle
+
+        setproctitle.setproctitle(" ".join(req.argv))
+    except ImportError:  # only what `ps` shows
+        pass
+    os.environ.clear()
+    os.environ.update(req.env)
+    if "BATON_PARENT_PID" in os.environ:  # the worker dies with its parent, which is this zygote
+        os.environ["BATON_PARENT_PID"] = str(os.getppid())
+    import baton
+
+    baton._worker_process_started()
+    main = types.ModuleType("__main__")
+    main.__dict__["__builtins__"] = builtins
+    sys.modules["__main__"] = main
+    if req.argv[1] == "-m":
+        import runpy
+
+        sys.argv = [req.argv[2], *req.argv[3:]]
+        sys.path[0] = req.cwd
+        runpy._run_module_as_main(req.argv[2])  # what `python -m` itself calls
+        return
+    script = os.path.abspath(req.argv[1])
+    sys.argv = req.argv[1:]
+    sys.path[0] = os.path.dirname(script)
+    main.__file__ = req.argv[1]
+    main.__cached__ = None
+    with io.open_code(script) as f:
+        code = compile(f.read(), req.argv[1], "exec", dont_inherit=True)
+    try:
+        exec(code, main.__dict__)
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except BaseException as exc:  # noqa: BLE001 - printed as python prints it: from the script's frame
+        assert exc.__traceback__ is not None
+        exc.with_traceback(exc.__traceback__.tb_next)
+        sys.excepthook(type(exc), exc, exc.__traceback__)
+        sys.exit(1)
+
+
+def main() -> None:
+    sock = socket.socket(fileno=int(sys.argv[1]))
+    _die_with_parent()
+    if os.getppid() != int(os.environ.get("BATON_PARENT_PID", os.getppid())):
+        sys.exit(1)  # the launcher died before we could ask
+    import importlib
+
+    gc.disable()  # as the gc docs advise for a fork server: the children share these pages
+    for name in PRELOADED:
+        importlib.import_module(name)
+    gc.freeze()  # a child's collections leave the imported objects (and their pages) alone
+    req = serve(sock)
+    del sock
+    become(req)
+
+
+if __name__ == "__main__":
+    main()
