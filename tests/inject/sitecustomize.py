@@ -222,20 +222,21 @@ if _skew:
     Runtime._end_step = _end_then_skew
 
 _slow = os.environ.get("BATON_TEST_SLOW_SLOT")
-if _slow and os.environ.get("BATON_SLOT") == _slow.rsplit(":", 2)[0]:
+if _slow:
     import time
 
     from torch.nn.modules.module import register_module_forward_pre_hook
     from torch.nn.parallel import DistributedDataParallel
 
-    _slow_s, _slow_from = float(_slow.rsplit(":", 2)[1]), int(_slow.rsplit(":", 2)[2])
+    _slow_slot, _slow_s, _slow_from = _slow.rsplit(":", 2)[0], float(_slow.rsplit(":", 2)[1]), int(_slow.rsplit(":", 2)[2])
 
     def _throttle(module, args):  # noqa: ANN001, ANN202
         from baton.worker import job
 
         rt = job._RUNTIME[0]
+        # The slot is read here, not at import: this file runs once, in the zygote that forks every worker.
         if isinstance(module, DistributedDataParallel) and rt is not None and rt.pos[0] >= _slow_from \
-                and rt.scope == "step":
+                and rt.scope == "step" and os.environ.get("BATON_SLOT") == _slow_slot:
             time.sleep(_slow_s)
 
     register_module_forward_pre_hook(_throttle)
