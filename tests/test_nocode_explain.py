@@ -263,3 +263,16 @@ def test_refused_a_step_loop_inside_an_installed_package(tmp_path):
 def test_a_model_aware_script_is_left_to_its_own_mode(tmp_path):
     code, _, log = _explain(tmp_path, Path(__file__).resolve().parents[1] / "baton" / "examples" / "train.py")
     assert code == 0 and "model-aware" in log
+
+
+def test_refused_a_parameter_the_optimizer_trains_outside_the_model(tmp_path):
+    """Rank-local state the optimizer changes that no replica shares (see test_nocode_run)."""
+    refusal, _, script = _refused(tmp_path, SETUP.replace(
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)",
+        "temperature = torch.nn.Parameter(torch.ones(3))\n"
+        "opt = torch.optim.SGD([*model.parameters(), temperature], lr=0.1)") + """
+for _ in range(3):
+    step(torch.randn(8, 4) * temperature.sum(), torch.randn(8, 1))
+""")
+    assert refusal["where"] == f"{script}:{_line(script, 'opt.step()')}", refusal
+    assert "parameter of shape [3]" in refusal["what"] and "--no-migration" in refusal["fix"], refusal

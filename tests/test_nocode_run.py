@@ -137,3 +137,31 @@ def test_two_models_trained_in_turn_stop_the_job_saying_so(tmp_path):
     assert "gan.py:13: a backward of a DistributedDataParallel model ran after optimizer.step()" in log, log[-3000:]
     assert "two models trained in turn" in log and "--no-migration" in log, log[-3000:]
     assert "iteration done" not in (tmp_path / "job" / "stdout.log").read_text()
+
+
+STRAY_PARAMETER = """
+import torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+dist.init_process_group("gloo")
+model = DDP(torch.nn.Linear(4, 1))
+log_scale = torch.nn.Parameter(torch.zeros(()))  # a learned loss scale, outside the model
+opt = torch.optim.AdamW([*model.parameters(), log_scale], lr=0.1)
+for step in range(5):
+    loss = model(torch.randn(2, 4)).pow(2).mean() * log_scale.exp() - log_scale
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    print("stepped", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_an_optimizer_training_a_parameter_outside_the_model_is_refused_before_training(tmp_path):
+    """A parameter DDP does not hold gets no averaged gradient: its value and its optimizer
+    state are each rank's own, and a successor, which takes the optimizer's state from the
+    other ranks, trained on with theirs (seen: exit 0, every rank's model different from
+    torchrun's after a kill). The first optimizer step stops the job, saying why and how."""
+    log = _stopped(tmp_path, "stray.py", STRAY_PARAMETER)
+    assert "the optimizer trains a parameter of shape [] that no DistributedDataParallel" in log, log[-3000:]
+    assert "stray.py:12" in log and "register it on the model before wrapping it" in log and "stepped" not in log

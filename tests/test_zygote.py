@@ -70,13 +70,15 @@ def test_a_module_runs_as_python_dash_m_and_an_error_prints_from_the_scripts_fra
         zygote.spawn([sys.executable, "-m", "zpkg.tool"], env=_env())
     proc = zygote.spawn([sys.executable, "-m", "zpkg.tool", "a", "b"], env=_env(PYTHONPATH=str(tmp_path)))
     assert proc.wait(timeout=60) == 0
+    proc = zygote.spawn([sys.executable, "-m", "baton.transparent.worker"], env=_env(PYTHONPATH=str(tmp_path)))
+    assert proc.wait(timeout=60) == 2  # its usage: run afresh, though the zygote imported it
     bad = tmp_path / "bad.py"
     bad.write_text("def f():\n    raise ValueError('the script own bug')\nf()\n")
     proc = zygote.spawn([sys.executable, str(bad)], env=_env(PYTHONPATH=str(tmp_path)))
     assert proc.wait(timeout=60) == 1
     zygote.close()
     out, err = capfd.readouterr()
-    assert "tool __main__ ['a', 'b']" in out
+    assert "tool __main__ ['a', 'b']" in out and "RuntimeWarning" not in err
     tb = err[err.index("Traceback"):]
     assert tb.splitlines()[1].startswith(f'  File "{bad}", line 3, in <module>'), tb
     assert "zygote" not in tb and "ValueError: the script own bug" in tb

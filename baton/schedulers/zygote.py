@@ -193,6 +193,7 @@ def become(req: Spawn) -> None:
 
         sys.argv = [req.argv[2], *req.argv[3:]]
         sys.path[0] = req.cwd
+        sys.modules.pop(req.argv[2], None)  # imported here to be warm: run afresh, as `python -m` does
         runpy._run_module_as_main(req.argv[2])  # what `python -m` itself calls
         return
     script = os.path.abspath(req.argv[1])

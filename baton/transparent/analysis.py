@@ -90,6 +90,25 @@ def ddp_refusals(script: str) -> list[RefusalReport]:
     return out
 
 
+def stray_parameters(call_where: str, optimizers: list[torch.optim.Optimizer],
+                     models: list[torch.nn.Module]) -> list[RefusalReport]:
+    """The optimizers' trainable parameters that none of `models` (the DDPs, the modules given
+    fully_shard) holds: rank-local state a successor would not get (refusals.stray_parameter)."""
+    held = {id(p) for model in models for p in model.parameters()}
+    stray = [p for opt in optimizers for g in opt.param_groups for p in g["params"]
+             if p.requires_grad and id(p) not in held]
+    return [_refusal(refusals.stray_parameter(call_where, list(p.shape))) for p in dict.fromkeys(stray)]
+
+
+def models_in_memory() -> list[torch.nn.Module]:
+    """The DDPs and the modules given fully_shard that the process holds (`baton explain`, which
+    ran the script under plain torch, tracking nothing)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
+
+    return [obj for obj in gc.get_objects() if isinstance(obj, (DistributedDataParallel, FSDPModule))]
+
+
 def build(found: Found, script: str, args: list[str], world_size: int, explaining: bool = False) -> Report:
     """The report; `explaining` (baton explain) adds the setup's untracked state that moves with
     the rank (extras.py), which a run finds itself as it tracks it."""

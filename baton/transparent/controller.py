@@ -71,6 +71,10 @@ class StepLoopController:
         self._hook.remove()
         found = nest.find(sys._getframe(1), self.modules)
         report = analysis.build(found, self.script, self.args, self.rt.world_size)
+        if found.call is not None:
+            report.refusals += analysis.stray_parameters(
+                found.call.where, self.rt.tracked.optimizers() or [_opt],
+                [*(ddp.module for ddp in self.rt.tracked.ddps), *self.rt.shard_roots])
         if report.refusals:
             text = "\n".join(f"{r.where}: {r.what}: {r.why}. Fix: {r.fix}" for r in report.refusals)
             raise UsageError(f"baton cannot move this script's ranks bit for bit as it is "

@@ -126,6 +126,8 @@ def _child(script: str, args: list[str]) -> int:
             found = nest.find(sys._getframe(1), modules)
             report = analysis.build(found, script, args, world, explaining=True)
             report.refusals += analysis.ddp_refusals(script)
+            if found.call is not None:
+                report.refusals += analysis.stray_parameters(found.call.where, [_opt], analysis.models_in_memory())
             Path(os.environ[ENV_OUT]).write_text(report.model_dump_json())
         raise _Explained
 

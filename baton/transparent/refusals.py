@@ -162,3 +162,14 @@ def no_loop(call: Place) -> Refusal:
     return Refusal(call.where, "optimizer.step() outside any loop of the script",
                    "baton resumes a rank at the start of an iteration of the loop around its optimizer's step, and "
                    "found none", "step the optimizer inside a for/while loop of the script, " + MODEL_AWARE_FIX)
+
+
+def stray_parameter(call_where: str, shape: list[int]) -> Refusal:
+    """An optimizer's trainable parameter that no DDP or fully_shard model holds."""
+    return Refusal(call_where, f"the optimizer trains a parameter of shape {shape} that no DistributedDataParallel "
+                   "or fully_shard model holds",
+                   "DDP does not average its gradient, so its value and its optimizer state are each rank's own; a "
+                   "successor takes a rank's optimizer state from the other ranks and its setup's value, and would "
+                   "train on with others",
+                   "register it on the model before wrapping it (`model.scale = nn.Parameter(...)`; DDP then averages "
+                   "its gradient, as every rank holding the same value needs), " + MODEL_AWARE_FIX + ". " + NO_MIGRATION)
