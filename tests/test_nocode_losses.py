@@ -840,3 +840,66 @@ def test_a_scripts_own_comm_hook_keeps_working_through_a_lost_rank(tmp_path, tor
     assert code == 0 and (tmp_path / "fired").exists(), job.log()
     _compare(ref, run)
     assert [(e["kind"], e["status"]) for e in job.events()] == [("unplanned", "resolved")], job.events()
+
+
+@pytest.mark.parametrize("source, fault", [(ACCUMULATING_FOR, "1:9:SIGKILL"), (METERS_BY_NAME, "0:12:SIGSTOP")],
+                         ids=["for", "no_sync"])
+def test_a_rank_lost_after_the_optimizer_step_of_an_accumulating_step_is_replaced_bit_for_bit(
+        tmp_path, torchrun_reference, source, fault):
+    """The successor runs the lost rank's last step again, every micro-batch of it: the replay
+    ends at the head after its optimizer step, not at the first head (seen: 'running again
+    step 9 ... gradient buckets 1 of 4, optimizer steps 0', the job stopped)."""
+    _killed_after_the_step(tmp_path, torchrun_reference, source, fault)
+
+
+SCALED = """
+import os, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Dropout(0.1), torch.nn.Linear(16, 1)))
+opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+# fp16 autocast with a dynamic loss scale (the AMP recipe): a scale too high makes the step's
+# gradients overflow, and GradScaler skips that optimizer step and halves the scale
+scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 30, growth_interval=5)
+data = TensorDataset(torch.randn(256, 8), torch.randn(256, 1))
+sampler = DistributedSampler(data)
+skipped = 0
+for epoch in range(3):
+    sampler.set_epoch(epoch)
+    for x, y in DataLoader(data, batch_size=8, sampler=sampler):
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = torch.nn.functional.mse_loss(model(x), y)
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scale = scaler.get_scale()
+        scaler.step(opt)
+        scaler.update()
+        skipped += scaler.get_scale() < scale
+        opt.zero_grad(set_to_none=True)
+torch.save({"model": model.module.state_dict(), "opt": opt.state_dict(), "scaler": scaler.state_dict(),
+            "rng": torch.get_rng_state(), "skipped": torch.tensor(skipped)},
+           os.path.join(os.environ["EXPORT"], f"rank{dist.get_rank()}.pt"))
+dist.destroy_process_group()
+os._exit(0)  # past gloo's exit-time abort with torch 2.13 (baton/examples/plain_exit.py), as tests/nocode do
+"""
+
+
+@pytest.mark.parametrize("where, fault", [("AFTER_STEP", "1:6:SIGKILL"), ("MID_STEP", "1:2:SIGKILL")])
+def test_steps_gradscaler_skipped_are_run_again_as_they_ran(tmp_path, torchrun_reference, where, fault):
+    """A step whose optimizer step GradScaler skipped (its gradients overflowed) goes on into
+    the next iteration, as an accumulating one does: a rank lost after the optimizer step that
+    followed, or in an iteration of the skipped step, is replaced bit for bit (seen: the
+    successor ended its replay at the skipped step's head, and the job stopped)."""
+    script = tmp_path / "script.py"
+    script.write_text(SCALED)
+    ref = torchrun_reference(script, [], env={"EXPORT": "{d}/export"})
+    run = tmp_path / "job"
+    (run / "export").mkdir(parents=True)
+    code, job = _faulted(tmp_path, script, fault, where=where, env={"EXPORT": str(run / "export")})
+    assert code == 0 and (tmp_path / "fired").exists(), job.log()
+    _compare(ref, run)
+    assert [(e["kind"], e["status"]) for e in job.events()] == [("unplanned", "resolved")], job.events()

@@ -143,7 +143,9 @@ class ScriptRuntime(Runtime):
         (not where a step accumulating gradients over several iterations goes on)."""
         if self.exit_join is not None:
             self._not_at_the_exit()
-        if self.replay is not None:  # a successor that ran its predecessor's last step again
+        if self.replay is not None:  # a successor running its predecessor's last step again
+            if not self.replay.stepped:  # accumulating, or GradScaler skipped the step: it goes on
+                return False
             self._end_replay()
             self._start_step()
             return True
