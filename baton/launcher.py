@@ -28,6 +28,7 @@ from baton.control.api import ApiServer
 from baton.control.orchestrator import TICK_S, Config, Orchestrator
 from baton.control.state import describe_cpu
 from baton.rundir import RunDir, RunDirError
+from baton.schedulers.forked import Zygote
 from baton.schedulers.local import LocalScheduler
 from baton.health.gpu import GpuThresholds
 from baton.schedulers.slurm import Allocation, SlurmError, SlurmScheduler, in_allocation, plan_slots
@@ -182,12 +183,12 @@ def worker_command(opts: RunOptions) -> tuple[str, list[str]]:
 
 
 def make_scheduler(placement: Placement, opts: RunOptions, env: dict[str, str],
-                   on_exit: Callable[[str, int], None]) -> LocalScheduler | SlurmScheduler:
+                   on_exit: Callable[[str, int], None], zygote: Zygote | None = None) -> LocalScheduler | SlurmScheduler:
     first, rest = worker_command(opts)
     if placement.allocation is not None:
         return SlurmScheduler(placement.allocation, placement.slots, first, rest, env,
                               on_exit=on_exit, borrow_partition=opts.borrow_partition)
-    return LocalScheduler(first, rest, env, len(placement.slots), on_exit=on_exit)
+    return LocalScheduler(first, rest, env, len(placement.slots), on_exit=on_exit, zygote=zygote)
 
 
 def run(opts: RunOptions, listeners: list[Callable[[str, dict[str, Any]], None]] | None = None,
@@ -206,9 +207,16 @@ def run(opts: RunOptions, listeners: list[Callable[[str, dict[str, Any]], None]]
     except sqlite3.Error as exc:
         raise SystemExit(f"baton run: cannot open the state store {run_dir.db}: {exc}") from None
     host = placement.advertise_addr
+    # On this machine, one warm process forks the store and every worker (schedulers/zygote.py).
+    # Its environment: what each worker's holds, in all that python and torch read at start.
+    zygote = Zygote(sys.executable, worker_env(opts, "", "", host, 0)) if placement.allocation is None else None
+    if zygote is not None:
+        zygote.start()
     try:
-        store = RendezvousProcess(host).start()
+        store = RendezvousProcess(host, zygote=zygote).start()
     except StoreStartError as exc:
+        if zygote is not None:
+            zygote.close()
         raise SystemExit(f"baton run: {exc}") from None
     config = Config(world_size=placement.world_size, spares=placement.spares, job_id=opts.job_id,
                     op_timeout_s=opts.op_timeout_s, heartbeat_timeout_s=opts.heartbeat_timeout_s,
@@ -232,7 +240,7 @@ def run(opts: RunOptions, listeners: list[Callable[[str, dict[str, Any]], None]]
     def on_exit(wid: str, code: int) -> None:
         orch.handle(m.WorkerExited(worker_id=wid, returncode=code))
 
-    sched = make_scheduler(placement, opts, env, on_exit)
+    sched = make_scheduler(placement, opts, env, on_exit, zygote)
     orch.scheduler = sched
     if isinstance(sched, LocalScheduler):
         orch.imports_cpu = sched.zygote.cpu_s
@@ -261,6 +269,8 @@ def run(opts: RunOptions, listeners: list[Callable[[str, dict[str, Any]], None]]
               file=sys.stderr, flush=True)
     sched.shutdown(grace_s=5.0 if code == 0 else 2.0)
     store.stop()
+    if zygote is not None:
+        zygote.close()
     api.stop()
     db.close()
     run_dir.endpoint_file.unlink(missing_ok=True)

@@ -96,17 +96,21 @@ class Job:
         return next(r["pid"] for r in self.status()["ranks"] if r["rank"] == rank)
 
     def store_pid(self, timeout: float = 30.0) -> int:
-        """The pid of the job's rendezvous store process (a child of `baton run`)."""
+        """The pid of the job's rendezvous store process (under `baton run`: forked by its zygote,
+        or its own child)."""
         deadline = time.time() + timeout
         while True:
+            parents, cmdlines = {}, {}
             for stat in Path("/proc").glob("[0-9]*/stat"):
                 try:
-                    ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-                    cmdline = (stat.parent / "cmdline").read_bytes()
+                    parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+                    cmdlines[int(stat.parent.name)] = (stat.parent / "cmdline").read_bytes()
                 except (OSError, ValueError, IndexError):
                     continue
-                if ppid == self.proc.pid and b"baton.store.rendezvous_process" in cmdline:
-                    return int(stat.parent.name)
+            for pid, cmdline in cmdlines.items():
+                if b"baton.store.rendezvous_process" in cmdline and self.proc.pid in (
+                        parents.get(pid), parents.get(parents.get(pid, 0))):
+                    return pid
             assert time.time() < deadline, f"no rendezvous store process under {self.proc.pid}:\n{self.log()}"
             time.sleep(0.1)
 

@@ -6,10 +6,12 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import sys
 import time
 
 import pytest
 
+from baton.schedulers.forked import ForkedProcess, Zygote
 from baton.store.rendezvous import RendezvousClient, StoreUnreachable
 from baton.store.rendezvous_process import RendezvousProcess, StoreStartError
 
@@ -30,9 +32,13 @@ def _alive(pid: int) -> bool:
         return f.read().rsplit(")", 1)[1].split()[0] != "Z"
 
 
-def test_a_killed_store_comes_back_on_its_port_and_clients_reconnect():
+@pytest.mark.parametrize("forked", [False, True], ids=["process", "forked-by-the-zygote"])
+def test_a_killed_store_comes_back_on_its_port_and_clients_reconnect(forked):
     said: list[str] = []
-    store = RendezvousProcess("127.0.0.1", say=said.append).start()
+    zygote = Zygote(sys.executable, dict(os.environ)) if forked else None
+    if zygote is not None:
+        zygote.start()
+    store = RendezvousProcess("127.0.0.1", say=said.append, zygote=zygote).start()
     try:
         client = RendezvousClient("127.0.0.1", store.port, formation_timeout_s=30.0)
         forever = time.monotonic() + 60
@@ -51,9 +57,14 @@ def test_a_killed_store_comes_back_on_its_port_and_clients_reconnect():
 
         assert client.call(announce, forever) is False  # the restarted store is empty
         assert client.reconnects == 1 and len(seen) == 2 and seen[0] is not seen[1]
-        assert store.cpu_s() > 0.5  # two torch imports, one of them in a process that is gone
+        if zygote is None:
+            assert store.cpu_s() > 0.5  # two torch imports, one of them in a process that is gone
+        else:  # no import: the zygote's; its parent, which reaped the first, says what that one used
+            assert isinstance(store._proc, ForkedProcess) and store._proc.pid != first and store.cpu_s() > 0
     finally:
         store.stop()
+        if zygote is not None:
+            zygote.close()
     assert not _alive(store.pid)
 
 

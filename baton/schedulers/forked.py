@@ -43,11 +43,12 @@ class ForkedProcess:
     def __init__(self, pid: int):
         self.pid = pid
         self.returncode: int | None = None
+        self.cpu_s = 0.0  # the CPU-seconds it used, once it has ended
         self._ended = threading.Event()
 
-    def ended(self, code: int) -> None:
+    def ended(self, code: int, cpu_s: float = 0.0) -> None:
         if self.returncode is None:
-            self.returncode = code
+            self.returncode, self.cpu_s = code, cpu_s
         self._ended.set()
 
     def poll(self) -> int | None:
@@ -88,7 +89,9 @@ class Zygote:
         self._told = False
 
     def start(self) -> None:
-        """Start the zygote and wait until it has imported what workers import."""
+        """Start the zygote and wait until it has imported what workers import (once)."""
+        if self._proc is not None or self._gone is not None:
+            return
         if os.environ.get(ENV_SWITCH, self.env.get(ENV_SWITCH, "1")) == "0":
             self._gone = f"{ENV_SWITCH}=0"
             return
@@ -96,7 +99,7 @@ class Zygote:
         try:
             env = {**self.env, "BATON_PARENT_PID": str(os.getpid())}
             self._proc = subprocess.Popen([self.python, "-m", "baton.schedulers.zygote", str(theirs.fileno())],
-                                          env=env, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
+                                          env=env, pass_fds=(theirs.fileno(),))
         except OSError as exc:
             self._gone = f"it could not start: {exc}"
             return
@@ -115,8 +118,9 @@ class Zygote:
         threading.Thread(target=self._read, args=(lines,), name="baton-zygote", daemon=True).start()
 
     def spawn(self, argv: list[str], env: dict[str, str], start_new_session: bool = False,
-              **popen: Any) -> ForkedProcess:
-        """Fork `argv` from the zygote; ZygoteGone when it cannot (start it as a process then)."""
+              stdout: int | None = None, **popen: Any) -> ForkedProcess:
+        """Fork `argv` from the zygote (its stdout the descriptor `stdout`, when given);
+        ZygoteGone when it cannot (start it as a process then)."""
         if popen or not can_fork(argv):
             raise ZygoteGone(f"it does not fork {argv[:2]} with {sorted(popen)}")
         if read_at_start := sorted(k for k in set(env) | set(self.env) if k.startswith(STARTUP_ENV)
@@ -128,7 +132,8 @@ class Zygote:
             answer: Future[ForkedProcess | Refused] = Future()
             self._answer = answer
             try:
-                send(self._sock, Spawn(argv=argv, env=env, cwd=os.getcwd(), new_session=start_new_session))
+                send(self._sock, Spawn(argv=argv, env=env, cwd=os.getcwd(), new_session=start_new_session,
+                                       stdout=stdout is not None), fds=[stdout] if stdout is not None else None)
             except OSError as exc:
                 raise ZygoteGone(f"it is unreachable: {exc}") from None
             try:
@@ -178,7 +183,7 @@ class Zygote:
                         self._answer.set_result(self._children[msg.pid] if isinstance(msg, Started) else msg)
                         self._answer = None
                     elif isinstance(msg, Exited) and msg.pid in self._children:
-                        self._children.pop(msg.pid).ended(msg.code)
+                        self._children.pop(msg.pid).ended(msg.code, msg.cpu_s)
         except (OSError, ValueError) as exc:
             if self._gone is None:  # not closed by us
                 log.warning("the zygote's channel failed: %s", exc)

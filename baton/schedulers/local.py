@@ -19,13 +19,15 @@ from baton.schedulers.processes import Process, WorkerProcesses
 
 class LocalScheduler:
     def __init__(self, script: str, script_args: list[str], env: dict[str, str], num_slots: int,
-                 on_exit: Callable[[str, int], None] | None = None, python: str = sys.executable):
+                 on_exit: Callable[[str, int], None] | None = None, python: str = sys.executable,
+                 zygote: Zygote | None = None):
         self.script = script
         self.script_args = script_args
         self.base_env = env
         self.num_slots = num_slots
         self.python = python
-        self.zygote = Zygote(python, env)  # forks the workers: each skips torch's import
+        self._own_zygote = zygote is None  # else its owner (the launcher) closes it
+        self.zygote = zygote or Zygote(python, env)  # forks the workers: each skips torch's import
         self._procs = WorkerProcesses(on_exit, zygote=self.zygote)
 
     def slots(self) -> list[str]:
@@ -64,6 +66,8 @@ class LocalScheduler:
     def shutdown(self, grace_s: float = 5.0) -> None:
         """Ask every remaining worker to stop (SIGTERM), then kill what is left."""
         self._procs.shutdown(_terminate, lambda _left: None, grace_s)
+        if self._own_zygote:
+            self.zygote.close()
 
 
 def _terminate(procs: dict[str, Process]) -> None:

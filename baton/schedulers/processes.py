@@ -91,8 +91,6 @@ class WorkerProcesses:
                 p.kill()
                 p.wait()
         self._stopped.set()
-        if self.zygote is not None:
-            self.zygote.close()
 
     def _spawner(self) -> None:
         if self.zygote is not None:

@@ -47,6 +47,7 @@ class Spawn(BaseModel):
     env: dict[str, str]
     cwd: str
     new_session: bool = False
+    stdout: bool = False  # the process's stdout is the descriptor sent with the request (SCM_RIGHTS)
 
 
 class Ready(BaseModel):
@@ -68,6 +69,7 @@ class Exited(BaseModel):
     type: Literal["exited"] = "exited"
     pid: int
     code: int  # as subprocess reports it: the exit status, or -N for signal N
+    cpu_s: float = 0.0  # the CPU-seconds it used (user + system)
 
 
 Message = Annotated[Union[Spawn, Ready, Started, Refused, Exited], Field(discriminator="type")]
@@ -83,20 +85,27 @@ def can_fork(argv: list[str]) -> bool:
     return not argv[1].startswith("-")
 
 
-def send(sock: socket.socket, msg: BaseModel) -> None:
-    sock.sendall(msg.model_dump_json().encode() + b"\n")
+def send(sock: socket.socket, msg: BaseModel, fds: list[int] | None = None) -> None:
+    data = msg.model_dump_json().encode() + b"\n"
+    if fds:
+        sent = socket.send_fds(sock, [data], fds)
+        data = data[sent:]
+    if data:
+        sock.sendall(data)
 
 
 class Lines:
-    """JSON lines read from a socket, one message at a time."""
+    """JSON lines read from a socket, one message at a time, and the descriptors sent with them."""
 
     def __init__(self, sock: socket.socket):
         self.sock = sock
+        self.fds: list[int] = []  # received, in order, not yet taken
         self._buf = b""
 
     def read(self) -> list[Message] | None:
         """The messages one recv completes; None once the other side has closed."""
-        data = self.sock.recv(1 << 16)
+        data, fds, _, _ = socket.recv_fds(self.sock, 1 << 16, 4)
+        self.fds += fds
         if not data:
             return None
         self._buf += data
@@ -131,7 +140,8 @@ def serve(sock: socket.socket) -> Spawn:
         if msgs is None:  # the launcher is done with us (or gone): the workers go with us
             os._exit(0)  # nothing to finalize: this process only imported and forked
         for req in msgs:
-            if not isinstance(req, Spawn) or not can_fork(req.argv):
+            stdout = lines.fds.pop(0) if isinstance(req, Spawn) and req.stdout and lines.fds else None
+            if not isinstance(req, Spawn) or not can_fork(req.argv) or req.stdout and stdout is None:
                 send(sock, Refused(error=f"not a command a zygote forks: {req!r}"[:500]))
                 continue
             sys.stdout.flush()
@@ -141,11 +151,16 @@ def serve(sock: socket.socket) -> Spawn:
                 gc.enable()
                 signal.set_wakeup_fd(-1)
                 signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-                for fd in (wake_r, wake_w):
+                for fd in (wake_r, wake_w, *lines.fds):
                     os.close(fd)
                 sock.close()
                 _die_with_parent()
+                if stdout is not None:
+                    os.dup2(stdout, 1)
+                    os.close(stdout)
                 return req
+            if stdout is not None:
+                os.close(stdout)
             send(sock, Started(pid=pid))
 
 
@@ -159,12 +174,12 @@ def _drained(fd: int) -> bool:
 def _reap(sock: socket.socket) -> None:
     while True:
         try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
+            pid, status, usage = os.wait4(-1, os.WNOHANG)
         except ChildProcessError:
             return
         if pid == 0:
             return
-        send(sock, Exited(pid=pid, code=os.waitstatus_to_exitcode(status)))
+        send(sock, Exited(pid=pid, code=os.waitstatus_to_exitcode(status), cpu_s=usage.ru_utime + usage.ru_stime))
 
 
 def become(req: Spawn) -> None:

@@ -21,6 +21,7 @@ import threading
 import time
 
 from baton import procfs
+from baton.schedulers.forked import ForkedProcess, Zygote, ZygoteGone
 from baton.store.rendezvous import rendezvous_store
 
 READY_TIMEOUT_S = 120.0  # a cold torch import on a loaded node can take tens of seconds
@@ -33,12 +34,13 @@ class StoreStartError(RuntimeError):
 
 
 class RendezvousProcess:
-    def __init__(self, host: str, *, say=None):  # noqa: ANN001 - say(str) prints a [baton] line
+    def __init__(self, host: str, *, say=None, zygote: Zygote | None = None):  # noqa: ANN001 - say(str) prints
         self.host = host
         self.port = 0
         self.restarts = 0
         self._say = say or (lambda text: print(f"[baton] {text}", file=sys.stderr, flush=True))
-        self._proc: subprocess.Popen[str] | None = None
+        self._zygote = zygote  # forks the store, which then skips torch's import; else a new process
+        self._proc: subprocess.Popen[str] | ForkedProcess | None = None
         self._past_cpu_s = 0.0  # what the store processes that died used
         self._stopping = threading.Event()
         self._watcher: threading.Thread | None = None
@@ -66,13 +68,30 @@ class RendezvousProcess:
             proc.kill()
             proc.wait()
 
-    def _spawn(self, port: int) -> tuple[subprocess.Popen[str], int]:
-        env = dict(os.environ, BATON_PARENT_PID=str(os.getpid()))
-        proc = subprocess.Popen([sys.executable, "-m", "baton.store.rendezvous_process", self.host, str(port)],
-                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True, env=env)
-        assert proc.stdout is not None
-        ready, _, _ = select.select([proc.stdout], [], [], READY_TIMEOUT_S)
-        line = proc.stdout.readline() if ready else ""
+    def _spawn(self, port: int) -> tuple[subprocess.Popen[str] | ForkedProcess, int]:
+        argv = [sys.executable, "-m", "baton.store.rendezvous_process", self.host, str(port)]
+        proc: subprocess.Popen[str] | ForkedProcess | None = None
+        if self._zygote is not None:
+            r, w = os.pipe()
+            try:
+                proc = self._zygote.spawn(argv, {**self._zygote.env, "BATON_PARENT_PID": str(os.getpid())}, stdout=w)
+            except ZygoteGone:
+                os.close(r)
+            finally:
+                os.close(w)
+        if proc is None:
+            env = dict(os.environ, BATON_PARENT_PID=str(os.getpid()))
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True, env=env)
+            assert proc.stdout is not None
+            out = proc.stdout
+        else:
+            out = open(r, encoding="utf-8")  # noqa: SIM115 - closed below
+        try:
+            ready, _, _ = select.select([out], [], [], READY_TIMEOUT_S)
+            line = out.readline() if ready else ""
+        finally:
+            if out is not getattr(proc, "stdout", None):
+                out.close()
         if not line.startswith("ready "):
             proc.kill()
             proc.wait()
@@ -82,13 +101,18 @@ class RendezvousProcess:
 
     def _watch(self) -> None:
         while True:
-            assert self._proc is not None
-            try:  # reaped here, not by Popen.wait, for the dead process's CPU usage
-                _, status, usage = os.wait4(self._proc.pid, 0)
-            except ChildProcessError:  # reaped by stop()
-                return
-            self._proc.returncode = code = os.waitstatus_to_exitcode(status)
-            self._past_cpu_s += usage.ru_utime + usage.ru_stime
+            proc = self._proc
+            assert proc is not None
+            if isinstance(proc, ForkedProcess):  # the zygote reaps it, and says what it used
+                code = proc.wait()
+                self._past_cpu_s += proc.cpu_s
+            else:
+                try:  # reaped here, not by Popen.wait, for the dead process's CPU usage
+                    _, status, usage = os.wait4(proc.pid, 0)
+                except ChildProcessError:  # reaped by stop()
+                    return
+                proc.returncode = code = os.waitstatus_to_exitcode(status)
+                self._past_cpu_s += usage.ru_utime + usage.ru_stime
             if self._stopping.is_set():
                 return
             self._say(f"the rendezvous store (pid {self._proc.pid}) exited with code {code}: "
