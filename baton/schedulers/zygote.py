@@ -1,8 +1,9 @@
 """One warm process per job that forks the local workers, so none imports torch again.
 
-A worker's imports (torch, torch.distributed, baton's runtime) cost about 3 CPU-seconds:
-more than a small job's training, and most of the time a spare or a replacement takes to
-start. On one machine, `baton run` starts this process once: it imports those modules,
+A worker's imports (torch, torch.distributed, baton's runtime) cost about 3 CPU-seconds on
+our 2-core dev machine: more than a small job's training, and most of the time a spare or a
+replacement takes to start. On one machine, `baton run` starts this process once (it forks
+the rendezvous store too): it imports those modules,
 then forks each worker on the launcher's request, and the child becomes `python script.py
 args` (or `python -m module args`): its argv, environment, working directory, session,
 process title (what `ps` shows) and a fresh `__main__`. The worker is the zygote's child;
