@@ -165,3 +165,33 @@ def test_an_optimizer_training_a_parameter_outside_the_model_is_refused_before_t
     log = _stopped(tmp_path, "stray.py", STRAY_PARAMETER)
     assert "the optimizer trains a parameter of shape [] that no DistributedDataParallel" in log, log[-3000:]
     assert "stray.py:12" in log and "register it on the model before wrapping it" in log and "stepped" not in log
+
+
+NEW_PHASE = """
+import torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+dist.init_process_group("gloo")
+model = DDP(torch.nn.Linear(4, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for epoch in range(4):
+    if epoch == 2:  # the second phase: a cosine decay over its steps
+        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=10)
+    for i in range(5):
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        if epoch >= 2:
+            sched.step()
+    print("epoch done", epoch, flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_a_scheduler_made_after_the_step_loop_began_stops_the_job_saying_so(tmp_path):
+    """A successor restored into a later epoch never runs the iteration that made it (seen:
+    the job failed on the successor's NameError after a kill; a new optimizer instead left
+    every later step without a boundary, and the loss stopped the job with a wrong cause)."""
+    log = _stopped(tmp_path, "phases.py", NEW_PHASE)
+    assert "phases.py:10: a CosineAnnealingLR was created after the step loop began" in log, log[-3000:]
+    assert "SequentialLR" in log and "--no-migration" in log and "epoch done 2" not in log

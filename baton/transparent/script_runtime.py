@@ -37,7 +37,7 @@ from baton.transparent import tail
 from baton.transparent.region import Region, load_small_state, small_state
 from baton.transparent.sites import SITES
 from baton.transparent.tail import StepRecord
-from baton.worker import fence, shards, verify
+from baton.worker import discover, fence, shards, verify
 from baton.worker.collectives import SAME_EVERYWHERE, Record, Recorded
 from baton.worker.group import CollectiveFailure
 from baton.worker.job import Step
@@ -86,6 +86,7 @@ class ScriptRuntime(Runtime):
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
+        discover.listeners.append(self._created)
         self.current: Step | None = None
         self.shard_roots: list[Any] = []  # modules the script gave fully_shard(), in order (intercept)
         self.script_section: Callable[[], dict[str, Any]] = lambda: {}  # set by the controller
@@ -743,6 +744,21 @@ class ScriptRuntime(Runtime):
                 "rank lost between two phases could not be rebuilt bit for bit. This version does not move such "
                 "a script: run it with `baton run --no-migration` (a failure then ends the job promptly, and you "
                 "restart from your own checkpoint)")
+
+    def _created(self, _kind: str, obj: Any) -> None:
+        """An optimizer, LR scheduler or GradScaler the script made: after its step loop began,
+        one that would not move with the rank (a successor does not run earlier iterations)."""
+        if not self.loop_started or self.loading:
+            return
+        own = next((f for f in _stack() if f.f_code.co_filename in SITES.files), None)
+        where = f"{own.f_code.co_filename}:{own.f_lineno}: " if own is not None else ""
+        raise UsageError(
+            f"{where}a {type(obj).__name__} was created after the step loop began (a new phase's optimizer or "
+            "schedule, say): with no code change, baton moves with each rank the optimizers, LR schedulers and "
+            "GradScalers that exist at the script's first optimizer step, and a successor does not run the "
+            "iterations before its own, so it would not have this one. Create it before the loop (SequentialLR chains "
+            "schedules; two optimizers can both be made up front), or run with `baton run --no-migration` (a "
+            "failure then ends the job promptly, and you restart from your own checkpoint)")
 
     def _stepped_outside_steps(self) -> str:
         where = f" ({self.loop.step_loop})" if self.loop is not None and self.loop.step_loop else ""

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import gc
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 _CLASSES: list[tuple[type, str]] = []
 _created: list[tuple[str, weakref.ref]] = []
+listeners: list[Callable[[str, Any], None]] = []  # told of each instance as it is noted
 _installed = False
 _paused = [0]
 
@@ -44,6 +45,8 @@ def install() -> None:
             __original(self, *args, **kwargs)
             if _paused[0] == 0 and not any(ref() is self for _, ref in _created):
                 _created.append((__kind, weakref.ref(self)))
+                for listener in list(listeners):
+                    listener(__kind, self)
 
         init.__wrapped__ = original  # type: ignore[attr-defined]
         cls.__init__ = init  # type: ignore[method-assign]
