@@ -620,16 +620,16 @@ os._exit(0)  # past gloo's exit-time abort with torch 2.13 (baton/examples/plain
 """
 
 
-def _killed_after_the_step(tmp_path, torchrun_reference, source: str, fault: str):
+def _killed_after_the_step(tmp_path, torchrun_reference, source: str, fault: str, where: str = "AFTER_STEP"):
     """`source` (exporting each rank's state to $EXPORT) under torchrun and under baton with the
-    AFTER_STEP fault: it fired, the job ended 0 and every rank equals torchrun's. The two
-    runs' folders and the job."""
+    fault (AFTER_STEP unless `where` says): it fired, the job ended 0 and every rank equals
+    torchrun's. The two runs' folders and the job."""
     script = tmp_path / "script.py"
     script.write_text(textwrap.dedent(source))
     ref = torchrun_reference(script, [], env={"EXPORT": "{d}/export"})
     run = tmp_path / "job"
     (run / "export").mkdir(parents=True)
-    code, job = _faulted(tmp_path, script, fault, where="AFTER_STEP", env={"EXPORT": str(run / "export")})
+    code, job = _faulted(tmp_path, script, fault, where=where, env={"EXPORT": str(run / "export")})
     assert code == 0 and (tmp_path / "fired").exists(), job.log()
     _compare(ref, run)
     return ref, run, job
@@ -894,12 +894,5 @@ def test_steps_gradscaler_skipped_are_run_again_as_they_ran(tmp_path, torchrun_r
     the next iteration, as an accumulating one does: a rank lost after the optimizer step that
     followed, or in an iteration of the skipped step, is replaced bit for bit (seen: the
     successor ended its replay at the skipped step's head, and the job stopped)."""
-    script = tmp_path / "script.py"
-    script.write_text(SCALED)
-    ref = torchrun_reference(script, [], env={"EXPORT": "{d}/export"})
-    run = tmp_path / "job"
-    (run / "export").mkdir(parents=True)
-    code, job = _faulted(tmp_path, script, fault, where=where, env={"EXPORT": str(run / "export")})
-    assert code == 0 and (tmp_path / "fired").exists(), job.log()
-    _compare(ref, run)
+    *_, job = _killed_after_the_step(tmp_path, torchrun_reference, SCALED, fault, where=where)
     assert [(e["kind"], e["status"]) for e in job.events()] == [("unplanned", "resolved")], job.events()

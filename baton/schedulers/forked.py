@@ -1,8 +1,9 @@
 """The launcher's side of the zygote (`baton.schedulers.zygote`): start it, ask it for
 workers, and hand out each worker as a process handle shaped like `subprocess.Popen`.
 
-The zygote is started from the scheduler's spawner thread (see `processes`), so it dies
-with the launcher; its workers die with it. If it cannot start, or dies, workers are
+`baton run` starts it before the store (a scheduler without one given starts its own from its
+spawner thread, see `processes`); it dies with the launcher, and what it forked dies with
+it. If it cannot start, or dies, workers are
 started as their own `python` again (`subprocess.Popen`), with one line saying so: slower,
 never wrong. `BATON_ZYGOTE=0` asks for that from the start.
 """

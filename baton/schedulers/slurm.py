@@ -10,11 +10,9 @@ signal that killed it (srun exits with 128 + the signal).
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import re
-import signal
 import subprocess
 import sys
 import threading
@@ -23,8 +21,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from baton.schedulers.processes import WorkerProcesses
+from baton.worker import orphan
 
-PR_SET_PDEATHSIG = 1
 PROBE_TIMEOUT_S = 20.0
 BORROW_WAIT_S = 60  # how long Slurm may take to grant a borrowed node (preemption included)
 log = logging.getLogger("baton.slurm")
@@ -105,7 +103,8 @@ class SlurmScheduler:
         argv = ["srun", "--jobid", job, "--overlap", "--nodes=1", "--ntasks=1",
                 f"--nodelist={node_of(slot)}", f"--job-name={_step_name(worker_id)}", "--kill-on-bad-exit=0",
                 "--export=ALL", "--quiet", self.python, self.script, *self.script_args]
-        return self._procs.start(worker_id, argv, env=env, preexec_fn=_die_with_parent,
+        # srun dies with the launcher, and Slurm then ends its step
+        return self._procs.start(worker_id, argv, env=env, preexec_fn=orphan.ask_to_die_with_parent,
                                  start_new_session=True).pid
 
     def kill(self, worker_id: str, dump_stacks: bool = False) -> None:
@@ -295,7 +294,3 @@ def _hostnames(nodelist: str, env: dict[str, str]) -> list[str]:
         return []
 
 
-def _die_with_parent() -> None:
-    """In srun's child, before exec: srun dies with the launcher, and Slurm then ends its step."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)

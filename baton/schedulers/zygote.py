@@ -24,7 +24,6 @@ on the socket FD; nothing is unpickled.
 from __future__ import annotations
 
 import builtins
-import ctypes
 import gc
 import io
 import os
@@ -37,9 +36,10 @@ from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, Field, TypeAdapter
 
+from baton.worker import orphan
+
 PRELOADED = ("torch", "torch.distributed", "torch.nn.parallel", "numpy", "baton.worker.job",
              "baton.transparent.worker")
-PR_SET_PDEATHSIG = 1
 
 
 class Spawn(BaseModel):
@@ -116,10 +116,6 @@ class Lines:
 
 # ------------------------------------------------------------------ the zygote process
 
-def _die_with_parent() -> None:
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-
-
 def serve(sock: socket.socket) -> Spawn:
     """Fork a worker for each request and report each one's end; return only in a child."""
     wake_r, wake_w = os.pipe()
@@ -155,7 +151,7 @@ def serve(sock: socket.socket) -> Spawn:
                 for fd in (wake_r, wake_w, *lines.fds):
                     os.close(fd)
                 sock.close()
-                _die_with_parent()
+                orphan.ask_to_die_with_parent()  # its parent is this zygote, not the BATON_PARENT_PID it holds yet
                 if stdout is not None:
                     os.dup2(stdout, 1)
                     os.close(stdout)
@@ -232,9 +228,7 @@ def become(req: Spawn) -> None:
 
 def main() -> None:
     sock = socket.socket(fileno=int(sys.argv[1]))
-    _die_with_parent()
-    if os.getppid() != int(os.environ.get("BATON_PARENT_PID", os.getppid())):
-        sys.exit(1)  # the launcher died before we could ask
+    orphan.die_with_parent()
     import importlib
 
     gc.disable()  # as the gc docs advise for a fork server: the children share these pages

@@ -79,18 +79,17 @@ class RendezvousProcess:
                 os.close(r)
             finally:
                 os.close(w)
+        forked = proc is not None
         if proc is None:
             env = dict(os.environ, BATON_PARENT_PID=str(os.getpid()))
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True, env=env)
             assert proc.stdout is not None
-            out = proc.stdout
-        else:
-            out = open(r, encoding="utf-8")  # noqa: SIM115 - closed below
+        out = open(r, encoding="utf-8") if forked else proc.stdout  # noqa: SIM115 - a pipe of ours: closed below
         try:
             ready, _, _ = select.select([out], [], [], READY_TIMEOUT_S)
             line = out.readline() if ready else ""
         finally:
-            if out is not getattr(proc, "stdout", None):
+            if forked:
                 out.close()
         if not line.startswith("ready "):
             proc.kill()

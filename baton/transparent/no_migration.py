@@ -11,7 +11,6 @@ the script's own business, as under torchrun.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import subprocess
@@ -19,9 +18,9 @@ import sys
 import time
 from dataclasses import dataclass
 
+from baton.worker import orphan
 from baton.worker.torchrun_env import free_port, torchrun_env
 
-PR_SET_PDEATHSIG = 1
 POLL_S = 0.1
 GRACE_S = 5.0
 
@@ -32,11 +31,6 @@ class Failure:
     pid: int
     what: str  # "exited with code 3", "was killed by SIGKILL", "is stopped (SIGSTOP)"
     code: int  # the job's exit code
-
-
-def _die_with_parent() -> None:
-    """In the child, before exec: the kernel kills it if this launcher dies (even by SIGKILL)."""
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
 def _stopped(pid: int) -> bool:
@@ -74,7 +68,7 @@ def run(script: str, args: list[str], nproc: int, env: dict[str, str] | None = N
             child_env = {**os.environ, **(env or {}), **torchrun_env(rank, nproc, "127.0.0.1", port, "baton")}
             child_env.setdefault("OMP_NUM_THREADS", "1")
             procs.append(subprocess.Popen([sys.executable, script, *args], env=child_env,
-                                          start_new_session=True, preexec_fn=_die_with_parent))
+                                          start_new_session=True, preexec_fn=orphan.ask_to_die_with_parent))
         pids = ", ".join(f"rank {r} pid {p.pid}" for r, p in enumerate(procs))
         print(f"[baton] {nproc} rank(s) of {script} started with --no-migration ({pids}): nothing moves; the "
               "first failure ends the job", file=sys.stderr, flush=True)

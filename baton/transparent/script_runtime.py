@@ -735,9 +735,7 @@ class ScriptRuntime(Runtime):
         """The script may draw between steps (a loader's iterator, its evaluation): not a rule here."""
 
     def _backward_after_step(self) -> str:
-        own = next((f for f in _stack() if f.f_code.co_filename in SITES.files), None)
-        where = f"{own.f_code.co_filename}:{own.f_lineno}: " if own is not None else ""
-        return (f"{where}a backward of a DistributedDataParallel model ran after optimizer.step() in the same "
+        return (f"{_script_line()}a backward of a DistributedDataParallel model ran after optimizer.step() in the same "
                 "iteration of the step loop (two models trained in turn, as a GAN's discriminator and generator): "
                 "a script with no code change may run one backward-and-step phase per iteration, because each "
                 "step's state is captured at its gradient all-reduce and committed at its optimizer step, and a "
@@ -750,10 +748,8 @@ class ScriptRuntime(Runtime):
         one that would not move with the rank (a successor does not run earlier iterations)."""
         if not self.loop_started or self.loading:
             return
-        own = next((f for f in _stack() if f.f_code.co_filename in SITES.files), None)
-        where = f"{own.f_code.co_filename}:{own.f_lineno}: " if own is not None else ""
         raise UsageError(
-            f"{where}a {type(obj).__name__} was created after the step loop began (a new phase's optimizer or "
+            f"{_script_line()}a {type(obj).__name__} was created after the step loop began (a new phase's optimizer or "
             "schedule, say): with no code change, baton moves with each rank the optimizers, LR schedulers and "
             "GradScalers that exist at the script's first optimizer step, and a successor does not run the "
             "iterations before its own, so it would not have this one. Create it before the loop (SequentialLR chains "
@@ -766,6 +762,12 @@ class ScriptRuntime(Runtime):
                 "script with no code change may step its optimizers in one loop only, since a move can stop only "
                 "at that loop's heads. Train every phase in that one loop, or port the script to the model-aware "
                 "API (a `with step:` block in each loop)")
+
+
+def _script_line() -> str:
+    """"file:line: " of the innermost frame of the script's own code on this stack ("" if none)."""
+    own = next((f for f in _stack() if f.f_code.co_filename in SITES.files), None)
+    return f"{own.f_code.co_filename}:{own.f_lineno}: " if own is not None else ""
 
 
 def _stack() -> Iterator[Any]:

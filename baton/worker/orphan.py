@@ -16,12 +16,17 @@ import sys
 PR_SET_PDEATHSIG = 1
 
 
+def ask_to_die_with_parent() -> bool:
+    """Ask the kernel to SIGKILL this process when its parent dies; whether it agreed. Also
+    safe in a child between fork and exec (a preexec_fn)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    return ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
+
+
 def die_with_parent() -> None:
     expected = os.environ.get("BATON_PARENT_PID")
-    if not expected or not sys.platform.startswith("linux"):
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+    if not expected or not ask_to_die_with_parent():
         return  # best effort: the control channel still notices the launcher is gone
     if os.getppid() != int(expected):
         os._exit(1)  # the launcher died before we could ask
