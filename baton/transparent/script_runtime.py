@@ -29,6 +29,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from baton import selfcost
 from baton.control import messages as m
 from baton.transfer import FetchStats, TransferError
 from baton.transfer.bundles import Bundle, encode_frame
@@ -696,22 +697,27 @@ class ScriptRuntime(Runtime):
         if rec is not None:
             rec.ops.append(Recorded("buffers", [self.copies.copy(t) for t in tensors]))
 
-    def reduce_bucket(self, buffer: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    def average_bucket(self, buffer: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+        """In a step, averaged into a tensor of the step's record, not in place: DDP copies
+        the result into the gradients either way, and the record keeps it without a copy of
+        its own (tail). Answered where this process runs its predecessor's last step again."""
         rec = self.step_record if self.scope == "step" else None
         if rec is None:
-            return super().reduce_bucket(buffer)
+            return super().average_bucket(buffer)
         if self.replay is not None:
             rec.grads.answer(self, "bucket", [buffer])
             done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
             done.set_result(buffer)
             return done
+        out = self.copies.empty_like(buffer)
+        with selfcost.outside():  # DDP's own scaling, written elsewhere
+            torch.mul(buffer, 1.0 / self.world_size, out=out)
         slot = rec.grads.reserve()
 
         def record(f: torch.futures.Future) -> torch.Tensor:  # on gloo's thread, as the bucket completes
-            bucket = f.value()
-            rec.grads.ops[slot] = Recorded("bucket", [self.copies.copy(bucket)])
-            return bucket
-        return super().reduce_bucket(buffer).then(record)
+            rec.grads.ops[slot] = Recorded("bucket", [out])
+            return f.value()
+        return self.group.reduce_gradients(out).then(record)
 
     def _region_collective(self, op: str) -> dist.ProcessGroup | None:
         """Where a collective of the region runs: recorded (collectives.RecordingGroup), or

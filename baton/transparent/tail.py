@@ -13,9 +13,9 @@ the lines after it compute (a scheduler's step, a scaler's update, a norm) comes
 the lost rank's did. At head N+1 it joins, and the state check compares what it computed
 with the survivors'.
 
-The cost, on every rank: a copy of the parameters and of each gradient bucket's result per
-step (bench/nocode.py measures it), into the tensors of the record two steps back
-(`CopyPool`). `baton run --no-tail-copies` turns it off; a loss there then stops the job,
+The cost, on every rank: a copy of the parameters per step (bench/nocode.py measures it),
+into the tensors of the record two steps back (`CopyPool`). The gradient buckets cost no
+copy: each is averaged into a tensor of the record instead of in place. `baton run --no-tail-copies` turns it off; a loss there then stops the job,
 saying so.
 """
 
@@ -72,13 +72,17 @@ class CopyPool:
     def __init__(self) -> None:
         self._free: dict[tuple[Any, ...], list[torch.Tensor]] = {}
 
-    def copy(self, t: torch.Tensor) -> torch.Tensor:
-        """A copy of `t` (on gloo's threads too: list.pop and append are atomic)."""
+    def empty_like(self, t: torch.Tensor) -> torch.Tensor:
+        """A tensor shaped as `t`, of unspecified content (on gloo's threads too: list.pop
+        and append are atomic)."""
         free = self._free.get((t.shape, t.dtype, t.device))
         try:
-            out = free.pop()  # type: ignore[union-attr]
+            return free.pop()  # type: ignore[union-attr]
         except (AttributeError, IndexError):
-            out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+            return torch.empty(t.shape, dtype=t.dtype, device=t.device)
+
+    def copy(self, t: torch.Tensor) -> torch.Tensor:
+        out = self.empty_like(t)
         out.copy_(t.detach())
         return out
 

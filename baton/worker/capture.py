@@ -227,8 +227,10 @@ class Captures:
         with self.group.internal():
             dist._broadcast_coalesced(self.group, tensors, buffer_size, authoritative_rank)
 
-    def reduce_bucket(self, buffer: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
-        """A gradient bucket's all-reduce (from DDP's comm hook)."""
+    def average_bucket(self, buffer: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+        """A gradient bucket averaged over the ranks (from DDP's comm hook), in place."""
+        with selfcost.outside():  # what DDP's reducer does without a hook: not baton's cost
+            buffer.mul_(1.0 / self.world_size)
         return self.group.reduce_gradients(buffer)
 
     @selfcost.counted

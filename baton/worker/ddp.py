@@ -83,10 +83,7 @@ def broadcast_from_rank0(rt: "Runtime", model: torch.nn.Module) -> None:
 @selfcost.counted
 def allreduce_hook(rt, bucket):  # DDP inspects real annotations; see below
     rt.on_sync_backward(first=bucket.index() == 0, last=bucket.is_last())
-    buffer = bucket.buffer()
-    with selfcost.outside():  # what DDP's reducer does without a hook: not baton's cost
-        buffer.mul_(1.0 / rt.world_size)
-    return rt.reduce_bucket(buffer)
+    return rt.average_bucket(bucket.buffer())
 
 
 allreduce_hook.__annotations__ = {"bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}
