@@ -427,6 +427,8 @@ def format_events(events: list[dict[str, Any]]) -> str:
                      f"{e.get('from_slot') or '-':<9} {e.get('to_slot') or '-':<9} "
                      f"{e.get('step') if e.get('step') is not None else '-':>5} {down:>9} "
                      f"{e.get('steps_lost', 0):>4} {e.get('steps_rerun', 0):>6}  {ok:<11} {e['cause']}")
+        if e.get("note"):
+            lines.append(f"{'':>5}note: {e['note']}")
     return "\n".join(lines)
 
 

@@ -1,5 +1,6 @@
-"""Running the unmodified scripts of tests/nocode/ under torchrun and under `baton run`, and
-comparing what each rank exported (`--export DIR`: DIR/rank{N}.pt) bit for bit."""
+"""Running test scripts (those of tests/nocode/, and sources the tests write) under torchrun and
+under `baton run`, with faults injected, and comparing what each rank exported (`--export DIR`:
+DIR/rank{N}.pt) bit for bit."""
 
 from __future__ import annotations
 
@@ -8,12 +9,16 @@ import signal
 import socket
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from tests.jobs import Job
+
 NOCODE = Path(__file__).resolve().parent / "nocode"
+INJECT = NOCODE.parent / "inject"  # fault injection (sitecustomize)
 ENV = {"OMP_NUM_THREADS": "1"}
 
 
@@ -71,3 +76,36 @@ def differences(a: Any, b: Any, path: str = "") -> list[str]:
 
         equal = np.array_equal(a, b)
     return [] if equal else [path]
+
+
+def faulted(tmp_path, script, fault: str, *, where: str = "MID_STEP", name: str = "job",
+             script_args: list[str] | None = None, env: dict[str, str] | None = None) -> tuple[int, Job]:
+    """Run `script` under baton with a real signal injected (tests/inject: BATON_TEST_SIGNAL_<where>,
+    "rank:step:signal", once per job); its exit code and the job."""
+    job = Job(tmp_path, nproc=2, spares=1, script=script, out_arg=False, name=name, script_args=script_args,
+              env={"PYTHONPATH": str(INJECT), f"BATON_TEST_SIGNAL_{where}": fault,
+                   "BATON_TEST_SIGNAL_MARK": str(tmp_path / "fired"), **(env or {})})
+    try:
+        return job.wait(timeout=170), job
+    finally:
+        job.kill()
+
+
+def compare(ref, run) -> None:
+    for rank, (a, b) in enumerate(zip(exports(ref / "export", 2), exports(run / "export", 2))):
+        assert differences(a, b) == [], f"rank {rank}"
+
+
+def killed_in_step(tmp_path, torchrun_reference, source: str, fault: str, where: str = "AFTER_STEP"):
+    """`source` (exporting each rank's state to $EXPORT) under torchrun and under baton with the
+    fault (AFTER_STEP unless `where` says): it fired, the job ended 0 and every rank equals
+    torchrun's. The two runs' folders and the job."""
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(source))
+    ref = torchrun_reference(script, [], env={"EXPORT": "{d}/export"})
+    run = tmp_path / "job"
+    (run / "export").mkdir(parents=True)
+    code, job = faulted(tmp_path, script, fault, where=where, env={"EXPORT": str(run / "export")})
+    assert code == 0 and (tmp_path / "fired").exists(), job.log()
+    compare(ref, run)
+    return ref, run, job

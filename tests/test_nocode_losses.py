@@ -9,6 +9,7 @@ differs: it is exact, or it stops non-zero saying why."""
 
 from __future__ import annotations
 
+import re
 import signal
 import textwrap
 import time
@@ -17,22 +18,7 @@ import pytest
 import torch
 
 from tests.jobs import Job
-from tests.nocode_runs import NOCODE, differences, exports, torchrun
-
-INJECT = NOCODE.parent / "inject"
-
-
-def _faulted(tmp_path, script, fault: str, *, where: str = "MID_STEP", name: str = "job",
-             script_args: list[str] | None = None, env: dict[str, str] | None = None) -> tuple[int, Job]:
-    """Run `script` under baton with a real signal injected (tests/inject: BATON_TEST_SIGNAL_<where>,
-    "rank:step:signal", once per job); its exit code and the job."""
-    job = Job(tmp_path, nproc=2, spares=1, script=script, out_arg=False, name=name, script_args=script_args,
-              env={"PYTHONPATH": str(INJECT), f"BATON_TEST_SIGNAL_{where}": fault,
-                   "BATON_TEST_SIGNAL_MARK": str(tmp_path / "fired"), **(env or {})})
-    try:
-        return job.wait(timeout=170), job
-    finally:
-        job.kill()
+from tests.nocode_runs import NOCODE, compare, differences, faulted, killed_in_step, torchrun
 
 
 def test_gradient_buckets_are_recorded_in_the_order_issued_whatever_order_they_complete_in():
@@ -50,11 +36,6 @@ def test_gradient_buckets_are_recorded_in_the_order_issued_whatever_order_they_c
     rec.ops[first] = Recorded("bucket", [torch.zeros(5)])
     served = rec.served_ops()
     assert served["ops"] == ["bucket", "bucket"] and [t[0].numel() for t in served["outputs"]] == [5, 3]
-
-
-def _compare(ref, run) -> None:
-    for rank, (a, b) in enumerate(zip(exports(ref / "export", 2), exports(run / "export", 2))):
-        assert differences(a, b) == [], f"rank {rank}"
 
 
 def _self_killed(tmp_path, torchrun_reference, source: str, run_args: list[str] | None = None):
@@ -79,7 +60,7 @@ def _self_killed(tmp_path, torchrun_reference, source: str, run_args: list[str] 
 def _absorbed(code: int, job: Job, ref, run) -> None:
     """The job ended 0, every rank equal to torchrun's, one unplanned move resolved."""
     assert code == 0, job.log()
-    _compare(ref, run)
+    compare(ref, run)
     assert [(e["kind"], e["status"]) for e in job.events()] == [("unplanned", "resolved")], job.events()
 
 
@@ -205,9 +186,9 @@ def test_a_step_that_swallows_the_error_changes_a_global_or_keeps_state_aside_is
     ref = torchrun_reference(script, [], env={"EXPORT": "{d}/export"})
     run = tmp_path / "job"
     (run / "export").mkdir(parents=True)
-    code, job = _faulted(tmp_path, script, fault, env={"EXPORT": str(run / "export")})
+    code, job = faulted(tmp_path, script, fault, env={"EXPORT": str(run / "export")})
     assert code == 0, job.log()
-    _compare(ref, run)  # "errors", "samples_seen", "first_targets" included: what the failed attempt changed was undone
+    compare(ref, run)  # "errors", "samples_seen", "first_targets" included: what the failed attempt changed was undone
     assert [e["kind"] for e in job.events()] == ["unplanned"]
 
 
@@ -226,10 +207,10 @@ def test_a_rank_lost_in_the_evaluation_or_checkpoint_after_the_step_loop_is_repl
     ref = torchrun_reference(NOCODE / "imagenet_main.py", [*args, "--out-dir", "{d}/out", "--export", "{d}/export"])
     run = tmp_path / "job"
     (run / "export").mkdir(parents=True)
-    code, job = _faulted(tmp_path, NOCODE / "imagenet_main.py", fault, where=where,
+    code, job = faulted(tmp_path, NOCODE / "imagenet_main.py", fault, where=where,
                          script_args=[*args, "--out-dir", str(run / "out"), "--export", str(run / "export")])
     assert code == 0 and (tmp_path / "fired").exists(), job.log()
-    _compare(ref, run)
+    compare(ref, run)
     for name in ("checkpoint.pth.tar", "model_best.pth.tar"):
         written = [torch.load(d / "out" / name, weights_only=False) for d in (ref, run)]
         assert differences(*written) == [], name
@@ -297,9 +278,9 @@ def test_a_rank_lost_after_a_step_loop_that_ended_by_a_break_is_replaced_bit_for
     ref = torchrun_reference(script, [], env={"EXPORT": "{d}/export", "OUT": "{d}"})
     run = tmp_path / "job"
     (run / "export").mkdir(parents=True)
-    code, job = _faulted(tmp_path, script, fault, where=where, env={"EXPORT": str(run / "export"), "OUT": str(run)})
+    code, job = faulted(tmp_path, script, fault, where=where, env={"EXPORT": str(run / "export"), "OUT": str(run)})
     assert code == 0 and (tmp_path / "fired").exists(), job.log()
-    _compare(ref, run)
+    compare(ref, run)
     written = [torch.load(d / "ckpt.pt", weights_only=False) for d in (ref, run)]
     assert differences(*written) == [] and written[1]["it"] == 24
     assert [(e["kind"], e["status"]) for e in job.events()] == [("unplanned", "resolved")], job.events()
@@ -324,10 +305,10 @@ def test_a_rank_lost_after_its_optimizer_step_is_replaced_bit_for_bit(tmp_path, 
     ref = torchrun_reference(NOCODE / name, [*args, *outs, "--export", "{d}/export"])
     run = tmp_path / "job"
     (run / "export").mkdir(parents=True)
-    code, job = _faulted(tmp_path, NOCODE / name, fault, where="AFTER_STEP",
+    code, job = faulted(tmp_path, NOCODE / name, fault, where="AFTER_STEP",
                          script_args=[*args, *[a.format(d=run) for a in outs], "--export", str(run / "export")])
     assert code == 0 and (tmp_path / "fired").exists(), job.log()
-    _compare(ref, run)
+    compare(ref, run)
     assert [(e["kind"], e["status"]) for e in job.events()] == [("unplanned", "resolved")], job.events()
 
 
@@ -543,7 +524,7 @@ def test_a_scripts_own_sampler_is_carried_or_the_job_stops_saying_why(tmp_path, 
         assert code != 0 and "a count of its passes" in job.log(), job.log()
         return
     assert code == 0, job.log()
-    _compare(ref, run)
+    compare(ref, run)
 
 
 SHARDED_EMA = """
@@ -620,21 +601,6 @@ os._exit(0)  # past gloo's exit-time abort with torch 2.13 (baton/examples/plain
 """
 
 
-def _killed_after_the_step(tmp_path, torchrun_reference, source: str, fault: str, where: str = "AFTER_STEP"):
-    """`source` (exporting each rank's state to $EXPORT) under torchrun and under baton with the
-    fault (AFTER_STEP unless `where` says): it fired, the job ended 0 and every rank equals
-    torchrun's. The two runs' folders and the job."""
-    script = tmp_path / "script.py"
-    script.write_text(textwrap.dedent(source))
-    ref = torchrun_reference(script, [], env={"EXPORT": "{d}/export"})
-    run = tmp_path / "job"
-    (run / "export").mkdir(parents=True)
-    code, job = _faulted(tmp_path, script, fault, where=where, env={"EXPORT": str(run / "export")})
-    assert code == 0 and (tmp_path / "fired").exists(), job.log()
-    _compare(ref, run)
-    return ref, run, job
-
-
 EMA_TRAINER = """
 import copy, os, torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -693,7 +659,7 @@ def test_an_ema_on_self_is_exact_through_a_rank_lost_after_its_optimizer_step(tm
     step, and a module-level BatchNorm that a function feeds the outputs to: the rank dies
     right after its optimizer step, and the successor runs that step again from both as
     they were at the step's head, not as the survivors hold them after."""
-    _killed_after_the_step(tmp_path, torchrun_reference, EMA_TRAINER, "1:21:SIGKILL")
+    killed_in_step(tmp_path, torchrun_reference, EMA_TRAINER, "1:21:SIGKILL")
 
 
 @pytest.mark.parametrize("fault", ["1:25:SIGKILL", "0:33:SIGSTOP"])
@@ -703,8 +669,12 @@ def test_a_collective_after_the_optimizer_step_is_recorded_and_retried(tmp_path,
     in that all_reduce. It recovers there and issues it again; the spare runs the step again
     from the rank's head up to that all_reduce, joins there, and every rank ends equal to
     torchrun's, the logged losses included."""
-    *_, job = _killed_after_the_step(tmp_path, torchrun_reference, LOGS_AFTER_STEP, fault)
-    assert [(e["kind"], e["status"]) for e in job.events()] == [("unplanned", "resolved")], job.events()
+    *_, job = killed_in_step(tmp_path, torchrun_reference, LOGS_AFTER_STEP, fault)
+    events = job.events()
+    assert [(e["kind"], e["status"]) for e in events] == [("unplanned", "resolved")], events
+    # The ledger says the successor ran the step again, and for how long (not a hidden cost).
+    assert re.fullmatch(r"ran step \d+ again, which its predecessor was lost after \(\d+\.\d{3}s\)",
+                        events[0]["note"]), events[0]
 
 
 EPOCH_END = """
@@ -750,7 +720,7 @@ def test_a_rank_lost_after_an_epochs_last_step_is_replaced_bit_for_bit(tmp_path,
     leaves the loop as they did, runs the epoch's end with them and joins at the next epoch's
     first head. (With an evaluation that all-reduces, the survivors wait in it instead:
     test_a_rank_lost_after_its_optimizer_step_is_replaced_bit_for_bit, trainer_ddp.py.)"""
-    ref, run, job = _killed_after_the_step(tmp_path, torchrun_reference, EPOCH_END, fault)
+    ref, run, job = killed_in_step(tmp_path, torchrun_reference, EPOCH_END, fault)
     written = [torch.load(d / "export" / "ckpt.pt") for d in (ref, run)]
     assert differences(*written) == [] and written[1]["epoch"] == 3
     assert [(e["kind"], e["status"]) for e in job.events()] == [("unplanned", "resolved")], job.events()
@@ -784,7 +754,7 @@ def test_a_successor_whose_setup_built_other_data_stops_the_job(tmp_path):
     partition while every check of the moved state passed. It is found where the nest starts."""
     script = tmp_path / "split.py"
     script.write_text(textwrap.dedent(UNSEEDED_SPLIT))
-    code, job = _faulted(tmp_path, script, "1:30:SIGKILL")
+    code, job = faulted(tmp_path, script, "1:30:SIGKILL")
     log = job.log(None)
     assert code != 0, log[-3000:]
     assert "not deterministic" in log and "what `train` will yield" in log, log[-3000:]
@@ -812,7 +782,7 @@ def test_a_kill_from_outside_at_any_moment_is_exact_or_stops_the_job(tmp_path):
         job.kill()
     events = job.events()
     if code == 0:
-        _compare(ref, run)
+        compare(ref, run)
         assert [(e["kind"], e["status"]) for e in events] == [("unplanned", "resolved")], events
     else:
         assert any(e["kind"] == "divergence" for e in events), (events, job.log())
@@ -835,10 +805,10 @@ def test_a_scripts_own_comm_hook_keeps_working_through_a_lost_rank(tmp_path, tor
     ref = torchrun_reference(NOCODE / "trainer_ddp.py", [*args, *outs])
     run = tmp_path / "job"
     (run / "export").mkdir(parents=True)
-    code, job = _faulted(tmp_path, NOCODE / "trainer_ddp.py", fault, where=where,
+    code, job = faulted(tmp_path, NOCODE / "trainer_ddp.py", fault, where=where,
                          script_args=[*args, *[a.format(d=run) for a in outs]])
     assert code == 0 and (tmp_path / "fired").exists(), job.log()
-    _compare(ref, run)
+    compare(ref, run)
     assert [(e["kind"], e["status"]) for e in job.events()] == [("unplanned", "resolved")], job.events()
 
 
@@ -849,7 +819,7 @@ def test_a_rank_lost_after_the_optimizer_step_of_an_accumulating_step_is_replace
     """The successor runs the lost rank's last step again, every micro-batch of it: the replay
     ends at the head after its optimizer step, not at the first head (seen: 'running again
     step 9 ... gradient buckets 1 of 4, optimizer steps 0', the job stopped)."""
-    _killed_after_the_step(tmp_path, torchrun_reference, source, fault)
+    killed_in_step(tmp_path, torchrun_reference, source, fault)
 
 
 SCALED = """
@@ -894,5 +864,5 @@ def test_steps_gradscaler_skipped_are_run_again_as_they_ran(tmp_path, torchrun_r
     the next iteration, as an accumulating one does: a rank lost after the optimizer step that
     followed, or in an iteration of the skipped step, is replaced bit for bit (seen: the
     successor ended its replay at the skipped step's head, and the job stopped)."""
-    *_, job = _killed_after_the_step(tmp_path, torchrun_reference, SCALED, fault, where=where)
+    *_, job = killed_in_step(tmp_path, torchrun_reference, SCALED, fault, where=where)
     assert [(e["kind"], e["status"]) for e in job.events()] == [("unplanned", "resolved")], job.events()

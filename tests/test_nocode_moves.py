@@ -1,6 +1,7 @@
 """Every kind of move, in unmodified torchrun scripts under `baton run` (tests/nocode/: the
-shapes of nanoGPT's train.py, the DDP tutorial's Trainer, imagenet's main.py and the FSDP2
-example). In one run of each: a planned move of rank 1, then a taint of rank 0's slot (a
+shapes of nanoGPT's train.py, the DDP tutorial's Trainer, imagenet's main.py, the FSDP2
+example, and a trainer accumulating fp16 micro-batches under GradScaler with BatchNorm, a
+OneCycle schedule, validation and a resume block). In one run of each: a planned move of rank 1, then a taint of rank 0's slot (a
 pre-emptive move), then a real kill -9 or SIGSTOP landing inside a step (rank 0 in two of
 them; nanoGPT's inside its gradient accumulation; FSDP2's rebuilt from a buddy's copy),
 each taken wherever the script stands (mid-epoch, at an epoch's end, after an evaluation).
@@ -31,6 +32,8 @@ SHAPES = {
     "trainer": ("trainer_ddp.py", ["100", "7", "--snapshot-path", "{d}/snapshot.pt"], ["snapshot.pt"], "1:SIGKILL"),
     "imagenet": ("imagenet_main.py", ["--epochs", "24", "--out-dir", "{d}/out"],
                  ["out/checkpoint.pth.tar", "out/model_best.pth.tar"], "0:SIGKILL"),
+    "accumulating": ("accumulating_amp.py", ["--epochs", "300", "--checkpoint", "{d}/ckpt.pt"], ["ckpt.pt"],
+                     "1:SIGKILL"),
     "fsdp2": ("fsdp2_example.py", ["--iterations", "200", "--checkpoint-dir", "{d}/ck"], [], "0:SIGKILL"),  # DCP folders: by time
 }
 

@@ -411,6 +411,9 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing):
             op.transfer_wait_s = max(op.transfer_wait_s, rep.fetch_wait_s)
         if rep.setup_s and op:
             op.joiner_setup_s = max(op.joiner_setup_s, rep.setup_s)
+        if rep.ran_again and op and w.rank in op.moves:
+            ev = self.events[op.moves[w.rank].event_id - 1]
+            ev.note = "; ".join(n for n in (ev.note, rep.ran_again) if n)
         if op is None or rep.generation != op.generation:
             return
         op.formed[w.rank] = time.time()

@@ -52,6 +52,9 @@ class StepLoopController:
         self.setup: dict[str, int] = {}  # the setup's fingerprint where the nest starts (setup_check)
         self._pending: dict[int, dict[str, Any]] = {}  # id(loop) -> what its next head hands back
         self._pending_exit: dict[int, dict[str, Any]] = {}  # site id -> what the code after the loop takes back
+        # A successor whose step loop ran out at the head it arrived at: that loop, and the
+        # values its head would have rebound, which the code after the loop rebinds (ran_out)
+        self._ran_out_on_arrival: tuple[ActiveLoop, dict[str, Any]] | None = None
         self._extras_read: set[int] = set()  # id(frame) of the nest's frames read for untracked state
         rt.script_section = self.script_section
         if rt.joiner:
@@ -110,6 +113,8 @@ class StepLoopController:
                 continue
             frame = loop.frame
             scope = {**{n: v for n, v in frame.f_globals.items() if n in frame.f_code.co_names}, **frame.f_locals}
+            if self._ran_out_on_arrival is not None and self._ran_out_on_arrival[0] is loop:
+                scope.update(self._ran_out_on_arrival[1])  # what the code after the loop is about to rebind
             bound = loop.site.assigned if loop is exiting else \
                 tuple(n for n in loop.site.live if n not in loop.site.targets)
             # objects the setup made that the loop uses (meters, `self`), read off the loop's body
@@ -151,6 +156,26 @@ class StepLoopController:
     def again(self, loop: ActiveLoop, streams: Any) -> None:
         rng.restore(streams, self.rt.tracked.generators)
 
+    def ran_out(self, loop: ActiveLoop) -> None:
+        """A for loop's iterator ran out. Where a successor had just arrived at that head (its
+        predecessor stood after the loop's last item), the values the head would have rebound
+        go to the code right after the loop instead (`restore_exit`), and the objects are put
+        back now, before the region's state is taken (`left`). A value only the predecessor's
+        last item bound (the loop's own target read after the loop) or an else clause, which
+        runs before that code, cannot be handed back: the job stops rather than go on without."""
+        entry = self._pending.pop(id(loop), None)
+        if entry is None:
+            return
+        site = loop.site
+        unbound = [n for n in site.targets if n in site.live]
+        if unbound or site.has_else:
+            what = f"its target {', '.join(unbound)}, read after the loop," if unbound else "its else clause"
+            self.rt.stop(f"rank {self.rt.rank}: this process took its rank over at the head of {site.where} where "
+                         f"the loop's items ran out, and {what} would run with what only its predecessor held. "
+                         "The job stops here: restart it from your own checkpoint.")
+        self._ran_out_on_arrival = (loop, self._hand_back(entry, loop.frame))
+        self._pending_exit[site.id] = entry
+
     def left(self, loop: ActiveLoop) -> None:
         if self.catch_up is not None and self.catch_up.exiting is loop:
             self.catch_up.arrive_at_exit(loop)
@@ -166,6 +191,7 @@ class StepLoopController:
         return None
 
     def restore_exit(self, sid: int, frame: Any) -> dict[str, Any] | None:
+        self._ran_out_on_arrival = None
         entry = self._pending_exit.pop(sid, None)
         self._restoring_done()
         return self._hand_back(entry, frame) if entry is not None else None
@@ -291,6 +317,7 @@ class _CatchUp:
     def _walk(self, loop: ActiveLoop) -> None:
         c = self.c
         if self.fetched is None:
+            c.rt.setup_done()
             self.t0 = time.perf_counter()
             self.fetched = c.rt.fetch_for_join()
         _, state, _ = self.fetched

@@ -63,6 +63,8 @@ class Controller(Protocol):
 
     def absorb(self, loop: ActiveLoop, exc: BaseException) -> bool: ...
 
+    def ran_out(self, loop: ActiveLoop) -> None: ...
+
     def left(self, loop: ActiveLoop) -> None: ...
 
     def restore_exit(self, sid: int, frame: FrameType) -> dict[str, Any] | None: ...
@@ -105,6 +107,8 @@ class _Counted:
             loop.item = item = next(self._it)
         except StopIteration:
             loop.ran_out = True
+            if controller is not None:
+                controller.ran_out(loop)
             raise
         loop.iterations += 1
         if controller is not None:

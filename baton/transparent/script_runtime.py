@@ -103,6 +103,7 @@ class ScriptRuntime(Runtime):
         self.in_tail = False  # recovering in a collective after a step's optimizer step
         self.exit_join: _Replay | None = None  # ran the step again; the survivors stand past the loop's exit
         self._frame_at: tuple[Any, int] = ((-1, 0), HEAD_SEQ)  # the latest frame's position and sequence
+        self._setup_timed = False  # a joiner's setup_s is taken (setup_done)
 
     # ---------------------------------------------------------------- the loop, as the script runs it
     def _prepare_loop(self, info: m.LoopInfo) -> None:
@@ -343,11 +344,19 @@ class ScriptRuntime(Runtime):
         fetched.update(state)
         return fetched, more.plus(stats)
 
+    def setup_done(self) -> None:
+        """The joiner's script reached its step loop (the first head of its walk to its rank's
+        place): its setup ends here, before it waits for its target and state, which the
+        ledger counts apart (a planned move's joiner waits for the ranks to reach it)."""
+        if not self._setup_timed:
+            self._setup_timed = True
+            self.setup_s = time.perf_counter() - self.assigned_at
+
     def _take_place(self) -> None:
         """A joiner at its rank's place in the script: its step loop's hooks set up, the
         orchestrator told (its setup time too), the prefetching of its state over."""
         assert self.assignment is not None and self.assignment.loop is not None
-        self.setup_s = time.perf_counter() - self.assigned_at
+        self.setup_done()
         fence.lift()
         self._prepare_loop(self.assignment.loop)
         assert self.loop is not None
@@ -499,8 +508,8 @@ class ScriptRuntime(Runtime):
                       "differs by rank: it cannot be run again here. The job stops here: restart it from your "
                       "own checkpoint.")
         self.region.replay = Record.replay_of(served)
-        self.region.join = lambda: self._form_late(replay.cmd, replay.stats, replay.t0, replay.t_fetched,
-                                                   "its predecessor's last step again and the region after it")
+        ran = f"step {self.pos[0] - 1} again, which its predecessor was lost after, and the region after it"
+        self.region.join = lambda: self._form_late(replay.cmd, replay.stats, replay.t0, replay.t_fetched, ran)
         log.info("ran step %d again and left the step loop as the survivors did: %d collectives of the region "
                  "to answer", self.pos[0] - 1, len(self.region.replay))
 
@@ -521,7 +530,9 @@ class ScriptRuntime(Runtime):
         here = self.pos
         if mid_step:
             self.pos = (here[0] + 1, 0)  # where the survivors report themselves (recover_in_place)
-        self._form_late(replay.cmd, replay.stats, replay.t0, replay.t_fetched, "its predecessor's last step again")
+        n = here[0] if mid_step else here[0] - 1
+        self._form_late(replay.cmd, replay.stats, replay.t0, replay.t_fetched,
+                        f"step {n} again, which its predecessor was lost after")
         self.pos = here
 
     def join_in_region(self, cmd: m.Form, state: dict[str, Any], stats: FetchStats, t0: float) -> None:
@@ -574,7 +585,8 @@ class ScriptRuntime(Runtime):
                       "cannot go on bit for bit")
         log.info("joined generation %s at %s after running %s", gen, self.pos, ran)
         self.ctl.report(m.Formed(generation=gen, pos=self.pos, bytes=stats.bytes, seconds=round(stats.seconds, 4),
-                                 setup_s=round(self.setup_s, 4), fetch_wait_s=round(t_fetched - t0, 4)))
+                                 setup_s=round(self.setup_s, 4), fetch_wait_s=round(t_fetched - t0, 4),
+                                 ran_again=f"ran {ran} ({time.perf_counter() - t_fetched:.3f}s)"))
         self.joiner = False
 
     def _served_parts(self, state: dict[str, Any]) -> dict[bytes, dict[str, Any]]:
