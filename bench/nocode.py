@@ -1,6 +1,6 @@
 """No code change against its model-aware port and torchrun, side by side in one run.
 
-    PYTHONPATH=. python bench/nocode.py --rounds 3     # writes bench/results/nocode-<ts>.json
+    PYTHONPATH=. python bench/nocode.py --rounds 5     # writes bench/results/nocode-<ts>.json
                                                        # and the README's <!-- nocode --> sentence
 
 Four contenders train the same model on the same batches (bench/workload_parts.py):
@@ -119,7 +119,7 @@ def _ledger(run_dir: Path) -> list[dict]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_round_args(p, steps=150, warmup=30)
+    add_round_args(p, steps=400, warmup=30)  # 150 left the rounds' spread at +-15% on 2 shared cores
     p.add_argument("--move-at", type=int, default=40)
     p.add_argument("--kill-at", type=int, default=100)
     args = p.parse_args()
@@ -162,8 +162,8 @@ def main() -> int:
                         moves=[{k: {x: y for x, y in v.items() if x != "ledger"} for k, v in r.items()} for r in moves])
     s = summary
     text = (f" Measured with `bench/nocode.py` ({path.name}: {args.nproc} ranks, a {args.params_m:g}M-parameter MLP, "
-            f"{args.rounds} interleaved rounds, medians with min-max): against its model-aware port, the unmodified "
-            f"script's step time is {fmt_range(s['step_ratio_nocode_vs_aware'])} and its whole tree's CPU per step "
+            f"{args.steps} steps, {args.rounds} interleaved rounds, medians with min-max): against its model-aware "
+            f"port, the unmodified script's step time is {fmt_range(s['step_ratio_nocode_vs_aware'])} and its whole tree's CPU per step "
             f"{fmt_range(s['cpu_ratio_nocode_vs_aware'])} (against torchrun: {fmt_range(s['step_ratio_nocode_vs_torchrun'])} "
             f"and {fmt_range(s['cpu_ratio_nocode_vs_torchrun'])}); of that, the per-step copies that let a rank lost after "
             f"its last collective of a step be replaced cost {fmt_range(s['step_ratio_nocode_vs_no_tail'])} in step time "

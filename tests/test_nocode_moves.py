@@ -32,7 +32,7 @@ SHAPES = {
     "trainer": ("trainer_ddp.py", ["100", "7", "--snapshot-path", "{d}/snapshot.pt"], ["snapshot.pt"], "1:SIGKILL"),
     "imagenet": ("imagenet_main.py", ["--epochs", "24", "--out-dir", "{d}/out"],
                  ["out/checkpoint.pth.tar", "out/model_best.pth.tar"], "0:SIGKILL"),
-    "accumulating": ("accumulating_amp.py", ["--epochs", "300", "--checkpoint", "{d}/ckpt.pt"], ["ckpt.pt"],
+    "accumulating": ("accumulating_amp.py", ["--epochs", "150", "--checkpoint", "{d}/ckpt.pt"], ["ckpt.pt"],
                      "1:SIGKILL"),
     "fsdp2": ("fsdp2_example.py", ["--iterations", "200", "--checkpoint-dir", "{d}/ck"], [], "0:SIGKILL"),  # DCP folders: by time
 }

@@ -182,6 +182,9 @@ class _Controller:
     def again(self, loop: ActiveLoop, streams: Any) -> None:
         pass
 
+    def ran_out(self, loop: ActiveLoop) -> None:
+        pass
+
     def left(self, loop: ActiveLoop) -> None:
         pass
 

@@ -15,8 +15,8 @@ with the survivors'.
 
 The cost, on every rank: a copy of the parameters per step (bench/nocode.py measures it),
 into the tensors of the record two steps back (`CopyPool`). The gradient buckets cost no
-copy: each is averaged into a tensor of the record instead of in place. `baton run --no-tail-copies` turns it off; a loss there then stops the job,
-saying so.
+copy: each is averaged into a tensor of the record instead of in place. `baton run
+--no-tail-copies` turns it off; a loss there then stops the job, saying so.
 """
 
 from __future__ import annotations
