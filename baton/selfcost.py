@@ -99,6 +99,25 @@ def counted_iter(it: Iterator[T]) -> Iterator[T]:
         yield item
 
 
+class inside:  # noqa: N801 - used like a function: `with selfcost.inside():`
+    """A block counted as `counted` counts a call: for code that reads its caller's frame,
+    where a decorator's own frame would be in the way (the no-code mode's loop hooks)."""
+
+    __slots__ = ("_c",)
+
+    def __enter__(self) -> None:
+        c = self._c = _counter()
+        if c[0] == 0:
+            c[1] = time.thread_time_ns()
+        c[0] += 1
+
+    def __exit__(self, *exc: object) -> None:
+        c = self._c
+        c[0] -= 1
+        if c[0] == 0:
+            c[2] += time.thread_time_ns() - c[1]
+
+
 class outside:  # noqa: N801 - used like a function: `with selfcost.outside():`
     """User code called from inside baton (a boundary function, the loader's next batch):
     not baton's. A baton entry point reached from it is counted again."""

@@ -104,6 +104,18 @@ class _MovesSettled:
         return bool(self.status) and "in-progress" not in self.status.values() and self.warm_after_move
 
 
+def _own_share(run_dir: Path) -> float | None:
+    """baton's own CPU in the ranks over the whole run, as baton counted it bottom up, as a
+    share of the ranks' CPU (the job's `finished` event)."""
+    events, _ = _read_events(run_dir / "baton" / "events.jsonl", 0)
+    cpu = next((e["data"]["cpu"] for e in events if e.get("event") == "finished"), None)
+    return cpu["ranks_baton_s"] / cpu["ranks_s"] if cpu and cpu.get("ranks_s") else None
+
+
+def _pct(r: dict) -> str:
+    return f"{r['median'] * 100:.1f}% ({r['min'] * 100:.1f}-{r['max'] * 100:.1f})"
+
+
 def _range_or_none(r: dict) -> str:
     return "none" if r["median"] is None else fmt_range(r, unit="s")
 
@@ -131,6 +143,9 @@ def main() -> int:
                   "model-aware": Contender("baton", py, spares=1)}
     steady = interleave(list(contenders), args.rounds,
                         lambda key, i: run_job(contenders[key], w, tmp / f"steady-{key}-{i}", cpu_window=True))
+    for i, r in enumerate(steady):
+        for key in ("no-code", "no-tail", "model-aware"):
+            r[key]["own_share"] = _own_share(tmp / f"steady-{key}-{i}")
     moves = interleave(["no-code", "model-aware"], args.rounds,
                        lambda key, i: _moves(contenders[key], w, tmp / f"moves-{key}-{i}", args.move_at, args.kill_at))
     summary = {
@@ -142,6 +157,9 @@ def main() -> int:
         "cpu_ratio_nocode_vs_no_tail": round_ratio(steady, "no-code", "no-tail", "cpu_s_per_step"),
         "step_ratio_no_tail_vs_aware": round_ratio(steady, "no-tail", "model-aware", "step_s"),
         "step_s": {k: median_range(r[k]["step_s"] for r in steady) for k in contenders},
+        # baton's own CPU in the ranks as baton counted it (baton/selfcost.py): steadier than
+        # whole-tree ratios, which swing by 10% from round to round on 2 shared cores
+        "own_share": {k: median_range(r[k]["own_share"] for r in steady) for k in ("no-code", "no-tail", "model-aware")},
         "cpu_s_per_step": {k: median_range(r[k].get("cpu_s_per_step") for r in steady) for k in contenders},
     }
     for key in ("planned_downtime_s", "unplanned_stall_s", "unplanned_downtime_s", "planned_setup_s",
@@ -168,7 +186,10 @@ def main() -> int:
             f"and {fmt_range(s['cpu_ratio_nocode_vs_torchrun'])}); of that, the per-step copies that let a rank lost after "
             f"its last collective of a step be replaced cost {fmt_range(s['step_ratio_nocode_vs_no_tail'])} in step time "
             f"and {fmt_range(s['cpu_ratio_nocode_vs_no_tail'])} in CPU (against `--no-tail-copies`, whose step time is "
-            f"{fmt_range(s['step_ratio_no_tail_vs_aware'])} the port's); a planned move's downtime "
+            f"{fmt_range(s['step_ratio_no_tail_vs_aware'])} the port's); baton's own CPU, counted bottom up by baton "
+            f"in the ranks, {_pct(s['own_share']['no-code'])} of the ranks' CPU ({_pct(s['own_share']['no-tail'])} "
+            f"with `--no-tail-copies`) against {_pct(s['own_share']['model-aware'])} for the port; a planned move's "
+            f"downtime "
             f"{fmt_range(s['planned_downtime_s']['no-code'], unit='s')} against "
             f"{fmt_range(s['planned_downtime_s']['model-aware'], unit='s')}, a kill -9's stall (from the kill to "
             f"the new rank's first step) {fmt_range(s['unplanned_stall_s']['no-code'], unit='s')} against "

@@ -866,3 +866,43 @@ def test_steps_gradscaler_skipped_are_run_again_as_they_ran(tmp_path, torchrun_r
     successor ended its replay at the skipped step's head, and the job stopped)."""
     *_, job = killed_in_step(tmp_path, torchrun_reference, SCALED, fault, where=where)
     assert [(e["kind"], e["status"]) for e in job.events()] == [("unplanned", "resolved")], job.events()
+
+
+BUCKET_VIEWS = """
+import os, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+# gradients as views of DDP's buckets (one copy less; recipes that save memory turn it on),
+# in several small buckets
+model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.ReLU(), torch.nn.Dropout(0.1), torch.nn.Linear(64, 1)),
+            gradient_as_bucket_view=True, bucket_cap_mb=0.001)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+data = TensorDataset(torch.randn(256, 8), torch.randn(256, 1))
+sampler = DistributedSampler(data)
+norms = []
+for epoch in range(2):
+    sampler.set_epoch(epoch)
+    for x, y in DataLoader(data, batch_size=8, sampler=sampler):
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
+        opt.step()
+        opt.zero_grad()
+torch.save({"model": model.module.state_dict(), "opt": opt.state_dict(), "norms": torch.stack(norms),
+            "rng": torch.get_rng_state()}, os.path.join(os.environ["EXPORT"], f"rank{dist.get_rank()}.pt"))
+dist.destroy_process_group()
+os._exit(0)  # past gloo's exit-time abort with torch 2.13 (baton/examples/plain_exit.py), as tests/nocode do
+"""
+
+
+@pytest.mark.parametrize("where, fault", [("AFTER_STEP", "1:9:SIGKILL"), ("MID_STEP", "0:12:SIGKILL")])
+def test_gradients_as_views_of_ddps_buckets_are_averaged_and_recorded_bit_for_bit(
+        tmp_path, torchrun_reference, where, fault):
+    """DDP(gradient_as_bucket_view=True): the gradients are DDP's bucket itself, and baton
+    averages each bucket into a tensor of the step's record, which DDP copies back into them.
+    The gradient norms the script clips with, and every rank after a loss in the step's tail
+    (its successor answered from that record) or mid-step, equal torchrun's."""
+    *_, job = killed_in_step(tmp_path, torchrun_reference, BUCKET_VIEWS, fault, where=where)
+    assert [(e["kind"], e["status"]) for e in job.events()] == [("unplanned", "resolved")], job.events()

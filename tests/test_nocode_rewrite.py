@@ -8,6 +8,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from typing import Any
 
@@ -319,3 +320,53 @@ def test_only_what_is_read_after_a_head_is_carried():
     # is live too, not every name its body mentions (the micro-step's logits are not).
     inner = next(SITES[i] for i in range(len(SITES)) if SITES[i].file == "<live>" and SITES[i].kind == "for")
     assert set(inner.live) == {"loss"} and {"logits", "total", "micro"} <= set(inner.assigned)
+
+
+def _spin(seconds: float) -> None:
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+class _SpinningController(_Controller):
+    """Each head costs the runtime 10 ms (what baton does there: capturing, pushing)."""
+
+    def before_item(self, loop: ActiveLoop) -> None:
+        _spin(0.01)
+        super().before_item(loop)
+
+
+COSTS = '''
+class Batches:  # the script's loader: 20 ms a batch, its own cost
+    def __init__(self):
+        self.i = -1
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        spin(0.02)
+        self.i += 1
+        if self.i == 5:
+            raise StopIteration
+        return self.i
+
+total = 0
+for b in Batches():
+    total += b
+'''
+
+
+def test_the_loop_hooks_count_as_batons_own_cpu_and_the_scripts_loader_does_not(controller):
+    """The no-code mode's heads are baton's entry points: what the runtime does there is
+    counted as baton's own CPU (the job's summary, `bench/nocode.py`), what the script's own
+    iterator does to produce an item is not."""
+    from baton import selfcost
+
+    controller(_SpinningController())
+    namespace: dict[str, Any] = {"__name__": "m", HOOKS: LOOPS, "spin": _spin}
+    before = selfcost.snapshot().entry_s
+    exec(compile_instrumented(COSTS, "<m>"), namespace)  # noqa: S102
+    counted = selfcost.snapshot().entry_s - before
+    assert namespace["total"] == 10
+    assert 0.06 <= counted < 0.09, counted  # 6 heads (the last one runs out) of 10 ms, no batch's 20 ms

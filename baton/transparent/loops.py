@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any, Iterator, Protocol
 
+from baton import selfcost
 from baton.transparent.sites import DRAW, SITES, LoopSite
 
 
@@ -86,18 +87,20 @@ class _Counted:
         loop = self._loop
         controller = LOOPS.controller
         if loop.replay:  # an iteration runs again after a recovery: the items its step had drawn
-            if controller is not None and loop.drawn:
-                controller.before_item(loop)  # a head inside the step (accumulation), not its first
-            else:
-                loop.step_heads += 1  # its first head: the step began again at the recovery
-            loop.item, streams = item, _ = loop.replay.pop(0)
-            loop.iterations += 1
-            loop.drawn.append((item, streams))
-            if controller is not None:
-                controller.again(loop, streams)
-            return item
+            with selfcost.inside():
+                if controller is not None and loop.drawn:
+                    controller.before_item(loop)  # a head inside the step (accumulation), not its first
+                else:
+                    loop.step_heads += 1  # its first head: the step began again at the recovery
+                loop.item, streams = item, _ = loop.replay.pop(0)
+                loop.iterations += 1
+                loop.drawn.append((item, streams))
+                if controller is not None:
+                    controller.again(loop, streams)
+                return item
         if controller is not None:
-            controller.before_item(loop)
+            with selfcost.inside():
+                controller.before_item(loop)
         if loop.exhausted:
             loop.exhausted = False
             raise StopIteration
@@ -108,11 +111,13 @@ class _Counted:
         except StopIteration:
             loop.ran_out = True
             if controller is not None:
-                controller.ran_out(loop)
+                with selfcost.inside():
+                    controller.ran_out(loop)
             raise
         loop.iterations += 1
         if controller is not None:
-            controller.drawn(loop)
+            with selfcost.inside():
+                controller.drawn(loop)
         return item
 
     def skip(self, n: int) -> None:
@@ -154,7 +159,8 @@ class Loops:
                 loop = stack.pop(i)
                 loop.raised = sys.exc_info()[1] is not None  # (called from the loop's finally clause)
                 if self.controller is not None:
-                    self.controller.left(loop)
+                    with selfcost.inside():
+                        self.controller.left(loop)
                 return
 
     def _current(self, sid: int, frame: FrameType) -> ActiveLoop:
@@ -174,7 +180,8 @@ class Loops:
     def head(self, sid: int) -> bool:
         loop = self._current(sid, sys._getframe(1))
         if self.controller is not None:
-            self.controller.before_item(loop)
+            with selfcost.inside():
+                self.controller.before_item(loop)
         loop.iterations += 1
         return True
 
@@ -191,20 +198,25 @@ class Loops:
     def restore(self, sid: int) -> dict[str, Any] | None:
         if self.controller is None:
             return None
-        return self.controller.restore(self._current(sid, sys._getframe(1)))
+        loop = self._current(sid, sys._getframe(1))
+        with selfcost.inside():
+            return self.controller.restore(loop)
 
     def restore_exit(self, sid: int) -> dict[str, Any] | None:
         """After a loop, in its frame: the variables a successor takes over at the loop's exit."""
         if self.controller is None:
             return None
-        return self.controller.restore_exit(sid, sys._getframe(1))
+        frame = sys._getframe(1)
+        with selfcost.inside():
+            return self.controller.restore_exit(sid, frame)
 
     def absorb(self, sid: int, exc: BaseException) -> bool:
         if self.controller is None:
             return False
         loop = self._current(sid, sys._getframe(1))
-        if not self.controller.absorb(loop, exc):
-            return False
+        with selfcost.inside():
+            if not self.controller.absorb(loop, exc):
+                return False
         if loop.site.kind == "for":  # hand again every item the step had drawn, from its first head
             loop.replay, loop.drawn = loop.drawn, []
             loop.iterations -= len(loop.replay)

@@ -263,6 +263,7 @@ class ScriptRuntime(Runtime):
         self.step_record = StepRecord(pos=self.pos, small=small_state(self.tracked),
                                       forward_sync=[bool(d.require_forward_param_sync) for d in self.tracked.ddps])
 
+    @selfcost.counted
     def _before_optimizer_step_script(self, *args: Any) -> None:
         """Before each optimizer step: none after a lost peer; the first one of a step copies
         the parameters as they were at its head (tail). The step before's record is then no

@@ -7,7 +7,8 @@ reader finds a truncated archive ("PytorchStreamReader failed reading zip archiv
 successor dies in the script's own code. So, in the no-code mode, every torch.save to a
 path writes a temporary file beside it and renames it over the path (POSIX rename is
 atomic): a reader sees the old file or the new one, and the bytes are the script's own. A
-destination that is not a regular file (/dev/null, a FIFO) is written as the script asked;
+destination that is not a regular file (/dev/null, a FIFO), or in a folder the process may
+not create files in, is written as the script asked;
 a process killed while saving leaves its temporary file (`.<name>.baton-<pid>`), never a
 truncated checkpoint.
 """
@@ -31,9 +32,9 @@ def install() -> None:
         if not isinstance(f, (str, os.PathLike)):
             return save(obj, f, *args, **kwargs)  # a buffer or an open file: the script's own handle
         path = os.fsdecode(os.fspath(f))
-        if os.path.exists(path) and not os.path.isfile(path):
-            return save(obj, f, *args, **kwargs)
         head, name = os.path.split(path)
+        if (os.path.exists(path) and not os.path.isfile(path)) or not os.access(head or ".", os.W_OK):
+            return save(obj, f, *args, **kwargs)  # not a file, or no room for one beside it: as asked
         tmp = os.path.join(head, f".{name}.baton-{os.getpid()}")
         try:
             save(obj, tmp, *args, **kwargs)
