@@ -164,7 +164,7 @@ def classify(value: Any, from_setup: bool = False, _depth: int = 0,
     if hasattr(value, "__next__"):
         return Classified(Kind.REFUSED, type(value).__name__,
                           "an iterator whose position baton cannot read or rebuild")
-    if not _script_record_type(type(value)):  # a logger, a progress bar, a library's object: the setup's
+    if not script_record_type(type(value)):  # a logger, a progress bar, a library's object: the setup's
         return Classified(Kind.SETUP, type(value).__name__)
     attrs = getattr(value, "__dict__", None)
     if not isinstance(attrs, dict):
@@ -183,7 +183,7 @@ def classify(value: Any, from_setup: bool = False, _depth: int = 0,
     return Classified(Kind.RECORD, f"{type(value).__name__}: {shown}" if carried else type(value).__name__)
 
 
-def _script_record_type(cls: type) -> bool:
+def script_record_type(cls: type) -> bool:
     """Objects whose attributes are carried: of a class the script's own modules define (a
     meter, a Trainer, a config dataclass), or a namespace of values (argparse's, types')."""
     import argparse

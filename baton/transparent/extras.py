@@ -35,7 +35,7 @@ from typing import Any, Iterator
 
 import torch
 
-from baton.transparent.carried import _script_record_type
+from baton.transparent.carried import script_record_type
 from baton.transparent.sites import SITES
 from baton.worker import rng
 from baton.worker.tracked import Tracked
@@ -146,7 +146,7 @@ def _candidates(frame: FrameType) -> Iterator[tuple[str, Any]]:
         yield from _state_in(name, value, name in read)
         attrs = getattr(value, "__dict__", None)
         if isinstance(attrs, dict) and not isinstance(value, (type, ModuleType, torch.nn.Module)) and \
-                _script_record_type(type(value)):
+                script_record_type(type(value)):
             for attr in sorted(attrs):
                 if not _is_tensor_state(attrs[attr]):
                     yield from _state_in(f"{name}.{attr}", attrs[attr], name in read)
