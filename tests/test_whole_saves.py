@@ -1,4 +1,4 @@
-"""A no-code rank's torch.save to a path replaces the file whole (baton/transparent/whole_saves):
+"""A rank's torch.save to a path replaces the file whole (baton/worker/whole_saves.py):
 a successor's resume block reading the checkpoint while rank 0 writes it sees the old one or
 the new one, never a truncated archive."""
 
@@ -10,7 +10,7 @@ import stat
 import pytest
 import torch
 
-from baton.transparent import whole_saves
+from baton.worker import whole_saves
 
 
 @pytest.fixture

@@ -5,8 +5,7 @@
 there until it is given a rank), so a warm spare costs nothing more here. Holding its
 rank, it sets the environment torchrun would (RANK, LOCAL_RANK, WORLD_SIZE,
 LOCAL_WORLD_SIZE, GROUP_RANK, ROLE_*, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RUN_ID ...),
-answers the script's torch.distributed calls with the live group (`intercept`), writes
-its checkpoints whole (`whole_saves`), and runs
+answers the script's torch.distributed calls with the live group (`intercept`), and runs
 the script as `__main__`, its own modules instrumented (`importer`), the step loop's heads
 handed to the runtime (`controller`). The process exits with the script's exit code.
 """
@@ -22,7 +21,7 @@ def main(argv: list[str]) -> None:
         print("usage: python -m baton.transparent.worker script.py [args...]", file=sys.stderr)
         sys.exit(2)
     script, args = argv[0], argv[1:]
-    from baton.transparent import ahead, intercept, whole_saves
+    from baton.transparent import ahead, intercept
     from baton.transparent.controller import StepLoopController
     from baton.transparent.importer import print_script_error, run_script
     from baton.transparent.script_runtime import ScriptRuntime
@@ -32,7 +31,6 @@ def main(argv: list[str]) -> None:
 
     modules = ScriptModules(script_dir_of(script))
     ahead.prepare(Path(script), modules)  # a spare: before it waits, not in a move's downtime
-    whole_saves.install()  # before a successor's fence (job.join), which then wraps it
     rt = job_mod.join(ScriptRuntime, script)  # which sets torchrun's environment
     assert isinstance(rt, ScriptRuntime)
     controller = StepLoopController(rt, modules, script, args)

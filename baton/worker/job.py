@@ -42,7 +42,7 @@ from baton.control import messages as m
 from baton.store.rendezvous import RendezvousClient
 from baton.transfer import TransferServer
 from baton.worker import ddp as ddp_mod
-from baton.worker import discover, fence, orphan
+from baton.worker import discover, fence, orphan, whole_saves
 from baton.worker.control import ControlChannel, OrchestratorGone
 from baton.worker.data import DataFeed
 from baton.worker.exit import exit_quietly
@@ -331,6 +331,7 @@ def join(runtime_class: type[Runtime], script: str) -> Runtime:
             logging.getLogger(name).setLevel(logging.WARNING)
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     discover.install()
+    whole_saves.install()  # a successor's resume block may read a checkpoint rank 0 is writing; before its fence
     token = os.environ[ENV_TOKEN]
     ctl = ControlChannel(os.environ[ENV_URL], token, os.environ[ENV_WORKER])
     server = TransferServer(token, host=node_address())
