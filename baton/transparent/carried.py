@@ -17,6 +17,7 @@ import datetime
 import decimal
 import enum
 import fractions
+import functools
 import io
 import pathlib
 import random
@@ -183,9 +184,12 @@ def classify(value: Any, from_setup: bool = False, _depth: int = 0,
     return Classified(Kind.RECORD, f"{type(value).__name__}: {shown}" if carried else type(value).__name__)
 
 
+@functools.cache
 def script_record_type(cls: type) -> bool:
     """Objects whose attributes are carried: of a class the script's own modules define (a
-    meter, a Trainer, a config dataclass), or a namespace of values (argparse's, types')."""
+    meter, a Trainer, a config dataclass), or a namespace of values (argparse's, types').
+    Once per class (the no-code mode asks at every head of every name a loop reads): a
+    module is instrumented, its file known, before its classes exist."""
     import argparse
     import sys
 

@@ -288,17 +288,11 @@ def _is_object_record(obj: Any) -> bool:
     """An object (not a container) whose attributes are carried: a meter, `self`. Asked at
     every head of every name the loop reads (the model, the optimizer, modules, functions):
     only an object of the script's own classes or a namespace can be one (carried.classify),
-    which its type says once."""
-    cls = type(obj)
-    own = _RECORD_TYPES.get(cls)
-    if own is None:
-        from baton.transparent.carried import script_record_type
+    which its type says first, and cheaply."""
+    from baton.transparent.carried import script_record_type
 
-        own = _RECORD_TYPES[cls] = script_record_type(cls)
-    return own and isinstance(getattr(obj, "__dict__", None), dict) and not isinstance(obj, type) and _is_record(obj)
-
-
-_RECORD_TYPES: dict[type, bool] = {}  # a class: whether its objects may carry their attributes
+    return script_record_type(type(obj)) and isinstance(getattr(obj, "__dict__", None), dict) and \
+        not isinstance(obj, type) and _is_record(obj)
 
 
 def _is_record(obj: Any) -> bool:

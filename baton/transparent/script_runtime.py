@@ -103,7 +103,6 @@ class ScriptRuntime(Runtime):
         self.in_tail = False  # recovering in a collective after a step's optimizer step
         self.exit_join: _Replay | None = None  # ran the step again; the survivors stand past the loop's exit
         self._frame_at: tuple[Any, int] = ((-1, 0), HEAD_SEQ)  # the latest frame's position and sequence
-        self._setup_timed = False  # a joiner's setup_s is taken (setup_done)
 
     # ---------------------------------------------------------------- the loop, as the script runs it
     def _prepare_loop(self, info: m.LoopInfo) -> None:
@@ -349,8 +348,7 @@ class ScriptRuntime(Runtime):
         """The joiner's script reached its step loop (the first head of its walk to its rank's
         place): its setup ends here, before it waits for its target and state, which the
         ledger counts apart (a planned move's joiner waits for the ranks to reach it)."""
-        if not self._setup_timed:
-            self._setup_timed = True
+        if not self.setup_s:  # not taken yet (at the walk's first head, or at its place)
             self.setup_s = time.perf_counter() - self.assigned_at
 
     def _take_place(self) -> None:
@@ -710,27 +708,26 @@ class ScriptRuntime(Runtime):
         if rec is not None:
             rec.ops.append(Recorded("buffers", [self.copies.copy(t) for t in tensors]))
 
-    def average_bucket(self, buffer: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    def average_bucket(self, buffer: torch.Tensor,
+                       into: torch.Tensor | None = None) -> torch.futures.Future[torch.Tensor]:
         """In a step, averaged into a tensor of the step's record, not in place: DDP copies
         the result into the gradients either way, and the record keeps it without a copy of
         its own (tail). Answered where this process runs its predecessor's last step again."""
         rec = self.step_record if self.scope == "step" else None
         if rec is None:
-            return super().average_bucket(buffer)
+            return super().average_bucket(buffer, into)
         if self.replay is not None:
             rec.grads.answer(self, "bucket", [buffer])
             done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
             done.set_result(buffer)
             return done
         out = self.copies.empty_like(buffer)
-        with selfcost.outside():  # DDP's own scaling, written elsewhere
-            torch.mul(buffer, 1.0 / self.world_size, out=out)
         slot = rec.grads.reserve()
 
         def record(f: torch.futures.Future) -> torch.Tensor:  # on gloo's thread, as the bucket completes
             rec.grads.ops[slot] = Recorded("bucket", [out])
             return f.value()
-        return self.group.reduce_gradients(out).then(record)
+        return super().average_bucket(buffer, into=out).then(record)
 
     def _region_collective(self, op: str) -> dist.ProcessGroup | None:
         """Where a collective of the region runs: recorded (collectives.RecordingGroup), or

@@ -227,11 +227,14 @@ class Captures:
         with self.group.internal():
             dist._broadcast_coalesced(self.group, tensors, buffer_size, authoritative_rank)
 
-    def average_bucket(self, buffer: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
-        """A gradient bucket averaged over the ranks (from DDP's comm hook), in place."""
+    def average_bucket(self, buffer: torch.Tensor,
+                       into: torch.Tensor | None = None) -> torch.futures.Future[torch.Tensor]:
+        """A gradient bucket averaged over the ranks (from DDP's comm hook), in place or
+        `into` another tensor of its shape; the future resolves to the averaged tensor."""
+        out = buffer if into is None else into
         with selfcost.outside():  # what DDP's reducer does without a hook: not baton's cost
-            buffer.mul_(1.0 / self.world_size)
-        return self.group.reduce_gradients(buffer)
+            torch.mul(buffer, 1.0 / self.world_size, out=out)
+        return self.group.reduce_gradients(out)
 
     @selfcost.counted
     def check_forward_placement(self) -> None:

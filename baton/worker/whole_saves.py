@@ -5,12 +5,12 @@ its checkpoint before any rank trains. Under baton a successor runs that block w
 others train, and rank 0 may be writing that very file: torch.save writes in place, so the
 reader finds a truncated archive ("PytorchStreamReader failed reading zip archive") and the
 successor dies in the script's own code. So, in both modes, every rank's torch.save to a
-path (from `baton.init()`, or the no-code worker's start, on) writes a temporary file beside it and renames it over the path (POSIX rename is
-atomic): a reader sees the old file or the new one, and the bytes are the script's own. A
-destination that is not a regular file (/dev/null, a FIFO), or in a folder the process may
-not create files in, is written as the script asked;
-a process killed while saving leaves its temporary file (`.<name>.baton-<pid>`), never a
-truncated checkpoint.
+path (from `baton.init()`, or the no-code worker's start, on) writes a temporary file beside
+it and renames it over the path (POSIX rename is atomic): a reader sees the old file or the
+new one, and the bytes are the script's own. A destination that is not a regular file
+(/dev/null, a FIFO), or in a folder the process may not create files in, is written as the
+script asked; a process killed while saving leaves its temporary file (`.<name>.baton-<pid>`),
+never a truncated checkpoint.
 """
 
 from __future__ import annotations
