@@ -7,6 +7,10 @@ or restarting anything: the user restarts from their own checkpoint. A failure i
 that exits non-zero or is killed, or one that is stopped (SIGSTOP: it can make no
 progress and its peers would wait for it). A rank that exits 0 while others still run is
 the script's own business, as under torchrun.
+
+The failure named is the first one, by when each rank ended: a killed rank's peers fail
+their next collective and exit non-zero a moment later, and naming one of them would send
+the user after the wrong rank.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -23,6 +28,9 @@ from baton.worker.torchrun_env import free_port, torchrun_env
 
 POLL_S = 0.1
 GRACE_S = 5.0
+# A rank killed by a signal that ended within this long of the first to end is the cause:
+# its peers' collectives fail when its sockets close, and a waiter thread may be woken late.
+CAUSE_WINDOW_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -53,6 +61,32 @@ def _failure(rank: int, proc: subprocess.Popen) -> Failure | None:
     return Failure(rank, proc.pid, f"exited with code {code}", code)
 
 
+class _EndTimes:
+    """When each rank's process ended, taken by a thread waiting on it (polling would see
+    several ends at once and lose their order)."""
+
+    def __init__(self, procs: list[subprocess.Popen]) -> None:
+        self._at: dict[int, float] = {}
+        for p in procs:
+            threading.Thread(target=self._wait, args=(p,), daemon=True, name=f"baton-wait-{p.pid}").start()
+
+    def _wait(self, proc: subprocess.Popen) -> None:
+        proc.wait()
+        self._at.setdefault(proc.pid, time.monotonic())
+
+    def at(self, pid: int) -> float:
+        return self._at.get(pid, time.monotonic())
+
+
+def _cause(failures: list[Failure], ends: _EndTimes) -> Failure:
+    """The failure that started it: the first to end, or a signal's death close behind it."""
+    ordered = sorted(failures, key=lambda f: ends.at(f.pid))
+    first = ordered[0]
+    killed = [f for f in ordered if f.what.startswith("was killed")
+              and ends.at(f.pid) - ends.at(first.pid) <= CAUSE_WINDOW_S]
+    return killed[0] if killed else first
+
+
 def run(script: str, args: list[str], nproc: int, env: dict[str, str] | None = None) -> int:
     """Run `nproc` ranks of `script`; the job's exit code (0 when every rank exits 0)."""
     port = free_port()
@@ -72,6 +106,7 @@ def run(script: str, args: list[str], nproc: int, env: dict[str, str] | None = N
         pids = ", ".join(f"rank {r} pid {p.pid}" for r, p in enumerate(procs))
         print(f"[baton] {nproc} rank(s) of {script} started with --no-migration ({pids}): nothing moves; the "
               "first failure ends the job", file=sys.stderr, flush=True)
+        ends = _EndTimes(procs)
         while True:
             if interrupted:
                 print(f"[baton] received signal {interrupted[0]}: stopping the job", file=sys.stderr, flush=True)
@@ -79,9 +114,10 @@ def run(script: str, args: list[str], nproc: int, env: dict[str, str] | None = N
                 return 128 + interrupted[0]
             failures = [f for rank, p in enumerate(procs) if (f := _failure(rank, p)) is not None]
             if failures:
-                first = failures[0]
-                print(f"[baton] rank {first.rank} (pid {first.pid}) {first.what}. With --no-migration nothing "
-                      "moves: the job stops now. Restart it from your own checkpoint (or run it without "
+                first = _cause(failures, ends)
+                after = "".join(f"; then rank {f.rank} {f.what}" for f in failures if f is not first)
+                print(f"[baton] rank {first.rank} (pid {first.pid}) {first.what}{after}. With --no-migration "
+                      "nothing moves: the job stops now. Restart it from your own checkpoint (or run it without "
                       "--no-migration once `baton explain` refuses nothing).", file=sys.stderr, flush=True)
                 _stop(procs, signal.SIGTERM)
                 return first.code
