@@ -142,6 +142,14 @@ class Job:
         return text[-tail:] if tail else text
 
     def events(self) -> list[dict[str, Any]]:
+        """The ledger: from the API while the job runs (a wait polls it, and a `baton events`
+        process per poll took seconds on a busy machine, longer than a short job's steps),
+        else as `baton events` reads it from the ended job's run directory."""
+        if self.proc.poll() is None:
+            try:
+                return self.client.events()["events"]
+            except Exception:  # noqa: BLE001 - ended meanwhile, or momentarily busy: ask the CLI
+                pass
         out = subprocess.run([sys.executable, "-m", "baton.cli", "events", "--json", "--run-dir",
                               str(self.run_dir)], capture_output=True, text=True, cwd=self.dir, timeout=60)
         assert out.returncode == 0, out.stderr

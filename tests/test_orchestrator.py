@@ -109,6 +109,24 @@ def test_a_move_is_cancelled_when_the_job_finishes_first(tmp_path):
     assert orch.yoco_ratio() is None  # a cancelled move is not a failure
 
 
+def test_nothing_starts_moving_once_a_rank_has_run_its_last_step(tmp_path):
+    """A rank that has finished never pauses again: a move started then would wait for it
+    until the pausing phase's deadline, call every rank hung and end a job that was about
+    to finish (seen: a taint a few steps before the end ended the job with code 1). The
+    taint is kept; nothing moves; the job ends as it would have."""
+    orch, _ = _running(tmp_path)
+    report(orch, "w1", {"type": "finished", "pos": [100, 0]})
+    answer = orch.handle(m.TaintRequest(slot="local/1", reason="ecc"))
+    assert answer["moving_ranks"] == [] and "finishing" in answer["note"] and orch.op is None
+    assert orch.slots["local/1"].taint == "ecc"
+    with pytest.raises(RequestError, match="finishing"):
+        orch.handle(m.MigrateRequest(rank=0))
+    report(orch, "w0", {"type": "finished", "pos": [100, 0]})
+    for w in ("w0", "w1"):
+        orch.handle(m.WorkerExited(worker_id=w, returncode=0))
+    assert orch.exit_code == 0 and orch.event_list() == []
+
+
 def test_a_joiner_that_runs_to_the_end_before_the_move_closes_still_counts_as_finished(tmp_path):
     """A rank lost in the region after the step loop: its successor takes it over there and
     can finish the script before the survivor's Formed closes the move. Its Finished must

@@ -565,6 +565,11 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing):
     def _training(self) -> bool:
         return all(i.ready for i in self.ranks.values())
 
+    def _finishing(self) -> bool:
+        """A rank has run its last step: a move's boundary would never come (that rank never
+        pauses), so none starts; the job ends as it would without one."""
+        return any(i.state == RankState.FINISHED for i in self.ranks.values())
+
     def _on_left(self, w: Worker, rep: m.Left) -> None:
         w.role = WorkerRole.GONE
 
@@ -687,6 +692,8 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing):
         self._check_running()
         if self.ranks[req.rank].unmovable:
             raise RequestError(f"rank {req.rank} cannot move bit for bit: {self.ranks[req.rank].unmovable}", 409)
+        if self._finishing():
+            raise RequestError("training is finishing (a rank has run its last step): nothing moves now", 409)
         if self.op is not None:
             raise RequestError(f"a {self.op.kind.value} migration is already in progress (op {self.op.id})", 409)
         if req.to is not None:

@@ -161,7 +161,7 @@ class PlannedMoves:
                                               formation_timeout_s=ft))
 
     def _retry_lost_moves(self) -> None:
-        if self.op is not None or self.exit_code is not None or not self._retry_moves:
+        if self.op is not None or self.exit_code is not None or self._finishing() or not self._retry_moves:
             return
         if not self._ready_spares():
             return  # _on_spare_available calls again
@@ -185,6 +185,8 @@ class PlannedMoves:
             result["unmovable"] = stuck
             for r, why in stuck.items():
                 self._emit("move-refused", {"rank": r, "cause": cause, "detail": why})
+        if ranks and self._finishing():
+            ranks, result["note"] = [], "training is finishing (a rank has run its last step): nothing moves"
         result["moving_ranks"] = ranks
         if ranks and self.exit_code is None:
             if self.op is None and len(self._ready_spares()) >= len(ranks):
@@ -198,7 +200,7 @@ class PlannedMoves:
 
     def _pending_taint_moves(self) -> None:
         """Ranks on tainted slots move, those sharing a reason (a node's slots) in one move."""
-        if self.op is not None or self.exit_code is not None or not self._ready_spares():
+        if self.op is not None or self.exit_code is not None or self._finishing() or not self._ready_spares():
             return
         held = {w.rank: w.slot for w in self.workers.values()
                 if w.role == WorkerRole.RANK and w.rank is not None and self.ranks[w.rank].worker == w.id
