@@ -16,7 +16,9 @@ contenders.py); ratios are taken within each round, reported as median (min-max)
 rounds. Moves (one run per baton contender and round): a planned move of rank 1 at step
 `--move-at`, then a kill -9 of rank 1 at step `--kill-at`: the planned downtime and the
 new rank's setup from the ledger, the unplanned stall (from the kill to the replacement's
-first completed step, from rank 1's own progress log) the same measure for both.
+first completed step, from rank 1's own progress log) the same measure for both. The moves
+run again with a larger model (`--large-params-m`, 8M parameters: about 100 MB of state to
+move with Adam), for the issue's "sub-second at 100 MB" against the port at the same size.
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ def _moves(c: Contender, w: Workload, run_dir: Path, move_at: int, kill_at: int,
     planned = next((e for e in ledger if e["kind"] == "planned"), {})
     unplanned = next((e for e in ledger if e["kind"] == "unplanned"), {})
     absorbed = unplanned.get("status") == "resolved"  # else the job stopped, saying it could not be exact
-    return {"ledger": ledger,
+    return {"ledger": ledger, "state_bytes": planned.get("state_bytes"),
             "planned_downtime_s": planned.get("downtime_s"), "planned_setup_s": planned.get("joiner_setup_s"),
             "unplanned_downtime_s": unplanned.get("downtime_s"), "unplanned_setup_s": unplanned.get("joiner_setup_s"),
             "unplanned_stall_s": killed["regained"] - killed["t"] if absorbed and killed and killed["regained"] else None,
@@ -120,6 +122,21 @@ def _range_or_none(r: dict) -> str:
     return "none" if r["median"] is None else fmt_range(r, unit="s")
 
 
+def _large_sentence(large: dict, params_m: float) -> str:
+    mb = large["state_mb"]
+    return (f"With a {params_m:g}M-parameter MLP ({mb['median']:.0f} MB of state to move): a "
+            f"planned move's downtime {fmt_range(large['planned_downtime_s']['no-code'], unit='s')} against "
+            f"{fmt_range(large['planned_downtime_s']['model-aware'], unit='s')} "
+            f"({fmt_range(large['planned_ratio'])} within rounds), a kill -9's downtime in the ledger "
+            f"{fmt_range(large['unplanned_downtime_s']['no-code'], unit='s')} against "
+            f"{fmt_range(large['unplanned_downtime_s']['model-aware'], unit='s')} "
+            f"({fmt_range(large['unplanned_ratio'])}) and its stall "
+            f"{fmt_range(large['unplanned_stall_s']['no-code'], unit='s')} against "
+            f"{fmt_range(large['unplanned_stall_s']['model-aware'], unit='s')}; kills absorbed bit for bit "
+            f"{large['kills_absorbed']['no-code']} and {large['kills_absorbed']['model-aware']} of {large['kills']}"
+            + ("" if large["all_moves_exact"] else "; not every move was exact: see the results file") + ". ")
+
+
 def _ledger(run_dir: Path) -> list[dict]:
     out = subprocess.run([sys.executable, "-m", "baton.cli", "events", "--json", "--run-dir", str(run_dir / "baton")],
                          capture_output=True, text=True, timeout=60)
@@ -134,6 +151,9 @@ def main() -> int:
     add_round_args(p, steps=400, warmup=30)  # 150 left the rounds' spread at +-15% on 2 shared cores
     p.add_argument("--move-at", type=int, default=40)
     p.add_argument("--kill-at", type=int, default=100)
+    p.add_argument("--large-params-m", type=float, default=8.0,
+                   help="the moves again at this size (0: not run); 8M parameters move about 100 MB")
+    p.add_argument("--large-steps", type=int, default=150, help="steps of each larger run (past --kill-at)")
     args = p.parse_args()
     py = sys.executable
     w = Workload(params_m=args.params_m, steps=args.steps, nproc=args.nproc, warmup=args.warmup)
@@ -148,6 +168,10 @@ def main() -> int:
             r[key]["own_share"] = _own_share(tmp / f"steady-{key}-{i}")
     moves = interleave(["no-code", "model-aware"], args.rounds,
                        lambda key, i: _moves(contenders[key], w, tmp / f"moves-{key}-{i}", args.move_at, args.kill_at))
+    large = Workload(params_m=args.large_params_m, steps=args.large_steps, nproc=args.nproc, warmup=args.warmup)
+    moves_large = [] if not args.large_params_m else interleave(
+        ["no-code", "model-aware"], args.rounds,
+        lambda key, i: _moves(contenders[key], large, tmp / f"moves-large-{key}-{i}", args.move_at, args.kill_at))
     summary = {
         "step_ratio_nocode_vs_aware": round_ratio(steady, "no-code", "model-aware", "step_s"),
         "cpu_ratio_nocode_vs_aware": round_ratio(steady, "no-code", "model-aware", "cpu_s_per_step"),
@@ -176,8 +200,23 @@ def main() -> int:
     summary["all_moves_exact"] = all(r[k]["exact"] for r in moves for k in r)
     summary["kills_absorbed"] = {k: sum(r[k]["kill_absorbed"] for r in moves) for k in ("no-code", "model-aware")}
     summary["kills"] = len(moves)
-    path = save_results(args, "nocode", summary=summary, steady=steady,
-                        moves=[{k: {x: y for x, y in v.items() if x != "ledger"} for k, v in r.items()} for r in moves])
+    if moves_large:
+        summary["large"] = {
+            "state_mb": median_range(r[k]["state_bytes"] / 1e6 for r in moves_large for k in r if r[k]["state_bytes"]),
+            **{key: {k: median_range(r[k][key] for r in moves_large) for k in ("no-code", "model-aware")}
+               for key in ("planned_downtime_s", "unplanned_downtime_s", "unplanned_stall_s")},
+            "planned_ratio": round_ratio(moves_large, "no-code", "model-aware", "planned_downtime_s"),
+            "unplanned_ratio": round_ratio(moves_large, "no-code", "model-aware", "unplanned_downtime_s"),
+            "all_moves_exact": all(r[k]["exact"] for r in moves_large for k in r),
+            "kills_absorbed": {k: sum(r[k]["kill_absorbed"] for r in moves_large) for k in ("no-code", "model-aware")},
+            "kills": len(moves_large),
+        }
+
+    def without_ledger(rounds: list[dict]) -> list[dict]:
+        return [{k: {x: y for x, y in v.items() if x != "ledger"} for k, v in r.items()} for r in rounds]
+
+    path = save_results(args, "nocode", summary=summary, steady=steady, moves=without_ledger(moves),
+                        moves_large=without_ledger(moves_large))
     s = summary
     text = (f" Measured with `bench/nocode.py` ({path.name}: {args.nproc} ranks, a {args.params_m:g}M-parameter MLP, "
             f"{args.steps} steps, {args.rounds} interleaved rounds, medians with min-max): against its model-aware "
@@ -207,7 +246,8 @@ def main() -> int:
             f"{s['kills_absorbed']['no-code']} of {s['kills']} for the unmodified script, "
             f"{s['kills_absorbed']['model-aware']} of {s['kills']} for the port"
             + ("" if s["kills_absorbed"]["no-code"] == s["kills"] else
-               "; each other one stopped the job non-zero, saying why it could not be exact") + ". ")
+               "; each other one stopped the job non-zero, saying why it could not be exact") + ". "
+            + (_large_sentence(s["large"], args.large_params_m) if "large" in s else ""))
     print(text)
     if not args.no_readme:
         write_readme_sentence(README, "nocode", "bench/nocode.py", text)

@@ -400,6 +400,7 @@ class ScriptRuntime(Runtime):
         if state.get("replay_tail"):
             self._replay_step(cmd, state, stats, t0)
             return
+        t_arrived = time.perf_counter()
         self._take_place()
         if self.tracked.sharded:
             shards.prepare(self.tracked)
@@ -425,8 +426,9 @@ class ScriptRuntime(Runtime):
             # The target cannot move under a successor that has already walked to it: stop loudly.
             raise Divergence(f"rank {self.rank}: joining generation {gen} failed after catching up to "
                              f"{target} ({exc}); the job cannot go on bit for bit") from exc
-        log.info("joined generation %s at %s: fetch %.3fs (%d bytes), load %.3fs, form %.3fs", gen, self.pos,
-                 t_fetched - t0, stats.bytes, t_loaded - t_fetched, t_formed - t_loaded)
+        log.info("joined generation %s at %s: fetch and walk %.3fs (%d bytes), place %.3fs, load %.3fs, form %.3fs, "
+                 "verify %.3fs", gen, self.pos, t_arrived - t0, stats.bytes, t_fetched - t_arrived,
+                 t_loaded - t_fetched, t_formed - t_loaded, time.perf_counter() - t_formed)
         self.ctl.report(m.Formed(generation=gen, pos=self.pos, bytes=stats.bytes, seconds=round(stats.seconds, 4),
                                  setup_s=round(self.setup_s, 4), fetch_wait_s=round(t_fetched - t0, 4)))
         self.joiner = False
