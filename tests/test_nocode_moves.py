@@ -96,3 +96,33 @@ def _relative(obj: Any, folder: Path) -> Any:
     if isinstance(obj, (list, tuple)):
         return type(obj)(_relative(v, folder) for v in obj)
     return obj
+
+
+def test_a_leaver_lost_while_its_successor_walks_to_its_place_is_rebuilt_bit_for_bit(tmp_path):
+    """A planned move's successor fetches its predecessor's own record first and walks the
+    script to the rank's place while the rest of the state arrives. The leaver dies -9 as
+    that rest is asked for: the move fails over to a rebuild from the survivors' copies,
+    and every rank still ends equal to torchrun's run."""
+    name, args, _, _ = SHAPES["trainer"]
+    ref = tmp_path / "torchrun"
+    ref.mkdir()
+    torchrun(NOCODE / name, [a.format(d=ref) for a in args] + ["--export", str(ref / "export")], 2, ref)
+    run = tmp_path / "baton"
+    job = Job(tmp_path, nproc=2, spares=2, script=NOCODE / name, out_arg=False, name="baton",
+              script_args=[a.format(d=run) for a in args] + ["--export", str(run / "export")],
+              env={"PYTHONPATH": str(INJECT), "BATON_TEST_LEAVER_DIES_SERVING": "1",
+                   "BATON_TEST_SIGNAL_MARK": str(tmp_path / "fired")})
+    try:
+        job.wait_step(8, timeout=120)
+        moved = _cli(job, "migrate", "--rank", "1")
+        assert moved.returncode == 0, moved.stderr
+        assert job.wait(timeout=170) == 0, job.log()
+        events, log = job.events(), job.log(tail=None)
+    finally:
+        job.kill()
+    assert (tmp_path / "fired").exists(), log[-3000:]
+    assert [(e["kind"], e["status"], e["rank"]) for e in events][-1] == ("unplanned", "resolved", 1), events
+    assert events[0]["kind"] == "planned" and events[0]["status"] == "failed", events
+    for rank, (a, b) in enumerate(zip(exports(ref / "export", 2), exports(run / "export", 2))):
+        assert differences(a, b) == [], f"rank {rank}"
+

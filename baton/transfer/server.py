@@ -45,8 +45,10 @@ log = logging.getLogger("baton.transfer")
 # snapshot lies in shared memory (a buddy on the same machine maps it; see shared.py) or
 # fetches it. FETCH_TAIL fetches the part of a published state a joiner needs only in one
 # case (a script's record of the step its predecessor was lost after), published apart so
-# that the others never move its bytes.
-FETCH, PUSH, WARD, SNAPSHOT, SNAPSHOT_LINK, FETCH_TAIL = b"F", b"P", b"W", b"S", b"R", b"T"
+# that the others never move its bytes. FETCH_OWN fetches a planned move's leaver's own
+# record (no-code mode), published apart and first: its successor walks its script to the
+# rank's place from it while the rest of the state arrives.
+FETCH, PUSH, WARD, SNAPSHOT, SNAPSHOT_LINK, FETCH_TAIL, FETCH_OWN = b"F", b"P", b"W", b"S", b"R", b"T", b"O"
 # A link's requests: an op, then the snapshot key.
 LINK_REQUEST = struct.Struct("!cQ")
 LINK_REF, LINK_FETCH = b"R", b"S"
@@ -227,7 +229,7 @@ class TransferServer:
                 kind = recv_exact(conn, 1)
                 (generation,) = struct.unpack("!Q", recv_exact(conn, 8))
                 digest = recv_exact(conn, 32)
-                if kind not in (FETCH, PUSH, WARD, SNAPSHOT, SNAPSHOT_LINK, FETCH_TAIL) or \
+                if kind not in (FETCH, PUSH, WARD, SNAPSHOT, SNAPSHOT_LINK, FETCH_TAIL, FETCH_OWN) or \
                         not hmac.compare_digest(digest, auth_digest(self.token, nonce, generation, kind)):
                     send_json(conn, {"error": "authentication failed: wrong job token"})
                     return

@@ -30,6 +30,7 @@ from typing import Any
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from baton.control import messages as m
+from baton.transfer import TransferError
 from baton.transparent import analysis, extras, nest, values
 from baton.worker.script_files import ScriptModules
 from baton.transparent.loops import LOOPS, ActiveLoop
@@ -325,7 +326,10 @@ class _CatchUp:
         if self.fetched is None:
             c.rt.setup_done()
             self.t0 = time.perf_counter()
-            self.fetched = c.rt.fetch_for_join()
+            try:
+                self.fetched = c.rt.fetch_for_join()
+            except (TransferError, OSError) as exc:
+                c.rt.leave_to_another_spare(exc)
         _, state, _ = self.fetched
         path = state["bundle"]["script"]["path"]
         if len(path) != len(c.nest_keys) or path[self.depth]["key"] != loop.site.key:
@@ -385,7 +389,7 @@ class _CatchUp:
         c = self.c
         assert self.fetched is not None
         cmd, state, stats = self.fetched
-        state, stats = c.rt.fetched_state(state, stats)
+        state, stats = self._rest_of_state(state, stats)
         c.step_loop, c.step_site = loop, loop.site.id
         c.catch_up = None
         try:
@@ -398,7 +402,16 @@ class _CatchUp:
         loop.step_heads, loop.drawn = 1, []  # its step begins at this head
         assert self.fetched is not None
         cmd, state, stats = self.fetched
-        state, stats = c.rt.fetched_state(state, stats)
+        state, stats = self._rest_of_state(state, stats)
         c.step_loop, c.step_site = loop, loop.site.id
         c.catch_up = None
         c.rt.join_at_head(cmd, state, stats, self.t0)
+
+    def _rest_of_state(self, state: dict[str, Any], stats: Any) -> tuple[dict[str, Any], Any]:
+        """What arrived while the script walked here; its sources lost meanwhile (a planned
+        move's leaver, say) leave the rank to another spare: this process has walked to a
+        place the next plan may not name."""
+        try:
+            return self.c.rt.fetched_state(state, stats)
+        except (TransferError, OSError) as exc:
+            self.c.rt.leave_to_another_spare(exc)

@@ -24,7 +24,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -33,7 +33,7 @@ from baton import selfcost
 from baton.control import messages as m
 from baton.transfer import FetchStats, TransferError
 from baton.transfer.bundles import Bundle, encode_frame
-from baton.transfer.server import FETCH, FETCH_TAIL
+from baton.transfer.server import FETCH, FETCH_OWN, FETCH_TAIL
 from baton.transparent import tail
 from baton.transparent.region import Region, load_small_state, small_state
 from baton.transparent.sites import SITES
@@ -41,7 +41,8 @@ from baton.transparent.tail import StepRecord
 from baton.worker import discover, fence, shards, verify
 from baton.worker.collectives import SAME_EVERYWHERE, Record, Recorded
 from baton.worker.group import CollectiveFailure
-from baton.worker.job import Step
+from baton.worker.exit import exit_quietly
+from baton.worker.job import EXIT_PEER_LOST, Step
 from baton.worker.prefetch import Fetch
 from baton.worker.capture import bundle_text
 from baton.worker.runtime import Runtime
@@ -320,6 +321,12 @@ class ScriptRuntime(Runtime):
         fetched = self.prefetch.take(cmd) if self.prefetch is not None else None
         if fetched is None and not (cmd.full_state or cmd.snapshot):
             state, stats = {_FETCHING: Fetch(cmd, self._fetch_for, f"baton-join-fetch-{cmd.generation}")}, FetchStats()
+        elif fetched is None and cmd.full_state and not cmd.snapshot:
+            # A planned move: the predecessor's own record now (the walk reads it), the rest
+            # while the script walks to the rank's place.
+            state, stats = self._fetch_state(cmd.fetch_from, cmd.generation, tuple(cmd.pos),  # type: ignore[arg-type]
+                                             cmd.formation_timeout_s, kind=FETCH_OWN)
+            state[_FETCHING] = Fetch(cmd, self._fetch_for, f"baton-join-fetch-{cmd.generation}")
         else:
             state, stats = fetched if fetched is not None else self._fetch_for(cmd)
         if not (cmd.full_state or cmd.snapshot):
@@ -343,6 +350,14 @@ class ScriptRuntime(Runtime):
         fetched, more = fetching.result()
         fetched.update(state)
         return fetched, more.plus(stats)
+
+    def leave_to_another_spare(self, exc: BaseException) -> NoReturn:
+        """A joiner whose state could not be fetched (its sources lost) before it took its
+        rank's place: not the script's error. It exits as a process lost to a failure, and
+        the orchestrator gives the rank to another spare."""
+        print(f"[baton] rank {self.rank}: a joiner's state could not be fetched ({type(exc).__name__}: {exc}); "
+              "this process leaves the rank to another spare", file=sys.__stderr__, flush=True)
+        exit_quietly(EXIT_PEER_LOST)
 
     def setup_done(self) -> None:
         """The joiner's script reached its step loop (the first head of its walk to its rank's
@@ -594,8 +609,11 @@ class ScriptRuntime(Runtime):
         """The record of the step before (tail) apart, and first: a successor fetches it only
         when its predecessor was lost after that step's last collective (`_tail_bundle`),
         and its bytes (the parameters at that step's head, its gradient buckets) are as
-        many again as the replicated state's."""
+        many again as the replicated state's. A planned move's leaver serves its own record
+        apart instead (it has no tail), so that its successor walks while the rest arrives."""
         tail = state.pop("tail", None)
+        if "bundle" in state:  # a planned move's leaver: its own record apart, first (`fetch_for_join`)
+            return {FETCH_OWN: {"pos": state["pos"], "bundle": state.pop("bundle")}, FETCH: state}
         return {FETCH_TAIL: {"pos": state["pos"], "tail": tail}, FETCH: state}
 
     def _state(self, full: bool, digest: bool = True, encoded: bool = False) -> dict[str, Any]:

@@ -27,6 +27,10 @@ that rank, a survivor that abandoned a step the others completed, has fetched th
 it creates the mark and waits until the test removes it (at most 60 s), so that the test can
 kill the sources before the new generation forms.
 
+BATON_TEST_LEAVER_DIES_SERVING=1 (with BATON_TEST_SIGNAL_MARK): once, a planned move's leaver
+in the no-code mode is killed -9 when its successor, which has its own record and is
+walking to the rank's place, asks for the rest of its state.
+
 BATON_TEST_SLOW_SLOT="slot:seconds:step": the process on that slot (the machine, not the
 rank: a replacement elsewhere is fast) spends that many more seconds in every forward of a
 wrapped model from that step on, as a throttling GPU would.
@@ -326,3 +330,24 @@ if _signal_after_step:
 
     register_optimizer_step_post_hook(
         lambda *_: _signal_once_in(_signal_after_step, "step", "after its optimizer step in step", exact=True))
+
+_leaver_dies = os.environ.get("BATON_TEST_LEAVER_DIES_SERVING")
+if _leaver_dies:
+    import signal as _signal
+
+    from baton.transfer import server as _server
+
+    _wait_published = _server.TransferServer._wait_published
+
+    def _die_serving_the_rest(self, generation, kind=_server.FETCH):  # noqa: ANN001, ANN202
+        """A planned move's leaver (no-code mode) dies once its successor has its own record
+        and asks for the rest: the successor is walking to the rank's place by then."""
+        mark = os.environ["BATON_TEST_SIGNAL_MARK"]
+        own = self._published.get(_server.FETCH_OWN)
+        if kind == _server.FETCH and own is not None and own[0] == generation and not os.path.exists(mark):
+            open(mark, "w").close()
+            print(f"injected: SIGKILL to a leaver serving generation {generation}", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), _signal.SIGKILL)
+        return _wait_published(self, generation, kind)
+
+    _server.TransferServer._wait_published = _die_serving_the_rest
