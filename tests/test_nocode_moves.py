@@ -126,3 +126,40 @@ def test_a_leaver_lost_while_its_successor_walks_to_its_place_is_rebuilt_bit_for
     for rank, (a, b) in enumerate(zip(exports(ref / "export", 2), exports(run / "export", 2))):
         assert differences(a, b) == [], f"rank {rank}"
 
+
+
+
+def test_a_rank_lost_again_after_its_move_draws_what_its_predecessor_drew(tmp_path):
+    """Rank 0 moves (planned) to a new process, which walks the script to the rank's place;
+    that process is killed -9 two steps later, in the same epoch. Its successor is rebuilt
+    from the walked process's own record, whose epoch head must hold the random streams
+    there: the iterator the epoch head makes draws its DataLoader workers' seed from them,
+    and the workers' random crops follow. (That record once left them out: the rebuilt rank
+    took other crops for the rest of the epoch, and the job ended 0 with other weights.)"""
+    name = "imagenet_main.py"
+    args = ["--epochs", "3", "-b", "1", "--out-dir", "{d}/out"]  # 128 steps an epoch
+    ref = tmp_path / "torchrun"
+    ref.mkdir()
+    torchrun(NOCODE / name, [a.format(d=ref) for a in args] + ["--export", str(ref / "export")], 2, ref)
+    run = tmp_path / "baton"
+    job = Job(tmp_path, nproc=2, spares=2, script=NOCODE / name, out_arg=False, name="baton",
+              script_args=[a.format(d=run) for a in args] + ["--export", str(run / "export")],
+              env={"PYTHONPATH": str(INJECT), "BATON_TEST_SIGNAL_MID_STEP": "0:joined+2:SIGKILL",
+                   "BATON_TEST_SIGNAL_MARK": str(tmp_path / "fired")})
+    try:
+        job.wait_spare()
+        # early in the second epoch (steps 128-255): in the first, a fresh process's streams
+        # at the epoch head equal its predecessor's anyway (the same seeded setup)
+        job.wait_step(130, timeout=120)
+        job.client.migrate(0)
+        assert job.wait(timeout=170) == 0, job.log()
+        events = job.events()
+    finally:
+        job.kill()
+    assert (tmp_path / "fired").exists(), job.log()
+    assert [(e["kind"], e["status"], e["rank"]) for e in events] == \
+        [("planned", "resolved", 0), ("unplanned", "resolved", 0)], events
+    moved_at, lost_at = events[0]["step"], events[1]["step"]
+    assert lost_at // 128 == moved_at // 128, f"the loss (step {lost_at}) landed past the move's epoch ({moved_at})"
+    for rank, (a, b) in enumerate(zip(exports(ref / "export", 2), exports(run / "export", 2))):
+        assert differences(a, b) == [], f"rank {rank}"

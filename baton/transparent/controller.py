@@ -358,6 +358,10 @@ class _CatchUp:
             loop.counted.skip(drawn_before - loop.iterations)
         if entry["rng"] is not None:
             rng.restore(entry["rng"], c.rt.tracked.generators)
+            # This process's own record of the head from now on (`script_section`): a rank
+            # lost again before this loop's next head is rebuilt from it, and without it
+            # its successor's draws there (a DataLoader's worker seeds) came from its setup.
+            loop.head_rng = rng.capture(c.rt.tracked.generators)
         c._pending[id(loop)] = entry
         LOOPS.restoring = True
         self.depth += 1

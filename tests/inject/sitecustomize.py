@@ -27,6 +27,10 @@ that rank, a survivor that abandoned a step the others completed, has fetched th
 it creates the mark and waits until the test removes it (at most 60 s), so that the test can
 kill the sources before the new generation forms.
 
+BATON_TEST_SIGNAL_MID_STEP="rank:joined+N:SIGNAME" (with BATON_TEST_SIGNAL_MARK): once, in a
+process that took that rank over (its first step was not 0), before the backward of its
+Nth step after the one it joined at.
+
 BATON_TEST_LEAVER_DIES_SERVING=1 (with BATON_TEST_SIGNAL_MARK): once, a planned move's leaver
 in the no-code mode is killed -9 when its successor, which has its own record and is
 walking to the rank's place, asks for the rest of its state.
@@ -257,7 +261,19 @@ if _signal_mid_step:
     import torch
 
     _sig_rank, _sig_step, _sig_name = _signal_mid_step.split(":")
-    _sig_due = _once_at(f"{_sig_rank}:{_sig_step}") if _sig_step != "go" else None
+    _sig_due = _once_at(f"{_sig_rank}:{_sig_step}") if _sig_step != "go" and "+" not in _sig_step else None
+    _first_step: list[int] = []  # the step this process first ran (0 in a rank that started the job)
+
+    def _joined_due() -> bool:
+        """"joined+N": in a process that took its rank over, once it has run N steps of its own."""
+        from baton.worker import job
+
+        rt = job._RUNTIME[0]
+        if rt is None or rt.rank != int(_sig_rank):
+            return False
+        if not _first_step:  # its first backward (before the no-code mode finds the step loop, in a rank
+            _first_step.append(rt.pos[0])  # that started the job)
+        return rt.scope == "step" and _first_step[0] > 0 and rt.pos[0] >= _first_step[0] + int(_sig_step.split("+")[1])
     _backward = torch.Tensor.backward
 
     _sig_mark = os.environ["BATON_TEST_SIGNAL_MARK"]  # made when it fires: the rank's successor inherits the env
@@ -271,7 +287,7 @@ if _signal_mid_step:
         return rt is not None and rt.rank == int(_sig_rank) and rt.scope == "step" and os.path.exists(_sig_go)
 
     def _signal_then_backward(self, *args, **kwargs):  # noqa: ANN001, ANN202
-        due = _go_due if _sig_step == "go" else _sig_due
+        due = _go_due if _sig_step == "go" else _joined_due if "+" in _sig_step else _sig_due
         if not os.path.exists(_sig_mark) and due():
             open(_sig_mark, "w").close()
             print(f"injected: {_sig_name} to rank {_sig_rank} in step {_sig_step}, before its backward",
