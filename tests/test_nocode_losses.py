@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tests.jobs import Job
-from tests.nocode_runs import NOCODE, compare, differences, faulted, killed_in_step, torchrun
+from tests.nocode_runs import INJECT, NOCODE, compare, differences, faulted, killed_in_step, torchrun
 
 
 def test_gradient_buckets_are_recorded_in_the_order_issued_whatever_order_they_complete_in():
@@ -761,6 +761,60 @@ def test_a_successor_whose_setup_built_other_data_stops_the_job(tmp_path):
     events = job.events()
     assert [e["kind"] for e in events] == ["unplanned", "divergence"], events
     assert events[0]["status"] == "failed"
+
+
+SPLIT_FROM_A_FILE = """
+import os, random, sys, time, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, Subset, TensorDataset
+
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+with open(sys.argv[1]) as f:  # a setup reading a file that changes while the job runs
+    random.seed(int(f.read()))
+data = TensorDataset(torch.randn(400, 8), torch.randn(400, 1))
+train = Subset(data, random.sample(range(400), 320))
+model = DDP(torch.nn.Linear(8, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+sampler = DistributedSampler(train)
+for epoch in range(400):
+    sampler.set_epoch(epoch)
+    for x, y in DataLoader(train, batch_size=16, sampler=sampler):
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+dist.destroy_process_group()
+os._exit(0)
+"""
+
+
+def test_the_setup_check_holds_for_a_successors_successor(tmp_path):
+    """Rank 1 moves (planned) to a process whose setup builds the same split; then the file
+    the setup reads changes, and that process is killed -9: its successor's setup builds
+    another split. The walked process's own record carries the setup's fingerprint as its
+    predecessor's did, so the second successor is checked too: the job stops, rather than
+    train rank 1 on another partition and end 0."""
+    script, seed, go = tmp_path / "split.py", tmp_path / "seed.txt", tmp_path / "go"
+    script.write_text(textwrap.dedent(SPLIT_FROM_A_FILE))
+    seed.write_text("0")
+    job = Job(tmp_path, nproc=2, spares=2, script=script, out_arg=False, name="job", script_args=[str(seed)],
+              env={"PYTHONPATH": str(INJECT), "BATON_TEST_SIGNAL_MID_STEP": "1:go:SIGKILL",
+                   "BATON_TEST_SIGNAL_GO": str(go), "BATON_TEST_SIGNAL_MARK": str(tmp_path / "fired")})
+    try:
+        job.wait_spare()
+        job.wait_step(20, timeout=120)
+        job.client.migrate(1)
+        job.wait_until(lambda st: st["operation"] is None and any(e["status"] == "resolved" for e in job.events()),
+                       timeout=120, what="the planned move")
+        seed.write_text("1")
+        go.touch()  # rank 1's next step, in the process that took it over
+        code = job.wait(timeout=170)
+        log, events = job.log(None), job.events()
+    finally:
+        job.kill()
+    assert (tmp_path / "fired").exists() and code != 0, log[-3000:]
+    assert "not deterministic" in log and "what `train` will yield" in log, log[-3000:]
+    assert [(e["kind"], e["status"]) for e in events][:2] == [("planned", "resolved"), ("unplanned", "failed")], events
 
 
 def test_a_kill_from_outside_at_any_moment_is_exact_or_stops_the_job(tmp_path):

@@ -342,6 +342,7 @@ class _CatchUp:
             differing = setup_check.differences(mine, theirs) if theirs else []
             if differing:
                 raise Divergence(setup_check.explain(c.rt.rank, differing))
+            c.setup = mine  # what this process's own record says from now on: its successor checks it too
             _restore_globals(state["bundle"]["script"].get("globals", {}))
         c._track_extras(loop.frame)  # before the streams at this head are put back: they include its generators
         if entry.get("exit"):
