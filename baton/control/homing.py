@@ -51,7 +51,7 @@ class Homing:
                 "note": f"starting a spare on {free[0]}: rank {rank} moves there once it is ready"}
 
     def _pending_targeted(self) -> None:
-        if self.op is not None or self.exit_code is not None or self._finishing():
+        if not self._may_start_move():
             return
         for rank, to in list(self._targeted.items()):
             spare = self._spare_on(self._target_slots(to))
@@ -63,7 +63,7 @@ class Homing:
     def _pending_return_home(self) -> None:
         """--return-home: ranks away from a healthy home node go back to its spares, all of a
         node's ranks in one move (it waits while spares there are still starting)."""
-        if not self.config.return_home or self.op is not None or self.exit_code is not None or self._finishing():
+        if not self.config.return_home or not self._may_start_move():
             return
         away: dict[str, list[int]] = {}
         for r, info in sorted(self.ranks.items()):

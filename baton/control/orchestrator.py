@@ -570,6 +570,11 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing):
         pauses), so none starts; the job ends as it would without one."""
         return any(i.state == RankState.FINISHED for i in self.ranks.values())
 
+    def _may_start_move(self) -> bool:
+        """Whether a move waiting for its turn (a taint's, a retry, a targeted or homeward
+        one) may start now: nothing else moving, the job not ended, no rank finished."""
+        return self.op is None and self.exit_code is None and not self._finishing()
+
     def _on_left(self, w: Worker, rep: m.Left) -> None:
         w.role = WorkerRole.GONE
 

@@ -161,7 +161,7 @@ class PlannedMoves:
                                               formation_timeout_s=ft))
 
     def _retry_lost_moves(self) -> None:
-        if self.op is not None or self.exit_code is not None or self._finishing() or not self._retry_moves:
+        if not self._may_start_move() or not self._retry_moves:
             return
         if not self._ready_spares():
             return  # _on_spare_available calls again
@@ -200,7 +200,7 @@ class PlannedMoves:
 
     def _pending_taint_moves(self) -> None:
         """Ranks on tainted slots move, those sharing a reason (a node's slots) in one move."""
-        if self.op is not None or self.exit_code is not None or self._finishing() or not self._ready_spares():
+        if not self._may_start_move() or not self._ready_spares():
             return
         held = {w.rank: w.slot for w in self.workers.values()
                 if w.role == WorkerRole.RANK and w.rank is not None and self.ranks[w.rank].worker == w.id
