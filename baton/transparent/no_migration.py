@@ -15,6 +15,7 @@ the user after the wrong rank.
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import subprocess
@@ -39,6 +40,7 @@ class Failure:
     pid: int
     what: str  # "exited with code 3", "was killed by SIGKILL", "is stopped (SIGSTOP)"
     code: int  # the job's exit code
+    killed: bool = False  # by a signal: a cause, where its peers' failed collectives follow it
 
 
 def _stopped(pid: int) -> bool:
@@ -57,7 +59,7 @@ def _failure(rank: int, proc: subprocess.Popen) -> Failure | None:
     if code == 0:
         return None
     if code < 0:
-        return Failure(rank, proc.pid, f"was killed by {signal.Signals(-code).name}", 1)
+        return Failure(rank, proc.pid, f"was killed by {signal.Signals(-code).name}", 1, killed=True)
     return Failure(rank, proc.pid, f"exited with code {code}", code)
 
 
@@ -75,15 +77,16 @@ class _EndTimes:
         self._at.setdefault(proc.pid, time.monotonic())
 
     def at(self, pid: int) -> float:
-        return self._at.get(pid, time.monotonic())
+        """When `pid` ended; infinity while its waiter has not said (a stopped rank, or one
+        seen ended by a poll a moment before its waiter ran): it sorts after those that did."""
+        return self._at.get(pid, math.inf)
 
 
 def _cause(failures: list[Failure], ends: _EndTimes) -> Failure:
     """The failure that started it: the first to end, or a signal's death close behind it."""
     ordered = sorted(failures, key=lambda f: ends.at(f.pid))
     first = ordered[0]
-    killed = [f for f in ordered if f.what.startswith("was killed")
-              and ends.at(f.pid) - ends.at(first.pid) <= CAUSE_WINDOW_S]
+    killed = [f for f in ordered if f.killed and ends.at(f.pid) <= ends.at(first.pid) + CAUSE_WINDOW_S]
     return killed[0] if killed else first
 
 
