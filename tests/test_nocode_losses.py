@@ -726,15 +726,16 @@ def test_a_rank_lost_after_an_epochs_last_step_is_replaced_bit_for_bit(tmp_path,
     assert [(e["kind"], e["status"]) for e in job.events()] == [("unplanned", "resolved")], job.events()
 
 
-UNSEEDED_SPLIT = """
-import os, random, torch, torch.distributed as dist
+_SPLIT = """
+import os, random, sys, torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, Subset, TensorDataset
 
 dist.init_process_group("gloo")
 torch.manual_seed(0)
+{seeding}
 data = TensorDataset(torch.randn(400, 8), torch.randn(400, 1))
-train = Subset(data, random.sample(range(400), 320))  # Python's random: seeded anew in every process
+train = Subset(data, random.sample(range(400), 320))
 model = DDP(torch.nn.Linear(8, 1))
 opt = torch.optim.SGD(model.parameters(), lr=0.05)
 sampler = DistributedSampler(train)
@@ -747,6 +748,7 @@ for epoch in range(400):
 dist.destroy_process_group()
 os._exit(0)  # past gloo's exit-time abort with torch 2.13 (baton/examples/plain_exit.py), as tests/nocode do
 """
+UNSEEDED_SPLIT = _SPLIT.format(seeding="# the split below draws from Python's random: seeded anew in every process")
 
 
 def test_a_successor_whose_setup_built_other_data_stops_the_job(tmp_path):
@@ -763,29 +765,9 @@ def test_a_successor_whose_setup_built_other_data_stops_the_job(tmp_path):
     assert events[0]["status"] == "failed"
 
 
-SPLIT_FROM_A_FILE = """
-import os, random, sys, time, torch, torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, DistributedSampler, Subset, TensorDataset
-
-dist.init_process_group("gloo")
-torch.manual_seed(0)
+SPLIT_FROM_A_FILE = _SPLIT.format(seeding="""\
 with open(sys.argv[1]) as f:  # a setup reading a file that changes while the job runs
-    random.seed(int(f.read()))
-data = TensorDataset(torch.randn(400, 8), torch.randn(400, 1))
-train = Subset(data, random.sample(range(400), 320))
-model = DDP(torch.nn.Linear(8, 1))
-opt = torch.optim.SGD(model.parameters(), lr=0.05)
-sampler = DistributedSampler(train)
-for epoch in range(400):
-    sampler.set_epoch(epoch)
-    for x, y in DataLoader(train, batch_size=16, sampler=sampler):
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-dist.destroy_process_group()
-os._exit(0)
-"""
+    random.seed(int(f.read()))""")
 
 
 def test_the_setup_check_holds_for_a_successors_successor(tmp_path):

@@ -20,9 +20,8 @@ import pytest
 import torch
 
 from tests.jobs import Job
-from tests.nocode_runs import NOCODE, differences, exports, torchrun
+from tests.nocode_runs import INJECT, NOCODE, compare, differences, torchrun
 
-INJECT = NOCODE.parent / "inject"
 SHAPES = {
     # script, its arguments ({d}: the run's folder; long enough that three moves land before the
     # end on a busy machine, or a move is cancelled as the job finished first), the files it writes (compared with torchrun's;
@@ -43,6 +42,19 @@ def _cli(job: Job, *args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=60, cwd=job.dir)
 
 
+def _torchrun_then_job(tmp_path: Path, name: str, args: list[str], env: dict[str, str]) -> tuple[Path, Path, Job]:
+    """`name` with `args` ({d}: the run's folder) run under torchrun for the reference, then
+    started under `baton run` with two spares and `env` (tests/inject on its path), each
+    exporting its ranks' state: the two folders, and the job."""
+    ref, run = tmp_path / "torchrun", tmp_path / "baton"
+    ref.mkdir()
+    torchrun(NOCODE / name, [a.format(d=ref) for a in args] + ["--export", str(ref / "export")], 2, ref)
+    job = Job(tmp_path, nproc=2, spares=2, script=NOCODE / name, out_arg=False, name="baton",
+              script_args=[a.format(d=run) for a in args] + ["--export", str(run / "export")],
+              env={"PYTHONPATH": str(INJECT), "BATON_TEST_SIGNAL_MARK": str(tmp_path / "fired"), **env})
+    return ref, run, job
+
+
 def _resolved(job: Job, count: int) -> dict[str, Any]:
     return job.wait_until(lambda st: st["operation"] is None and len(
         [e for e in job.events() if e["status"] == "resolved"]) >= count, timeout=120, what=f"{count} resolved move(s)")
@@ -51,15 +63,11 @@ def _resolved(job: Job, count: int) -> dict[str, Any]:
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 def test_a_planned_move_a_taint_and_a_lost_rank_end_bitwise_equal_to_torchrun(tmp_path, shape):
     name, args, files, loss = SHAPES[shape]
-    ref = tmp_path / "torchrun"
-    ref.mkdir()
-    torchrun(NOCODE / name, [a.format(d=ref) for a in args] + ["--export", str(ref / "export")], 2, ref)
-    run, go = tmp_path / "baton", tmp_path / "go"
+    go = tmp_path / "go"
     victim, signal_name = loss.split(":")
-    job = Job(tmp_path, nproc=2, spares=2, script=NOCODE / name, out_arg=False, name="baton",  # the taint's is warm
-              script_args=[a.format(d=run) for a in args] + ["--export", str(run / "export")],
-              env={"PYTHONPATH": str(INJECT), "BATON_TEST_SIGNAL_MID_STEP": f"{victim}:go:{signal_name}",
-                   "BATON_TEST_SIGNAL_GO": str(go), "BATON_TEST_SIGNAL_MARK": str(tmp_path / "fired")})
+    ref, run, job = _torchrun_then_job(tmp_path, name, args,  # two spares: the taint's is warm
+                                       {"BATON_TEST_SIGNAL_MID_STEP": f"{victim}:go:{signal_name}",
+                                        "BATON_TEST_SIGNAL_GO": str(go)})
     try:
         st = job.wait_step(8, timeout=120)
         assert st["mode"] == "no-code" and st["step_loop"].startswith(f"{NOCODE / name}:")
@@ -71,13 +79,16 @@ def test_a_planned_move_a_taint_and_a_lost_rank_end_bitwise_equal_to_torchrun(tm
         tainted = _cli(job, "taint", slot, "--reason", "ecc")
         assert tainted.returncode == 0, tainted.stderr
         _resolved(job, 2)
+        moved_at = job.events()[1]["step"]
+        # A rank lost in the very step its buddy was replaced at has shared its place with
+        # no live process yet: the job stops there, saying so (README, limits). Past it:
+        job.wait_step(moved_at + 2, timeout=120)
         go.touch()  # the loss lands in the victim's next step, after its forward
         assert job.wait(timeout=170) == 0, job.log()
     finally:
         job.kill()
     assert (tmp_path / "fired").exists(), job.log()
-    for rank, (a, b) in enumerate(zip(exports(ref / "export", 2), exports(run / "export", 2))):
-        assert differences(a, b) == [], f"rank {rank}"
+    compare(ref, run)
     for f in files:
         written = [_relative(torch.load(d / f, weights_only=False), d) for d in (ref, run)]
         assert differences(*written) == [], f
@@ -104,14 +115,7 @@ def test_a_leaver_lost_while_its_successor_walks_to_its_place_is_rebuilt_bit_for
     that rest is asked for: the move fails over to a rebuild from the survivors' copies,
     and every rank still ends equal to torchrun's run."""
     name, args, _, _ = SHAPES["trainer"]
-    ref = tmp_path / "torchrun"
-    ref.mkdir()
-    torchrun(NOCODE / name, [a.format(d=ref) for a in args] + ["--export", str(ref / "export")], 2, ref)
-    run = tmp_path / "baton"
-    job = Job(tmp_path, nproc=2, spares=2, script=NOCODE / name, out_arg=False, name="baton",
-              script_args=[a.format(d=run) for a in args] + ["--export", str(run / "export")],
-              env={"PYTHONPATH": str(INJECT), "BATON_TEST_LEAVER_DIES_SERVING": "1",
-                   "BATON_TEST_SIGNAL_MARK": str(tmp_path / "fired")})
+    ref, run, job = _torchrun_then_job(tmp_path, name, args, {"BATON_TEST_LEAVER_DIES_SERVING": "1"})
     try:
         job.wait_step(8, timeout=120)
         moved = _cli(job, "migrate", "--rank", "1")
@@ -123,10 +127,7 @@ def test_a_leaver_lost_while_its_successor_walks_to_its_place_is_rebuilt_bit_for
     assert (tmp_path / "fired").exists(), log[-3000:]
     assert [(e["kind"], e["status"], e["rank"]) for e in events][-1] == ("unplanned", "resolved", 1), events
     assert events[0]["kind"] == "planned" and events[0]["status"] == "failed", events
-    for rank, (a, b) in enumerate(zip(exports(ref / "export", 2), exports(run / "export", 2))):
-        assert differences(a, b) == [], f"rank {rank}"
-
-
+    compare(ref, run)
 
 
 def test_a_rank_lost_again_after_its_move_draws_what_its_predecessor_drew(tmp_path):
@@ -136,16 +137,9 @@ def test_a_rank_lost_again_after_its_move_draws_what_its_predecessor_drew(tmp_pa
     there: the iterator the epoch head makes draws its DataLoader workers' seed from them,
     and the workers' random crops follow. (That record once left them out: the rebuilt rank
     took other crops for the rest of the epoch, and the job ended 0 with other weights.)"""
-    name = "imagenet_main.py"
     args = ["--epochs", "3", "-b", "1", "--out-dir", "{d}/out"]  # 128 steps an epoch
-    ref = tmp_path / "torchrun"
-    ref.mkdir()
-    torchrun(NOCODE / name, [a.format(d=ref) for a in args] + ["--export", str(ref / "export")], 2, ref)
-    run = tmp_path / "baton"
-    job = Job(tmp_path, nproc=2, spares=2, script=NOCODE / name, out_arg=False, name="baton",
-              script_args=[a.format(d=run) for a in args] + ["--export", str(run / "export")],
-              env={"PYTHONPATH": str(INJECT), "BATON_TEST_SIGNAL_MID_STEP": "0:joined+2:SIGKILL",
-                   "BATON_TEST_SIGNAL_MARK": str(tmp_path / "fired")})
+    ref, run, job = _torchrun_then_job(tmp_path, "imagenet_main.py", args,
+                                       {"BATON_TEST_SIGNAL_MID_STEP": "0:joined+2:SIGKILL"})
     try:
         job.wait_spare()
         # early in the second epoch (steps 128-255): in the first, a fresh process's streams
@@ -161,5 +155,4 @@ def test_a_rank_lost_again_after_its_move_draws_what_its_predecessor_drew(tmp_pa
         [("planned", "resolved", 0), ("unplanned", "resolved", 0)], events
     moved_at, lost_at = events[0]["step"], events[1]["step"]
     assert lost_at // 128 == moved_at // 128, f"the loss (step {lost_at}) landed past the move's epoch ({moved_at})"
-    for rank, (a, b) in enumerate(zip(exports(ref / "export", 2), exports(run / "export", 2))):
-        assert differences(a, b) == [], f"rank {rank}"
+    compare(ref, run)
