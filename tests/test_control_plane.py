@@ -17,16 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from baton import procfs
 from tests.gpt_job import GPT, check_equal, gpt_job
 from tests.jobs import Job, ended_equal, state_diff
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def _spare_pids(job: Job, n: int) -> list[int]:
@@ -239,7 +232,7 @@ def test_stopped_spare_then_a_kill(tmp_path, gpt_reference):
         job.signal_rank(1, signal.SIGKILL)
         events = check_equal(job, gpt_reference)
         assert _kinds(events) == [("unplanned", "resolved")], events
-        assert not _alive(spare)
+        assert not procfs.running(spare)
     finally:
         job.kill()
 
@@ -296,7 +289,7 @@ def test_sigstopped_rank_is_replaced_and_never_comes_back(tmp_path, gpt_referenc
             pass
         events = check_equal(job, gpt_reference)
         assert _kinds(events) == [("unplanned", "resolved")]
-        assert not _alive(pid)
+        assert not procfs.running(pid)
     finally:
         job.kill()
 
@@ -332,9 +325,9 @@ def test_killing_baton_run_leaves_no_worker_behind(tmp_path, sig):
         os.kill(job.proc.pid, sig)
         job.wait(timeout=30)
         deadline = time.time() + 15
-        while time.time() < deadline and any(_alive(p) for p in pids):
+        while time.time() < deadline and any(procfs.running(p) for p in pids):
             time.sleep(0.1)
-        assert not [p for p in pids if _alive(p)], "workers or the store outlived baton run"
+        assert not [p for p in pids if procfs.running(p)], "workers or the store outlived baton run"
     finally:
         job.kill()
 

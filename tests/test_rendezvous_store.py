@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from baton import procfs
 from baton.schedulers.forked import ForkedProcess, Zygote
 from baton.store.rendezvous import RendezvousClient, StoreUnreachable
 from baton.store.rendezvous_process import RendezvousProcess, StoreStartError
@@ -21,15 +22,6 @@ def _wait_restarted(store: RendezvousProcess, restarts: int, timeout: float = 60
     while store.restarts < restarts:
         assert time.monotonic() < deadline, "the store did not come back"
         time.sleep(0.05)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
 
 
 @pytest.mark.parametrize("forked", [False, True], ids=["process", "forked-by-the-zygote"])
@@ -65,7 +57,7 @@ def test_a_killed_store_comes_back_on_its_port_and_clients_reconnect(forked):
         store.stop()
         if zygote is not None:
             zygote.close()
-    assert not _alive(store.pid)
+    assert not procfs.running(store.pid)
 
 
 def test_a_client_gives_up_at_its_deadline_or_when_told():
