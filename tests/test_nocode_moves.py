@@ -79,10 +79,6 @@ def test_a_planned_move_a_taint_and_a_lost_rank_end_bitwise_equal_to_torchrun(tm
         tainted = _cli(job, "taint", slot, "--reason", "ecc")
         assert tainted.returncode == 0, tainted.stderr
         _resolved(job, 2)
-        moved_at = job.events()[1]["step"]
-        # A rank lost in the very step its buddy was replaced at has shared its place with
-        # no live process yet: the job stops there, saying so (README, limits). Past it:
-        job.wait_step(moved_at + 2, timeout=120)
         go.touch()  # the loss lands in the victim's next step, after its forward
         assert job.wait(timeout=170) == 0, job.log()
     finally:
@@ -155,4 +151,29 @@ def test_a_rank_lost_again_after_its_move_draws_what_its_predecessor_drew(tmp_pa
         [("planned", "resolved", 0), ("unplanned", "resolved", 0)], events
     moved_at, lost_at = events[0]["step"], events[1]["step"]
     assert lost_at // 128 == moved_at // 128, f"the loss (step {lost_at}) landed past the move's epoch ({moved_at})"
+    compare(ref, run)
+
+
+def test_a_rank_lost_in_the_step_its_buddy_was_replaced_at_is_rebuilt_bit_for_bit(tmp_path):
+    """Rank 1 moves (planned); rank 0, its buddy, is killed -9 in the very next step, before
+    its backward. Its record of that head is the first it sends the new process, on a new
+    connection (opened slowly here, as over a busy network): had it not reached that buddy
+    before the step went on, the rank's place would be held by no live process and the job
+    could only stop. It is rebuilt from there, and every rank ends equal to torchrun's."""
+    name, args, _, _ = SHAPES["trainer"]
+    ref, run, job = _torchrun_then_job(tmp_path, name, args, {"BATON_TEST_SIGNAL_MID_STEP": "0:rebuddied:SIGKILL",
+                                                              "BATON_TEST_SLOW_NEW_BUDDY": "1.5"})
+    try:
+        job.wait_spare()
+        job.wait_step(8, timeout=120)
+        moved = _cli(job, "migrate", "--rank", "1")
+        assert moved.returncode == 0, moved.stderr
+        assert job.wait(timeout=170) == 0, job.log()
+        events = job.events()
+    finally:
+        job.kill()
+    assert (tmp_path / "fired").exists(), job.log()
+    assert [(e["kind"], e["status"], e["rank"]) for e in events] == \
+        [("planned", "resolved", 1), ("unplanned", "resolved", 0)], events
+    assert events[1]["step"] == events[0]["step"], events  # lost in the step the move ended at
     compare(ref, run)

@@ -37,8 +37,9 @@ log = logging.getLogger("baton.worker")
 class BundlePushers:
     """One pusher per buddy (bundles survive as many simultaneous losses as there are buddies)."""
 
-    def __init__(self, connect: Callable[[tuple[str, int]], socket.socket]):
+    def __init__(self, connect: Callable[[tuple[str, int]], socket.socket], first_wait_s: float = 10.0):
         self._connect = connect
+        self._first_wait_s = first_wait_s
         self._pushers: dict[tuple[str, int], BundlePusher] = {}
 
     def set_buddies(self, addrs: list[tuple[str, int]]) -> None:
@@ -47,7 +48,7 @@ class BundlePushers:
             if addr not in wanted:
                 self._pushers.pop(addr).close()
         for addr in wanted - set(self._pushers):
-            self._pushers[addr] = BundlePusher(self._connect, addr)
+            self._pushers[addr] = BundlePusher(self._connect, addr, self._first_wait_s)
 
     def push(self, b: Bundle | Frame) -> None:
         if self._pushers:
@@ -69,14 +70,22 @@ class BundlePusher:
     refused (NACK: its checksum failed there); another one sits in recv for those NACKs.
     Neither wakes up in steady state, and nothing is acknowledged: the buddy's gate is
     what waits for a bundle to be there.
+
+    Except the first frame, which waits until it is handed to the kernel (at most
+    `first_wait_s`): until then there is no connection, and a rank killed meanwhile (the
+    first step after a move gave it this buddy) would leave its place with no live process.
+    The kernel delivers what it holds of a killed process's socket.
     """
 
     RECENT = 8  # bundles kept to answer a NACK (a step makes one or two)
     ATTEMPTS = 3  # connections tried per frame before it is given up (the buddy's gate fails)
 
-    def __init__(self, connect: Callable[[tuple[str, int]], socket.socket], addr: tuple[str, int]):
+    def __init__(self, connect: Callable[[tuple[str, int]], socket.socket], addr: tuple[str, int],
+                 first_wait_s: float = 10.0):
         self._connect = connect
         self._addr = addr
+        self._first_wait_s = first_wait_s
+        self._delivered = False  # a frame went whole to the kernel (a connection exists or existed)
         self._lock = threading.Lock()  # who may write to the socket: the training thread or the writer
         self._wake = threading.Condition(self._lock)
         self._backlog: deque[_Frame] = deque()  # what the writer must send, in order
@@ -103,17 +112,21 @@ class BundlePusher:
                     self._drop_locked()
                     n = 0
                 if n == len(frame):
+                    self._delivered = True
                     return
                 item = _Frame(frame, n)
             else:
                 item = _Frame(frame, 0)
             self._backlog.append(item)
-            self._wake.notify()
+            self._wake.notify_all()
+            if not self._delivered:
+                self._wake.wait_for(lambda: self._delivered or self._closed or not self._backlog,
+                                    timeout=self._first_wait_s)
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            self._wake.notify()
+            self._wake.notify_all()
 
     # ---- the writer thread: connect, finish partial sends, answer NACKs
     def _writer(self) -> None:
@@ -130,6 +143,8 @@ class BundlePusher:
             with self._lock:
                 self._busy = False
                 self._backlog.popleft()
+                self._delivered = self._delivered or ok
+                self._wake.notify_all()
                 if not ok:
                     log.debug("bundle push to %s given up after %d attempts", self._addr, self.ATTEMPTS)
 
@@ -165,7 +180,7 @@ class BundlePusher:
                         self.resent += 1
                         b = again[-1]
                         self._backlog.append(_Frame(b.raw if isinstance(b, Frame) else encode_bundle_frame(b), 0))
-                        self._wake.notify()
+                        self._wake.notify_all()
         except (OSError, TransferError, struct.error):
             return  # the connection ended: the writer reconnects when it next has something to send
 

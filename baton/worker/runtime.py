@@ -146,7 +146,8 @@ class Runtime(Captures, PlannedHandover, ShardRedundancy, Recovery, Joining, Sta
         self.warned_no_capture = False
         self.backward_captured = False  # the syncing backward's start captured this step's bundle
         self.backward_token: object | None = None  # identifies the latest syncing forward
-        self.pusher = BundlePushers(lambda addr: connect(addr, token, PUSH, timeout=self.op_timeout))
+        self.pusher = BundlePushers(lambda addr: connect(addr, token, PUSH, timeout=self.op_timeout),
+                                    first_wait_s=self.op_timeout)
         # The ranks whose bundles this rank holds (and waits for before completing a step).
         self.wards = wards_of(rank, world_size, config.ranks_per_node or world_size, int(config.redundancy))
         self.snapshots = Snapshots(server, token, rank, self.op_timeout)

@@ -31,6 +31,13 @@ BATON_TEST_SIGNAL_MID_STEP="rank:joined+N:SIGNAME" (with BATON_TEST_SIGNAL_MARK)
 process that took that rank over (its first step was not 0), before the backward of its
 Nth step after the one it joined at.
 
+BATON_TEST_SIGNAL_MID_STEP="rank:rebuddied:SIGNAME" (with BATON_TEST_SIGNAL_MARK): once, in
+that rank's process, before the backward of its first step after a move gave it a new buddy
+(its head record there is the first it sends that buddy, on a new connection).
+
+BATON_TEST_SLOW_NEW_BUDDY="seconds": a bundle pusher's connection to a buddy that replaced
+another (after a move) takes that many seconds longer to open, as over a busy network.
+
 BATON_TEST_LEAVER_DIES_SERVING=1 (with BATON_TEST_SIGNAL_MARK): once, a planned move's leaver
 in the no-code mode is killed -9 when its successor, which has its own record and is
 walking to the rank's place, asks for the rest of its state.
@@ -254,6 +261,31 @@ if os.environ.get("BATON_TEST_NO_BUDDY_COPY"):
 
     _runtime_no_copy.Runtime._copy_digests = lambda self: []
 
+_REBUDDIED: list[bool] = []  # a move gave this process a new buddy (in place of another)
+_slow_new_buddy = os.environ.get("BATON_TEST_SLOW_NEW_BUDDY")
+if os.environ.get("BATON_TEST_SIGNAL_MID_STEP", "").count(":rebuddied:") or _slow_new_buddy:
+    from baton.worker import bundle as _bundle
+
+    _set_buddies = _bundle.BundlePushers.set_buddies
+
+    def _note_new_buddies(self, addrs):  # noqa: ANN001, ANN202
+        had = set(self._pushers)
+        _set_buddies(self, addrs)
+        replacing = [a for a in self._pushers if a not in had] if had else []
+        if replacing:
+            _REBUDDIED.append(True)
+        for addr in replacing if _slow_new_buddy else ():
+            pusher, connect = self._pushers[addr], self._pushers[addr]._connect
+
+            def slow(a, connect=connect):  # noqa: ANN001, ANN202
+                import time
+
+                time.sleep(float(_slow_new_buddy))
+                return connect(a)
+            pusher._connect = slow
+
+    _bundle.BundlePushers.set_buddies = _note_new_buddies
+
 _signal_mid_step = os.environ.get("BATON_TEST_SIGNAL_MID_STEP")
 if _signal_mid_step:
     import signal
@@ -261,7 +293,7 @@ if _signal_mid_step:
     import torch
 
     _sig_rank, _sig_step, _sig_name = _signal_mid_step.split(":")
-    _sig_due = _once_at(f"{_sig_rank}:{_sig_step}") if _sig_step != "go" and "+" not in _sig_step else None
+    _sig_due = _once_at(f"{_sig_rank}:{_sig_step}") if _sig_step.isdigit() else None
     _first_step: list[int] = []  # the step this process first ran (0 in a rank that started the job)
 
     def _joined_due() -> bool:
@@ -276,6 +308,12 @@ if _signal_mid_step:
         return rt.scope == "step" and _first_step[0] > 0 and rt.pos[0] >= _first_step[0] + int(_sig_step.split("+")[1])
     _backward = torch.Tensor.backward
 
+    def _rebuddied_due() -> bool:
+        from baton.worker import job
+
+        rt = job._RUNTIME[0]
+        return rt is not None and rt.rank == int(_sig_rank) and rt.scope == "step" and bool(_REBUDDIED)
+
     _sig_mark = os.environ["BATON_TEST_SIGNAL_MARK"]  # made when it fires: the rank's successor inherits the env
 
     _sig_go = os.environ.get("BATON_TEST_SIGNAL_GO")  # with it, "rank:go:SIGNAME": once that file exists
@@ -287,7 +325,8 @@ if _signal_mid_step:
         return rt is not None and rt.rank == int(_sig_rank) and rt.scope == "step" and os.path.exists(_sig_go)
 
     def _signal_then_backward(self, *args, **kwargs):  # noqa: ANN001, ANN202
-        due = _go_due if _sig_step == "go" else _joined_due if "+" in _sig_step else _sig_due
+        due = _go_due if _sig_step == "go" else _rebuddied_due if _sig_step == "rebuddied" else \
+            _joined_due if "+" in _sig_step else _sig_due
         if not os.path.exists(_sig_mark) and due():
             open(_sig_mark, "w").close()
             print(f"injected: {_sig_name} to rank {_sig_rank} in step {_sig_step}, before its backward",
