@@ -127,6 +127,33 @@ def test_nothing_starts_moving_once_a_rank_has_run_its_last_step(tmp_path):
     assert orch.exit_code == 0 and orch.event_list() == []
 
 
+def test_a_moves_downtime_runs_from_the_first_pause_to_the_last_formation_as_the_reports_date_them(tmp_path):
+    """A report waits in its worker's outbox while that worker trains (the reporter thread
+    competes with it for the GIL): the pause began, and training ran again, that long
+    before each report arrived. Each says how long it waited; the downtime counts neither
+    wait, on no clock but the orchestrator's."""
+    orch, _ = _running(tmp_path)
+    op = orch.handle(m.MigrateRequest(rank=1))["op"]
+    target = orch.op.target_step
+    for w in ("w0", "w1"):
+        report(orch, w, {"type": "pause_ack", "op": op, "ok": True, "next_step": target})
+    t0 = time.time()
+    report(orch, "w0", {"type": "paused", "op": op, "pos": [target, 0], "queued_s": 0.2})
+    report(orch, "w1", {"type": "paused", "op": op, "pos": [target, 0]})
+    gen = orch.op.generation
+    time.sleep(0.5)
+    report(orch, "w0", {"type": "formed", "generation": gen, "pos": [target, 0], "queued_s": 0.4})
+    report(orch, "w2", {"type": "formed", "generation": gen, "pos": [target, 0], "queued_s": 0.3})
+    t1 = time.time()
+    ev = orch.event_list()[0]
+    assert ev["status"] == "resolved"
+    # from w0's pause (0.2 s before it arrived, after t0) to w2's formation (0.3 s before it
+    # arrived, at least 0.5 s after the pause arrived, before t1)
+    assert 0.5 + 0.2 - 0.3 <= ev["downtime_s"] <= (t1 - t0) + 0.2 - 0.3, ev
+    with pytest.raises(ValueError):
+        m.REPORT.validate_python({"type": "formed", "generation": gen, "pos": [target, 0], "queued_s": -1})
+
+
 def test_a_joiner_that_runs_to_the_end_before_the_move_closes_still_counts_as_finished(tmp_path):
     """A rank lost in the region after the step loop: its successor takes it over there and
     can finish the script before the survivor's Formed closes the move. Its Finished must

@@ -125,7 +125,16 @@ class PauseAck(_Msg):
     next_step: NonNegativeInt
 
 
-class Paused(_Msg):
+class _Dated(_Msg):
+    """A report that dates a move's start or end. `queued_s`: how long it waited in the
+    worker's outbox before it was sent (the reporter thread competes for the GIL with the
+    training it resumed); the orchestrator dates the event that much before its arrival,
+    on no clock but its own."""
+
+    queued_s: Annotated[float, Field(ge=0, le=3600, allow_inf_nan=False)] = 0.0
+
+
+class Paused(_Dated):
     type: Literal["paused"] = "paused"
     op: NonNegativeInt
     pos: Pos
@@ -154,7 +163,7 @@ class Recover(_Msg):
     replicas: list[int] = []  # HSDP: the ranks holding this rank's very shards (other replica groups)
 
 
-class Formed(_Msg):
+class Formed(_Dated):
     type: Literal["formed"] = "formed"
     generation: int
     pos: Pos

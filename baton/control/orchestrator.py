@@ -416,7 +416,7 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing):
             ev.note = "; ".join(n for n in (ev.note, rep.ran_again) if n)
         if op is None or rep.generation != op.generation:
             return
-        op.formed[w.rank] = time.time()
+        op.formed[w.rank] = time.time() - rep.queued_s
         if len(op.formed) == self.config.world_size:
             self._finish_op(op)
 
@@ -766,6 +766,9 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing):
 
     def _finish_op(self, op: Operation) -> None:
         now = time.time()
+        # Training ran again once the last rank formed: as its report dates it (the time it
+        # waited in that worker's outbox taken off), never later than now.
+        resumed_at = min(now, max(op.formed.values(), default=now))
         first_stop = min(op.paused.values(), default=op.started_at)
         for rank, move in op.moves.items():
             self.stragglers.forget(rank)  # a new process: its own history starts now
@@ -780,12 +783,12 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing):
             joiner = self.workers[move.to_worker]
             self.ranks[rank].worker = joiner.id
             ev.to_slot = joiner.slot
-            ev.resumed_at = now
+            ev.resumed_at = resumed_at
             if op.kind == EventKind.UNPLANNED and "(hung)" in ev.cause and op.stalled_at is not None:
                 # its last heartbeat came before the hang: training stopped where the survivors blocked
                 ev.detected_at = max(ev.detected_at, op.stalled_at)
             start = ev.detected_at if op.kind == EventKind.UNPLANNED else first_stop
-            ev.downtime_s = round(now - start, 4)
+            ev.downtime_s = round(max(0.0, resumed_at - start), 4)
             ev.step = op.target_step
             ev.state_bytes = op.transfer_bytes or None
             ev.transfer_s = round(op.transfer_s, 4) if op.transfer_s else None

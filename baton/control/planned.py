@@ -34,7 +34,7 @@ class PlannedMoves:
         op = self.op
         if op is None or rep.op != op.id or w.rank is None:
             return
-        op.paused[w.rank] = time.time()
+        op.paused[w.rank] = time.time() - rep.queued_s
         op.target = max(op.target or tuple(rep.pos), tuple(rep.pos))  # type: ignore[assignment]
         self.ranks[w.rank].state = RankState.PAUSED
         self.ranks[w.rank].step = rep.pos[0]

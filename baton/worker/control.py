@@ -50,7 +50,7 @@ class ControlChannel:
         self._http = self.reach.client(timeout=30.0)
         self._poll_http = self.reach.client(timeout=70.0)
         self.commands: queue.Queue[BaseModel] = queue.Queue()
-        self._outbox: queue.Queue[dict[str, Any]] = queue.Queue()
+        self._outbox: queue.Queue[tuple[dict[str, Any], float]] = queue.Queue()  # (report, queued at)
         self._seq = 0
         self._stopped = threading.Event()
         # Step-loop state shared with the main thread (guarded by `lock`).
@@ -97,7 +97,7 @@ class ControlChannel:
 
     def report(self, msg: BaseModel) -> None:
         """Queue a report; the reporter thread sends it (never blocks the caller)."""
-        self._outbox.put(msg.model_dump(mode="json"))
+        self._outbox.put((msg.model_dump(mode="json"), time.monotonic()))
 
     def report_now(self, msg: BaseModel) -> dict[str, Any]:
         """Send a report and wait for the orchestrator to have it (what must be durable)."""
@@ -183,7 +183,10 @@ class ControlChannel:
                 item = None
             try:
                 if item is not None:
-                    self._post(f"/v1/workers/{self.worker_id}/reports", item)
+                    body, queued_at = item
+                    if "queued_s" in body:  # it dates a move's start or end (messages._Dated)
+                        body["queued_s"] = round(time.monotonic() - queued_at, 4)
+                    self._post(f"/v1/workers/{self.worker_id}/reports", body)
                 if time.time() - last_beat >= self.beat_every:
                     self._beat(m.Heartbeat(**self.heartbeat, cpu=cpu_report(), gpu=gpu.read()))
                     last_beat = time.time()
