@@ -36,6 +36,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                    help="seconds without a heartbeat before a worker is declared hung, default 3")
     p.add_argument("--formation-timeout", type=float, default=120.0,
                    help="seconds to wait for a new process group to form, default 120")
+    p.add_argument("--data-paths", default="", metavar="IF1,IF2",
+                   help="the network interfaces the ranks' collectives run over, the same names on every node "
+                        "(rails, NICs): each collective uses one in turn, and one that goes down on a node is "
+                        "routed around (the groups re-form over the others, no rank moved); default: one path, "
+                        "GLOO_SOCKET_IFNAME's first or the node's address")
     p.add_argument("--return-home", action="store_true",
                    help="move ranks back to the node they started on once it is healthy again (untainted, "
                         "with warm spares), at a planned boundary")
@@ -200,6 +205,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                       advertise_addr=args.advertise_addr, return_home=args.return_home,
                       straggler_factor=args.straggler_factor, straggler_steps=args.straggler_steps,
                       borrow_spares=args.borrow_spares, borrow_partition=args.borrow_partition,
+                      data_paths=tuple(p for p in args.data_paths.split(",") if p),
                       env={"BATON_SNAPSHOT_TRANSPORT": args.snapshot_transport},
                       gpu_limits=GpuThresholds(temp_c=args.taint_gpu_temp, ecc_uncorrected=args.taint_ecc_uncorrected,
                                                ecc_corrected=args.taint_ecc_corrected))
@@ -345,6 +351,11 @@ def cmd_status(args: argparse.Namespace) -> int:
             for n in job["nodes"]:
                 print(f"  node {n['node']:<8} {n['state']:<8} ranks {n['ranks'] or '-'}  spares {n['spares']}"
                       + (f"  ({n['reason']})" if n.get("reason") else ""))
+        paths = job.get("data_paths") or {}
+        if paths.get("configured"):
+            down = [f"{x['interface']} on {x['node']}" for x in paths.get("links", []) if not x["up"]]
+            print(f"  data paths: {', '.join(paths['configured'])}; in use: {', '.join(paths['in_use']) or 'none'}"
+                  + (f"; down: {', '.join(down)}" if down else ""))
         if job.get("cpu"):
             print(f"  CPU: {describe_cpu(job['cpu'])}")
     return 0

@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import os
+import re
 import signal
 import sqlite3
 import sys
@@ -65,6 +66,7 @@ class RunOptions:
     gpu_limits: GpuThresholds = GpuThresholds()  # NVML readings past these taint a slot
     mode: str = "model-aware"  # "no-code": the script does not import baton (baton.transparent.worker runs it)
     tail_copies: bool = True  # no-code: each step's parameters and buckets kept (baton.transparent.tail)
+    data_paths: tuple[str, ...] = ()  # interfaces the groups run over, the same names on every node
 
 
 class EventPrinter:
@@ -78,7 +80,11 @@ class EventPrinter:
         self.log.write(json.dumps({"t": time.time(), "event": kind, "data": data}) + "\n")
         if self.quiet or kind in ("spare", "ledger"):
             return
-        if kind == "resolved":
+        if kind == "resolved" and data["kind"] == "path-failover":
+            text = (f"{data['cause']}: re-formed without it at step {data['step']}, downtime "
+                    f"{data['downtime_s']:.3f}s, no rank moved, steps lost {data['steps_lost']}, "
+                    f"re-run {data['steps_rerun']}")
+        elif kind == "resolved":
             text = (f"{data['kind']} move of rank {data['rank']} {data['from_slot']} -> {data['to_slot']} "
                     f"resolved at step {data['step']}: downtime {data['downtime_s']:.3f}s, "
                     f"steps lost {data['steps_lost']}, re-run {data['steps_rerun']}")
@@ -149,6 +155,10 @@ def validate(opts: RunOptions) -> None:
             raise SystemExit(f"baton run: {flag} must be a positive number of seconds, got {value}")
     if opts.redundancy < 0:
         raise SystemExit("baton run: --redundancy must be >= 0")
+    bad = [p for p in opts.data_paths if not re.fullmatch(r"[A-Za-z0-9_.:@-]{1,15}", p)]
+    if bad or len(set(opts.data_paths)) != len(opts.data_paths):
+        raise SystemExit(f"baton run: --data-paths takes distinct interface names (at most 15 letters, digits or "
+                         f"'_.:@-'), comma-separated: got {','.join(opts.data_paths)!r}")
     if opts.verify_every < 0:
         raise SystemExit("baton run: --verify-every must be >= 0")
     g = opts.gpu_limits
@@ -225,7 +235,7 @@ def run(opts: RunOptions, listeners: list[Callable[[str, dict[str, Any]], None]]
                     ranks_per_node=opts.nproc if placement.allocation is not None else 0,
                     return_home=opts.return_home, straggler_factor=opts.straggler_factor,
                     straggler_steps=opts.straggler_steps, borrow_spares=opts.borrow_spares,
-                    gpu_limits=opts.gpu_limits, mode=opts.mode)
+                    gpu_limits=opts.gpu_limits, mode=opts.mode, data_paths=tuple(opts.data_paths))
     orch = Orchestrator(config, db)
     orch.helper_cpu = store.cpu_s
     db.on_error = lambda text: orch.handle(m.StoreFailed(message=text))

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from tests.node_network import NodeNetwork
+from tests.rail_network import RailNetwork
 
 BINARIES = ("slurmctld", "slurmd", "srun", "salloc", "sinfo", "scontrol", "munged", "ip")
 
@@ -64,11 +65,13 @@ def _free_ports(n: int) -> list[int]:
 class SlurmCluster:
     """`with SlurmCluster(tmp, nodes=4) as c:` - `c.env` runs Slurm commands against it."""
 
-    def __init__(self, root: Path, nodes: int = 4, cpus_per_node: int = 2, netns: bool = False):
+    def __init__(self, root: Path, nodes: int = 4, cpus_per_node: int = 2, netns: bool = False, rails: int = 0):
         self.root = Path(root)
         self.nodes = [f"n{i}" for i in range(1, nodes + 1)]
         self.cpus = cpus_per_node
         self.network = NodeNetwork(self.nodes) if netns else None
+        # data rails beside the control network: the same interface names on every node
+        self.rails = RailNetwork(self.network, rails) if self.network is not None and rails else None
         self._procs: dict[str, subprocess.Popen] = {}
         self.munge_dir: Path | None = None
         self.conf = self.root / "slurm.conf"
@@ -94,6 +97,8 @@ class SlurmCluster:
         self._start_munge()
         if self.network is not None:
             self.network.up()
+        if self.rails is not None:
+            self.rails.up()
         ports = _free_ports(2 + len(self.nodes))
         self.conf.write_text(self._config(ports))
         self._spawn("slurmctld", ["slurmctld", "-D", "-i"])
@@ -106,6 +111,8 @@ class SlurmCluster:
             subprocess.run(["scancel", "--full", "-u", "root"], env=self.env, capture_output=True, timeout=20)
         for name in list(self._procs):
             self._kill(name)
+        if self.rails is not None:
+            self.rails.down()
         if self.network is not None:
             self.network.down()
         if self.munge_dir is not None:

@@ -660,3 +660,40 @@ def test_without_redundancy_a_sharded_job_stops_on_the_lost_rank_even_when_a_sur
     orch.handle(m.WorkerExited(worker_id="w1", returncode=-9))
     assert orch.failure and "--redundancy 0 (no buddy holds a copy)" in orch.failure, orch.failure
     assert [(e.kind.value, e.status, e.rank) for e in orch.events] == [("unplanned", "failed", 1)]
+
+
+def test_a_data_path_down_on_a_node_with_ranks_re_forms_the_job_over_the_others(tmp_path):
+    """--data-paths rail1,rail2: rail1 seen down on the ranks' node aborts the generation
+    and the next forms over rail2 alone, every rank where it stands, no rank moved, no spare
+    used; the ledger holds a path-failover dated when the link was seen down. A repeated
+    report, a path of no interest and a spare's node change nothing."""
+    sched = RecordingScheduler(4)
+    orch = _started(tmp_path, sched, Config(world_size=2, spares=1, data_paths=("rail1", "rail2")))
+    assert orch.register("w2", m.Register(pid=1, transfer_addr=("127.0.0.1", 1002)))["data_paths"] == \
+        ["rail1", "rail2"]
+    first = [c for c in _commands(orch, "w0") if c["type"] == "form"]
+    assert first and first[0]["paths"] == ["rail1", "rail2"]
+    report(orch, "w0", {"type": "path", "interface": "eth9", "up": False})  # not a data path
+    assert orch.op is None
+    t0 = time.time()
+    report(orch, "w1", {"type": "path", "interface": "rail1", "up": False, "queued_s": 0.25})
+    op = orch.op
+    assert op is not None and op.moves == {}
+    gen = op.generation
+    assert all(any(c["type"] == "abort" and c["generation"] == gen for c in _commands(orch, w)) for w in ("w0", "w1"))
+    report(orch, "w0", {"type": "path", "interface": "rail1", "up": False})  # the same node's other rank
+    assert orch.op is op and len(orch.event_list()) == 1
+    for w in ("w0", "w1"):
+        report(orch, w, {"type": "recover", "generation": gen, "pos": [10, 0], "in_step": True})
+    forms = {w: [c for c in _commands(orch, w) if c["type"] == "form" and c["generation"] == gen] for w in ("w0", "w1")}
+    assert all(f and f[0]["paths"] == ["rail2"] and f[0]["pos"] == [10, 0] for f in forms.values()), forms
+    assert not any(c["type"] in ("assign", "form") for c in _commands(orch, "w2"))  # the spare stays a spare
+    for w in ("w0", "w1"):
+        report(orch, w, {"type": "formed", "generation": gen, "pos": [10, 0]})
+    assert orch.op is None
+    ev = orch.event_list()[0]
+    assert (ev["kind"], ev["status"], ev["rank"], ev["node"], ev["interface"]) == \
+        ("path-failover", "resolved", None, "local", "rail1"), ev
+    assert ev["steps_lost"] == 0 and ev["steps_rerun"] == 1 and ev["detected_at"] <= t0 - 0.2
+    st = orch.status()["jobs"][0]["data_paths"]
+    assert st["in_use"] == ["rail2"] and [x["up"] for x in st["links"]] == [False]

@@ -18,6 +18,7 @@ from pydantic import PositiveFloat, BaseModel, ConfigDict, Field, NonNegativeInt
 
 Pos = tuple[NonNegativeInt, NonNegativeInt]
 Addr = tuple[Annotated[str, Field(min_length=1, max_length=255)], Annotated[int, Field(ge=1, le=65535)]]
+Iface = Annotated[str, Field(min_length=1, max_length=15, pattern=r"^[A-Za-z0-9_.:@-]+$")]  # a Linux interface name
 Text = Annotated[str, Field(max_length=64_000)]
 
 
@@ -210,8 +211,16 @@ class Left(_Msg):
     type: Literal["left"] = "left"
 
 
+class PathChanged(_Dated):
+    """A data link of this worker's node went down or came back (dated as it was seen)."""
+
+    type: Literal["path"] = "path"
+    interface: Iface
+    up: bool
+
+
 Report = Annotated[Union[Heartbeat, Ready, UnitDone, PauseAck, Paused, Recover, Formed, Verified, Finished,
-                         UserError, Left], Field(discriminator="type")]
+                         UserError, Left, PathChanged], Field(discriminator="type")]
 REPORT = TypeAdapter(Report)
 
 
@@ -235,6 +244,7 @@ class Registered(_Msg):
     # where the control plane is its own launcher (gone means the job is over), long under
     # `baton serve`, which may be restarting (reports wait in the worker meanwhile).
     control_grace_s: float = 10.0
+    data_paths: list[Iface] = []  # the node's data links to watch (baton run --data-paths)
 
 
 # ---------------------------------------------------------------- commands
@@ -297,6 +307,9 @@ class Form(_Msg):
     shards_from: dict[int, Addr] = {}
     verify: bool = True
     formation_timeout_s: PositiveFloat | None = None  # longer than configured on a retry
+    # The data paths (interfaces, the same names on every node) the new generation's groups
+    # use: those every node can use now. None given: the default device.
+    paths: list[Iface] = []
 
 
 class Abort(_Msg):
@@ -508,6 +521,7 @@ class AttachJob(_Msg):
     borrow_spares: bool = False
     control_grace_s: Annotated[float, Field(gt=0, le=86400)] = 600.0
     mode: Literal["model-aware", "no-code"] = "model-aware"  # how the agent runs the script (`baton status`)
+    data_paths: list[Iface] = []  # baton run --data-paths
 
 
 Input = Union[MigrateRequest, TaintRequest, UntaintRequest, WorkerExited, Tick, Interrupted, StoreFailed,

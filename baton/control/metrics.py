@@ -91,6 +91,19 @@ class _JobCollector:
             nodes.add_metric([jid, state], n)
         yield nodes
 
+        paths = job.get("data_paths") or {}
+        if paths.get("configured"):
+            up = GaugeMetricFamily("baton_data_path_up", "1 while a node's data path (--data-paths) is up; a "
+                                   "path never reported down is up", labels=["job", "node", "interface"])
+            for link in paths.get("links", []):
+                up.add_metric([jid, link["node"], link["interface"]], 1 if link["up"] else 0)
+            yield up
+            used = GaugeMetricFamily("baton_data_path_in_use", "1 for each data path the job's groups run over now",
+                                     labels=["job", "interface"])
+            for name in paths["configured"]:
+                used.add_metric([jid, name], 1 if name in paths.get("in_use", []) else 0)
+            yield used
+
         yield _gauge("baton_generation", "Process-group generation (one more per move)", jid, job["generation"])
         yield _gauge("baton_world_size", "Ranks in the job", jid, job["world_size"])
         yield _gauge("baton_migrating", "1 while a move or recovery is in progress", jid,

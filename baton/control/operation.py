@@ -69,6 +69,7 @@ class Operation:
     # downtime starts (its last heartbeat, `failed_at`, came before the hang).
     stalled_at: float | None = None
     form_tries: int = 0  # generations that did not form in time (each retry gets twice the time)
+    path_events: list[int] = field(default_factory=list)  # path-failover events this operation resolves
     agree_tries: int = 0  # pause requests sent again to ranks that had not answered
 
     def enter(self, phase: Phase, seconds: float) -> None:

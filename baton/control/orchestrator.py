@@ -36,6 +36,7 @@ from baton.control.homing import Homing
 from baton.control.mailbox import Mailboxes
 from baton.control.nodes import Node, NodeHealth
 from baton.control.operation import Operation, RetryMove
+from baton.control.paths import DataPaths, PathFailover
 from baton.control.planned import PlannedMoves
 from baton.control.recovery import LossStreak, Recovery
 from baton.control.spares import SparePool
@@ -91,9 +92,10 @@ class Config:
     gpu_limits: GpuThresholds = GpuThresholds()  # NVML readings past these taint the slot
     control_grace_s: float = 10.0  # workers keep retrying an unreachable control plane this long
     mode: str = "model-aware"  # or "no-code": the script does not import baton (baton.transparent)
+    data_paths: tuple[str, ...] = ()  # the interfaces the groups run over (baton run --data-paths); none: the default
 
 
-class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing):
+class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing, PathFailover):
     def __init__(self, config: Config, store: SqliteStore, scheduler: Scheduler | None = None):
         self.config = config
         self.store = store
@@ -131,6 +133,8 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing):
         self.lives = 0  # earlier lives of this job's control plane (restarts from its store)
         self.helper_cpu: Callable[[], float] = lambda: 0.0  # CPU of its helper processes (the store)
         self.imports_cpu: Callable[[], float] = lambda: 0.0  # the workers' imports, done once in the zygote
+        self.data_paths = DataPaths(list(config.data_paths))
+        self.generation_paths: list[str] = list(config.data_paths)  # the paths of the newest generation formed
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -297,6 +301,8 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing):
 
     # ------------------------------------------------------------------ worker API
     def _post(self, worker_id: str, cmd: BaseModel) -> None:
+        if isinstance(cmd, m.Form):
+            cmd = self._with_paths(cmd)
         self.mail.post(worker_id, cmd.model_dump(mode="json"))
 
     def register(self, worker_id: str, req: m.Register) -> dict[str, Any]:
@@ -328,7 +334,8 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing):
                                 verify_every=self.config.verify_every,
                                 redundancy=self._redundancy(), ranks_per_node=self._per_node(),
                                 heartbeat_timeout_s=self.config.heartbeat_timeout_s,
-                                control_grace_s=self.config.control_grace_s).model_dump()
+                                control_grace_s=self.config.control_grace_s,
+                                data_paths=list(self.config.data_paths)).model_dump()
 
     def _maybe_start_generation0(self) -> None:
         if all(
@@ -805,6 +812,17 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing):
             self._spares_lost_moving.pop(rank, None)
             self._lock.add(fx.WriteEvent(ev.id, ev.to_json()))
             self._emit("resolved", ev.to_json())
+        for event_id in op.path_events:  # routed around: no rank moved
+            ev = self.events[event_id - 1]
+            ev.resumed_at, ev.step = resumed_at, op.target_step
+            ev.downtime_s = round(max(0.0, resumed_at - ev.detected_at), 4)
+            ev.steps_lost = max(0, min(i.reached for i in self.ranks.values()) - (op.target_step or 0))
+            ev.steps_rerun = 1 if op.rerun else 0
+            ev.resolved_without_rollback = ev.steps_lost == 0
+            ev.status = "resolved"
+            ev.note = f"re-formed over {', '.join(self.generation_paths)}"
+            self._lock.add(fx.WriteEvent(ev.id, ev.to_json()))
+            self._emit("resolved", ev.to_json())
         self.op = None
         for info in self.ranks.values():
             info.reached = max(info.reached, op.target_step or 0)
@@ -931,6 +949,8 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing):
                 "slots": [{"slot": s.name, "taint": s.taint, **({"lent_to": s.lent_to} if s.lent_to else {})}
                           for s in self.slots.values()],
                 "nodes": self._node_view(),
+                "data_paths": {"configured": self.data_paths.names, "in_use": self.generation_paths,
+                               "links": self.data_paths.view()},
                 "yoco_ratio": self.yoco_ratio(),
                 "cpu": self.cpu_summary(),
                 "operation": None if self.op is None else {

@@ -38,6 +38,7 @@ class EventKind(str, enum.Enum):
     UNPLANNED = "unplanned"
     DIVERGENCE = "divergence"  # a state check found replicas (or a joiner) that differ
     FATAL = "fatal"  # the job ended on a failure no move could take (a rank lost while starting, one that left early)
+    PATH_FAILOVER = "path-failover"  # a data path went down: the groups re-formed over the others, no rank moved
 
 
 @dataclass
@@ -107,6 +108,8 @@ class Event:
     step: int | None = None
     status: str = "in-progress"  # in-progress | resolved | failed
     note: str = ""
+    node: str | None = None  # path events: the node whose link changed, and which one
+    interface: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)

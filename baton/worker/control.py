@@ -67,6 +67,7 @@ class ControlChannel:
         self.beat_every = self.heartbeat_timeout_s / RANK_BEATS_PER_TIMEOUT
         self.on_abort: Callable[[], None] | None = None
         self._on_form: Callable[[m.Form], None] | None = None
+        self._links: Any = None  # baton.net.links.LinkWatcher of the node's data paths, when the job has some
 
     # ------------------------------------------------------------------ requests
     def _post(self, path: str, body: dict[str, Any], client: httpx.Client | None = None) -> dict[str, Any]:
@@ -93,7 +94,22 @@ class ControlChannel:
                 self._beats = BeatSender(self._token, self.worker_id, reg.heartbeat_addr)
             except OSError as exc:
                 log.warning("heartbeats go over HTTP: cannot reach %s over UDP (%s)", reg.heartbeat_addr, exc)
+        if reg.data_paths and self._links is None:
+            self._watch_links(reg.data_paths)
         return reg
+
+    def _watch_links(self, names: list[str]) -> None:
+        """Report each change of the node's data links as it is seen (a link already down
+        at the start too): the orchestrator routes the job's groups around it."""
+        from baton.net.links import LinkWatcher
+
+        def changed(name: str, up: bool, _at: float) -> None:
+            self.report(m.PathChanged(interface=name, up=up))
+
+        self._links = LinkWatcher(names, changed).start()
+        for name, up in self._links.state.items():
+            if not up:
+                changed(name, False, time.time())
 
     def report(self, msg: BaseModel) -> None:
         """Queue a report; the reporter thread sends it (never blocks the caller)."""
@@ -111,6 +127,8 @@ class ControlChannel:
     def stop(self) -> None:
         self._stopped.set()
         self.reach.stopped = True
+        if self._links is not None:
+            self._links.stop()
 
     def flush(self, timeout: float = 5.0) -> None:
         deadline = time.time() + timeout

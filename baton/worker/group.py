@@ -28,14 +28,16 @@ from baton.store.rendezvous import RendezvousClient, StoreUnreachable
 
 
 @functools.cache
-def _gloo_device() -> dist.ProcessGroupGloo.Device:
-    """The one gloo transport device of this process, shared by all its groups.
+def _gloo_device(interface: str = "") -> dist.ProcessGroupGloo.Device:
+    """This process's gloo transport device on `interface` (a data path), or its default
+    one, shared by all its groups.
 
     Each device runs a network loop thread that wakes up every few milliseconds even
     when idle (~2.5 ms of CPU a second here); a device per group would add one such thread
-    per generation formed, for the life of the process.
+    per generation formed, for the life of the process. A data path's device outlives its
+    link going down: when the link is back, the same device serves it again.
     """
-    interface = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0]
+    interface = interface or os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0]
     if interface:
         return dist.ProcessGroupGloo.create_device(interface=interface)
     addr = node_address()
@@ -44,9 +46,13 @@ def _gloo_device() -> dist.ProcessGroupGloo.Device:
     return dist.ProcessGroupGloo.create_default_device()
 
 
-def gloo_backend(store: dist.Store, rank: int, world_size: int, timeout_s: float) -> dist.ProcessGroupGloo:
+def gloo_backend(store: dist.Store, rank: int, world_size: int, timeout_s: float,
+                 paths: tuple[str, ...] = ()) -> dist.ProcessGroupGloo:
+    """A gloo group over `paths` (the interfaces of the data paths every rank can use now,
+    the same on every rank: gloo pairs its ranks' devices by position and runs each
+    collective over one of them in turn), or over the default device."""
     opts = dist.ProcessGroupGloo._Options()
-    opts._devices = [_gloo_device()]
+    opts._devices = [_gloo_device(p) for p in paths] or [_gloo_device()]
     opts._timeout = timedelta(seconds=timeout_s)
     return dist.ProcessGroupGloo(store, rank, world_size, opts)
 
@@ -180,6 +186,7 @@ class LiveGroup(dist.ProcessGroup):
         self.known_local_ports: set[int] = set()  # e.g. this worker's transfer server
         self.known_remote_ports: set[int] = set()  # e.g. the orchestrator API and the store
         self.generation = -1
+        self.paths: tuple[str, ...] = ()  # the data paths of the current generation (none: the default device)
         self._store: RendezvousClient | None = None
         self._op_timeout_s = 60.0
         self.failed = threading.Event()  # set when any collective of this generation failed
@@ -229,7 +236,7 @@ class LiveGroup(dist.ProcessGroup):
             rank_mapping={r: i for i, r in enumerate(members)})
         if self._inner is not None and self._store is not None:  # created mid-generation
             before = _socket_fds()
-            child._form_backend(self._store, self.generation, self._op_timeout_s)
+            child._form_backend(self._store, self.generation, self._op_timeout_s, self.paths)
             self._transport_fds.update(self._new_transport_sockets(before))
         return child
 
@@ -237,9 +244,10 @@ class LiveGroup(dist.ProcessGroup):
     def tag(self) -> str:
         return "-".join(map(str, self.members))
 
-    def _form_backend(self, store: RendezvousClient, generation: int, op_timeout_s: float) -> None:
+    def _form_backend(self, store: RendezvousClient, generation: int, op_timeout_s: float,
+                      paths: tuple[str, ...] = ()) -> None:
         prefixed = dist.PrefixStore(f"baton/gen{generation}/sub/{self.tag}/", store.store)
-        backend = gloo_backend(prefixed, self._rank, self._world, op_timeout_s)
+        backend = gloo_backend(prefixed, self._rank, self._world, op_timeout_s, paths)
         self.drop()
         self._inner = backend
         self.generation = generation
@@ -250,8 +258,10 @@ class LiveGroup(dist.ProcessGroup):
 
     # ---------------------------------------------------------------- generation swap
     def form(self, store: RendezvousClient, generation: int, op_timeout_s: float,
-             formation_timeout_s: float = 120.0, superseded: Callable[[], bool] = lambda: False) -> None:
-        """Join generation `generation`; returns once every rank has joined.
+             formation_timeout_s: float = 120.0, superseded: Callable[[], bool] = lambda: False,
+             paths: tuple[str, ...] = ()) -> None:
+        """Join generation `generation` over the data paths `paths` (the orchestrator's
+        choice: those every node can use now); returns once every rank has joined.
 
         Members first meet at a store barrier that is polled, so a formation can be
         abandoned when the orchestrator supersedes it (another failure), and only then
@@ -281,11 +291,12 @@ class LiveGroup(dist.ProcessGroup):
             raise CollectiveFailure(f"generation {generation} did not form: {exc}") from None
         prefixed = dist.PrefixStore(prefix, store.store)
         before = _socket_fds()
-        backend = gloo_backend(prefixed, self._rank, self._world, op_timeout_s)
+        backend = gloo_backend(prefixed, self._rank, self._world, op_timeout_s, paths)
         self.drop()
         self._inner = backend
+        self.paths = paths
         for child in self._children:  # every member holds the same sub-groups (the same script)
-            child._form_backend(store, generation, op_timeout_s)
+            child._form_backend(store, generation, op_timeout_s, paths)
         self._transport_fds = self._new_transport_sockets(before)
         self._store, self._op_timeout_s = store, op_timeout_s
         self.generation = generation

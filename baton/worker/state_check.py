@@ -32,7 +32,7 @@ class StateCheck:
                 return self.ctl.abort_generation is not None and self.ctl.abort_generation > generation
 
         self.group.form(self.store, generation, self.op_timeout, cmd.formation_timeout_s or self.formation_timeout,
-                        superseded)
+                        superseded, paths=tuple(cmd.paths))
         self.pusher.set_buddies([tuple(b) for b in cmd.buddies])
         self.ward_addrs = {int(w): (str(a[0]), int(a[1])) for w, a in cmd.wards.items()}
         if self._snapshotting():
