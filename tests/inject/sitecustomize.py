@@ -38,6 +38,10 @@ that rank's process, before the backward of its first step after a move gave it 
 BATON_TEST_SLOW_NEW_BUDDY="seconds": a bundle pusher's connection to a buddy that replaced
 another (after a move) takes that many seconds longer to open, as over a busy network.
 
+BATON_TEST_LINK_DOWN_MID_STEP="rank:step:IFACE" (with BATON_TEST_SIGNAL_MARK): once, that rank
+takes its node's link IFACE down (`ip link set IFACE down`, in its own network namespace)
+in that step, after its forward and before its backward: a data path lost mid-step.
+
 BATON_TEST_LEAVER_DIES_SERVING=1 (with BATON_TEST_SIGNAL_MARK): once, a planned move's leaver
 in the no-code mode is killed -9 when its successor, which has its own record and is
 walking to the rank's place, asks for the rest of its state.
@@ -406,3 +410,24 @@ if _leaver_dies:
         return _wait_published(self, generation, kind)
 
     _server.TransferServer._wait_published = _die_serving_the_rest
+
+_link_down = os.environ.get("BATON_TEST_LINK_DOWN_MID_STEP")
+if _link_down:
+    import subprocess as _subprocess
+
+    import torch as _torch_ld
+
+    _ld_rank, _ld_step, _ld_iface = _link_down.split(":")
+    _ld_due = _once_at(f"{_ld_rank}:{_ld_step}")
+    _ld_backward = _torch_ld.Tensor.backward
+
+    def _link_down_then_backward(self, *args, **kwargs):  # noqa: ANN001, ANN202
+        mark = os.environ["BATON_TEST_SIGNAL_MARK"]
+        if not os.path.exists(mark) and _ld_due():
+            open(mark, "w").close()
+            _subprocess.run(["ip", "link", "set", _ld_iface, "down"], check=True)
+            print(f"injected: {_ld_iface} down on rank {_ld_rank}'s node in step {_ld_step}, before its backward",
+                  file=sys.stderr, flush=True)
+        return _ld_backward(self, *args, **kwargs)
+
+    _torch_ld.Tensor.backward = _link_down_then_backward

@@ -1,0 +1,93 @@
+"""Data paths (`baton run --data-paths rail1,rail2`) on a real Slurm cluster whose nodes have
+addresses and NICs of their own (a network namespace each, two data rails beside the
+control network, tests/rail_network.py).
+
+The ranks' collectives run over both rails in turn; a node's rail going down is routed
+around inside the job: the groups re-form over the other rail, no rank is replaced, no
+spare is used, and the run ends bit for bit equal to the same unmodified script under
+torchrun without failures."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.jobs import Job
+from tests.nocode_runs import INJECT, NOCODE, compare, torchrun
+from tests.slurm_cluster import SlurmCluster, skip_reason
+
+pytestmark = [pytest.mark.skipif(skip_reason() is not None, reason=skip_reason() or ""),
+              pytest.mark.xdist_group("slurm")]
+
+FAST = ["--heartbeat-timeout", "2", "--op-timeout", "5"]
+# imagenet's shape: DataLoader workers with random crops, dropout, StepLR, validation that
+# all-reduces its meters, rank 0's checkpoint; 8 steps an epoch at -b 16
+ARGS = ["--epochs", "30", "--out-dir", "{d}/out"]
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    with SlurmCluster(tmp_path_factory.mktemp("slurm-rails"), nodes=3, netns=True, rails=2) as cluster:
+        yield cluster
+
+
+def _node_of_rank(st: dict, rank: int) -> str:
+    return next(r["slot"] for r in st["ranks"] if r["rank"] == rank).split("/")[0]
+
+
+def test_a_watcher_in_a_node_sees_its_rail_go_down_and_come_back(slurm):
+    """The watcher reads the links of its own network namespace (a process in the node's)."""
+    rails = slurm.rails
+    code = ("import sys, time\nfrom baton.net.links import LinkWatcher\n"
+            "w = LinkWatcher(['rail1', 'rail2'], lambda n, up, at: print(n, up, flush=True)).start()\n"
+            "print('ready', w.state, flush=True)\ntime.sleep(30)\n")
+    proc = subprocess.Popen([*slurm.network.run_in("n1"), sys.executable, "-c", code], stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready {'rail1': True, 'rail2': True}"
+        rails.set_link("n1", "rail1", False)
+        assert proc.stdout.readline().split() == ["rail1", "False"]
+        rails.set_link("n1", "rail1", True)
+        assert proc.stdout.readline().split() == ["rail1", "True"]
+    finally:
+        proc.kill()
+        rails.set_link("n1", "rail1", True)
+
+
+def test_a_rail_down_mid_step_is_routed_around_with_no_rank_moved(tmp_path, slurm):
+    """Rank 1 takes its node's rail1 down in step 30, between its forward and its backward:
+    the backward's gradient all-reduces (over both rails in turn) stall on it until the
+    orchestrator, told by the node's watcher, aborts the generation. Every rank goes back to
+    the step's head and runs it again over rail2; the spare node's spare is not used."""
+    ref, run = tmp_path / "torchrun", tmp_path / "baton"
+    ref.mkdir()
+    script = NOCODE / "imagenet_main.py"
+    torchrun(script, [a.format(d=ref) for a in ARGS] + ["--export", str(ref / "export")], 2, ref)
+    job = Job(tmp_path, nproc=1, script=script, out_arg=False, name="baton",
+              env={**slurm.env, "PYTHONPATH": str(INJECT), "BATON_TEST_SIGNAL_MARK": str(tmp_path / "fired"),
+                   "BATON_TEST_LINK_DOWN_MID_STEP": "1:30:rail1"},
+              script_args=[a.format(d=run) for a in ARGS] + ["--export", str(run / "export")],
+              run_args=["--nodes", "2", "--spare-nodes", "1", "--data-paths", "rail1,rail2", *FAST],
+              launch=["salloc", "-N3", "--no-kill", "--quiet"])
+    node = None
+    try:
+        st = job.wait_step(1, timeout=180)
+        assert st["data_paths"]["in_use"] == ["rail1", "rail2"], st["data_paths"]
+        node = _node_of_rank(st, 1)
+        job.wait_until(lambda s: s["data_paths"]["in_use"] == ["rail2"] and not s["operation"], timeout=120,
+                       what="the job re-formed over rail2")
+        status = subprocess.run([sys.executable, "-m", "baton.cli", "status", "--run-dir", str(job.run_dir)],
+                                capture_output=True, text=True, timeout=30).stdout
+        assert f"data paths: rail1, rail2; in use: rail2; down: rail1 on {node}" in status, status
+        assert job.wait(timeout=240) == 0, job.log()
+        events = job.events()
+    finally:
+        job.kill()
+        if node is not None:
+            slurm.rails.set_link(node, "rail1", True)
+    assert (tmp_path / "fired").exists(), job.log()
+    assert [(e["kind"], e["status"], e["rank"], e["node"], e["interface"], e["steps_lost"], e["steps_rerun"],
+             e["step"]) for e in events] == [("path-failover", "resolved", None, node, "rail1", 0, 1, 30)], events
+    compare(ref, run)
