@@ -41,6 +41,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                         "(rails, NICs): each collective uses one in turn, and one that goes down on a node is "
                         "routed around (the groups re-form over the others, no rank moved); default: one path, "
                         "GLOO_SOCKET_IFNAME's first or the node's address")
+    p.add_argument("--path-hold-down", type=float, default=5.0, metavar="S",
+                   help="a data path that came back is used again once it has stayed up S seconds on every node "
+                        "(at a planned boundary), default 5; a flapping one is damped")
     p.add_argument("--return-home", action="store_true",
                    help="move ranks back to the node they started on once it is healthy again (untainted, "
                         "with warm spares), at a planned boundary")
@@ -206,6 +209,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                       straggler_factor=args.straggler_factor, straggler_steps=args.straggler_steps,
                       borrow_spares=args.borrow_spares, borrow_partition=args.borrow_partition,
                       data_paths=tuple(p for p in args.data_paths.split(",") if p),
+                      path_hold_down_s=args.path_hold_down,
                       env={"BATON_SNAPSHOT_TRANSPORT": args.snapshot_transport},
                       gpu_limits=GpuThresholds(temp_c=args.taint_gpu_temp, ecc_uncorrected=args.taint_ecc_uncorrected,
                                                ecc_corrected=args.taint_ecc_corrected))

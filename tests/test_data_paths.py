@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.skipif(skip_reason() is not None, reason=skip_reason()
 FAST = ["--heartbeat-timeout", "2", "--op-timeout", "5"]
 # imagenet's shape: DataLoader workers with random crops, dropout, StepLR, validation that
 # all-reduces its meters, rank 0's checkpoint; 8 steps an epoch at -b 16
-ARGS = ["--epochs", "30", "--out-dir", "{d}/out"]
+ARGS = ["--epochs", "40", "--out-dir", "{d}/out"]
 
 
 @pytest.fixture(scope="module")
@@ -56,11 +56,13 @@ def test_a_watcher_in_a_node_sees_its_rail_go_down_and_come_back(slurm):
         rails.set_link("n1", "rail1", True)
 
 
-def test_a_rail_down_mid_step_is_routed_around_with_no_rank_moved(tmp_path, slurm):
+def test_a_rail_down_mid_step_is_routed_around_and_used_again_once_back(tmp_path, slurm):
     """Rank 1 takes its node's rail1 down in step 30, between its forward and its backward:
     the backward's gradient all-reduces (over both rails in turn) stall on it until the
     orchestrator, told by the node's watcher, aborts the generation. Every rank goes back to
-    the step's head and runs it again over rail2; the spare node's spare is not used."""
+    the step's head and runs it again over rail2; the spare node's spare is not used. The
+    rail back up for the hold-down, the job re-forms over both at a planned boundary,
+    running nothing again."""
     ref, run = tmp_path / "torchrun", tmp_path / "baton"
     ref.mkdir()
     script = NOCODE / "imagenet_main.py"
@@ -69,7 +71,8 @@ def test_a_rail_down_mid_step_is_routed_around_with_no_rank_moved(tmp_path, slur
               env={**slurm.env, "PYTHONPATH": str(INJECT), "BATON_TEST_SIGNAL_MARK": str(tmp_path / "fired"),
                    "BATON_TEST_LINK_DOWN_MID_STEP": "1:30:rail1"},
               script_args=[a.format(d=run) for a in ARGS] + ["--export", str(run / "export")],
-              run_args=["--nodes", "2", "--spare-nodes", "1", "--data-paths", "rail1,rail2", *FAST],
+              run_args=["--nodes", "2", "--spare-nodes", "1", "--data-paths", "rail1,rail2", "--path-hold-down", "1",
+                        *FAST],
               launch=["salloc", "-N3", "--no-kill", "--quiet"])
     node = None
     try:
@@ -81,6 +84,9 @@ def test_a_rail_down_mid_step_is_routed_around_with_no_rank_moved(tmp_path, slur
         status = subprocess.run([sys.executable, "-m", "baton.cli", "status", "--run-dir", str(job.run_dir)],
                                 capture_output=True, text=True, timeout=30).stdout
         assert f"data paths: rail1, rail2; in use: rail2; down: rail1 on {node}" in status, status
+        slurm.rails.set_link(node, "rail1", True)
+        job.wait_until(lambda s: s["data_paths"]["in_use"] == ["rail1", "rail2"] and not s["operation"],
+                       timeout=120, what="the job re-formed over both rails again")
         assert job.wait(timeout=240) == 0, job.log()
         events = job.events()
     finally:
@@ -89,5 +95,7 @@ def test_a_rail_down_mid_step_is_routed_around_with_no_rank_moved(tmp_path, slur
             slurm.rails.set_link(node, "rail1", True)
     assert (tmp_path / "fired").exists(), job.log()
     assert [(e["kind"], e["status"], e["rank"], e["node"], e["interface"], e["steps_lost"], e["steps_rerun"],
-             e["step"]) for e in events] == [("path-failover", "resolved", None, node, "rail1", 0, 1, 30)], events
+             e["step"]) for e in events][:1] == [("path-failover", "resolved", None, node, "rail1", 0, 1, 30)], events
+    assert [(e["kind"], e["status"], e["interface"], e["steps_lost"], e["steps_rerun"]) for e in events][1:] == \
+        [("path-restored", "resolved", "rail1", 0, 0)], events
     compare(ref, run)

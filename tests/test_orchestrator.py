@@ -697,3 +697,71 @@ def test_a_data_path_down_on_a_node_with_ranks_re_forms_the_job_over_the_others(
     assert ev["steps_lost"] == 0 and ev["steps_rerun"] == 1 and ev["detected_at"] <= t0 - 0.2
     st = orch.status()["jobs"][0]["data_paths"]
     assert st["in_use"] == ["rail2"] and [x["up"] for x in st["links"]] == [False]
+
+
+def _fail_over(orch: Orchestrator, wid: str, interface: str) -> None:
+    """`interface` seen down by `wid`'s node: the job re-forms where it stands (step 10)."""
+    report(orch, wid, {"type": "path", "interface": interface, "up": False})
+    gen = orch.op.generation
+    for w in ("w0", "w1"):
+        report(orch, w, {"type": "recover", "generation": gen, "pos": [10, 0]})
+    for w in ("w0", "w1"):
+        report(orch, w, {"type": "formed", "generation": gen, "pos": [10, 0]})
+    assert orch.op is None
+
+
+def _planned_reform(orch: Orchestrator) -> list[dict]:
+    """The ranks agree, pause and form (no rank moves): the Forms they got."""
+    op = orch.op
+    for w in ("w0", "w1"):
+        report(orch, w, {"type": "pause_ack", "op": op.id, "ok": True, "next_step": op.target_step})
+    for w in ("w0", "w1"):
+        report(orch, w, {"type": "paused", "op": op.id, "pos": [op.target_step, 0]})
+    forms = [c for c in _commands(orch, "w0") if c["type"] == "form" and c["generation"] == op.generation]
+    for w in ("w0", "w1"):
+        report(orch, w, {"type": "formed", "generation": op.generation, "pos": [op.target_step, 0]})
+    assert orch.op is None
+    return forms
+
+
+def test_a_data_path_back_for_its_hold_down_is_used_again_from_a_planned_boundary(tmp_path):
+    sched = RecordingScheduler(4)
+    orch = _started(tmp_path, sched, Config(world_size=2, spares=1, data_paths=("rail1", "rail2"),
+                                            path_hold_down_s=0.3, heartbeat_timeout_s=60))
+    _fail_over(orch, "w1", "rail1")
+    report(orch, "w1", {"type": "path", "interface": "rail1", "up": True})
+    orch.handle(m.Tick(now=time.time()))
+    assert orch.op is None  # not up for its hold-down yet
+    time.sleep(0.35)
+    orch.handle(m.Tick(now=time.time()))
+    assert orch.op is not None and orch.op.kind.value == "path-restored" and orch.op.moves == {}
+    forms = _planned_reform(orch)
+    assert forms and forms[0]["paths"] == ["rail1", "rail2"] and not forms[0]["fetch_from"]
+    kinds = [(e["kind"], e["status"], e["steps_rerun"], e["steps_lost"]) for e in orch.event_list()]
+    assert kinds == [("path-failover", "resolved", 0, 0), ("path-restored", "resolved", 0, 0)], kinds
+    assert orch.status()["jobs"][0]["data_paths"]["in_use"] == ["rail1", "rail2"]
+    assert orch.yoco_ratio() == 1.0  # the failover counts as a failure resolved; the restore does not count
+
+
+def test_a_flapping_data_path_is_damped_and_costs_one_failover(tmp_path):
+    """rail1 goes down and up every moment: the first down fails over; it never stays up for
+    the hold-down, so it is never restored; its third down damps it (the ledger says so),
+    and while damped it is not used even once up for the hold-down."""
+    sched = RecordingScheduler(4)
+    orch = _started(tmp_path, sched, Config(world_size=2, spares=1, data_paths=("rail1", "rail2"),
+                                            path_hold_down_s=0.2, heartbeat_timeout_s=60))
+    _fail_over(orch, "w1", "rail1")
+    for _ in range(3):
+        report(orch, "w1", {"type": "path", "interface": "rail1", "up": True})
+        orch.handle(m.Tick(now=time.time()))
+        report(orch, "w1", {"type": "path", "interface": "rail1", "up": False})
+        assert orch.op is None  # not in use: its downs re-form nothing
+    report(orch, "w1", {"type": "path", "interface": "rail1", "up": True})
+    time.sleep(0.25)
+    orch.handle(m.Tick(now=time.time()))
+    assert orch.op is None
+    events = orch.event_list()
+    assert [e["kind"] for e in events] == ["path-failover", "path-damped"], events
+    assert "flapping (down 3 times" in events[1]["cause"] and events[1]["node"] == "local"
+    link = orch.status()["jobs"][0]["data_paths"]["links"][0]
+    assert link["damped"] and link["downs"] == 4

@@ -522,6 +522,7 @@ class AttachJob(_Msg):
     control_grace_s: Annotated[float, Field(gt=0, le=86400)] = 600.0
     mode: Literal["model-aware", "no-code"] = "model-aware"  # how the agent runs the script (`baton status`)
     data_paths: list[Iface] = []  # baton run --data-paths
+    path_hold_down_s: Annotated[float, Field(gt=0, le=86400, allow_inf_nan=False)] = 5.0
 
 
 Input = Union[MigrateRequest, TaintRequest, UntaintRequest, WorkerExited, Tick, Interrupted, StoreFailed,

@@ -93,6 +93,7 @@ class Config:
     control_grace_s: float = 10.0  # workers keep retrying an unreachable control plane this long
     mode: str = "model-aware"  # or "no-code": the script does not import baton (baton.transparent)
     data_paths: tuple[str, ...] = ()  # the interfaces the groups run over (baton run --data-paths); none: the default
+    path_hold_down_s: float = 5.0  # a data path back is used again once up this long on every node
 
 
 class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing, PathFailover):
@@ -278,6 +279,7 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing, PathFa
         op = self.op
         if op is not None and now > op.deadline:
             self._expired(op)
+        self._restore_paths(now)
         self._replenish()
 
     def _expired(self, op: Operation) -> None:
@@ -812,10 +814,11 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing, PathFa
             self._spares_lost_moving.pop(rank, None)
             self._lock.add(fx.WriteEvent(ev.id, ev.to_json()))
             self._emit("resolved", ev.to_json())
-        for event_id in op.path_events:  # routed around: no rank moved
+        for event_id in op.path_events:  # routed around, or back: no rank moved
             ev = self.events[event_id - 1]
             ev.resumed_at, ev.step = resumed_at, op.target_step
-            ev.downtime_s = round(max(0.0, resumed_at - ev.detected_at), 4)
+            paused = first_stop if ev.kind == EventKind.PATH_RESTORED else ev.detected_at  # a restore: its pause
+            ev.downtime_s = round(max(0.0, resumed_at - paused), 4)
             ev.steps_lost = max(0, min(i.reached for i in self.ranks.values()) - (op.target_step or 0))
             ev.steps_rerun = 1 if op.rerun else 0
             ev.resolved_without_rollback = ev.steps_lost == 0

@@ -11,18 +11,26 @@ forms over the remaining paths, with no rank replaced and no spare used. The int
 step runs again: the state is bit for bit what it would have been. The ledger records a
 `path-failover` (node, interface, downtime from the moment the link was seen down).
 
-Not yet: a path that comes back is not used again before the job re-forms for another
-reason; a flapping path is not damped; a node that keeps a path down past a grace, or
-loses every path, is not moved; a link that drops everything with its carrier up is found
-only as a collective timeout.
+A path that comes back and stays up for `--path-hold-down` seconds on every node is used
+again from the next boundary: a planned re-form (every rank pauses at an agreed step, no
+state moves, nothing runs again), recorded as `path-restored`. A path that flaps is damped
+as routing protocols damp a flapping route: each time it goes down it earns a penalty that
+halves every `HALF_LIFE_S`; above `SUPPRESS` it is not used again until the penalty has
+decayed below `REUSE`, which the ledger says (`path-damped`). So a link going down and up
+every few seconds costs one failover, not one re-form per flap.
+
+Not yet: a node that keeps a path down past a grace, or loses every path, is not moved; a
+link that drops everything with its carrier up is found only as a collective timeout.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 
+from baton.control import effects as fx
 from baton.control import messages as m
 from baton.control.nodes import node_of
 from baton.control.operation import Operation
@@ -31,11 +39,36 @@ from baton.control.state import EventKind, Worker, WorkerRole
 log = logging.getLogger("baton.orchestrator")
 
 
+PENALTY = 1000.0  # earned each time a path goes down
+HALF_LIFE_S = 30.0
+SUPPRESS = 2500.0  # damped above this (a third down within about half a minute)
+REUSE = 750.0  # no longer damped below this
+
+
 @dataclass
 class PathState:
     up: bool = True
     since: float = 0.0  # when it last changed (the orchestrator's clock, as the report dates it)
     downs: int = 0  # how many times it went down
+    penalty: float = 0.0  # flap penalty as of `penalty_at`
+    penalty_at: float = 0.0
+    damped: bool = False
+
+    def penalty_now(self, now: float) -> float:
+        return self.penalty * math.pow(0.5, max(0.0, now - self.penalty_at) / HALF_LIFE_S)
+
+    def went_down(self, at: float) -> bool:
+        """Add its penalty; True when that makes it damped."""
+        self.penalty, self.penalty_at = self.penalty_now(at) + PENALTY, at
+        if not self.damped and self.penalty > SUPPRESS:
+            self.damped = True
+            return True
+        return False
+
+    def still_damped(self, now: float) -> bool:
+        if self.damped and self.penalty_now(now) < REUSE:
+            self.damped = False
+        return self.damped
 
 
 class DataPaths:
@@ -47,20 +80,34 @@ class DataPaths:
 
     def note(self, node: str, interface: str, up: bool, at: float) -> bool:
         """Record a change; False when it changes nothing (a report repeated)."""
-        st = self.state.setdefault(node, {}).setdefault(interface, PathState())
+        st = self.get(node, interface)
         if st.up == up:
             return False
         st.up, st.since = up, at
         st.downs += 0 if up else 1
         return True
 
-    def usable(self, nodes: set[str]) -> list[str]:
-        """The paths every one of `nodes` has up, in the configured order."""
-        return [p for p in self.names if all(self.state.get(n, {}).get(p, PathState()).up for n in nodes)]
+    def get(self, node: str, interface: str) -> PathState:
+        return self.state.setdefault(node, {}).setdefault(interface, PathState())
+
+    def ready_again(self, name: str, nodes: set[str], now: float, hold_down_s: float) -> bool:
+        """Up on every one of `nodes` for the hold-down, and damped on none."""
+        return all(st.up and now - st.since >= hold_down_s and not st.still_damped(now)
+                   for st in (self.state.get(n, {}).get(name, PathState()) for n in nodes))
+
+    def usable(self, nodes: set[str], in_use: list[str], now: float, hold_down_s: float) -> list[str]:
+        """The paths a generation of `nodes` may run over, in the configured order: those in
+        use that every node still has up, and those back on every node for the hold-down
+        and not damped (a re-form for another reason takes them too)."""
+        return [p for p in self.names
+                if (p in in_use and all(self.state.get(n, {}).get(p, PathState()).up for n in nodes))
+                or self.ready_again(p, nodes, now, hold_down_s)]
 
     def view(self) -> list[dict[str, object]]:
         """Each node's paths, for `baton status` and /metrics."""
-        return [{"node": node, "interface": name, "up": st.up, "since": st.since, "downs": st.downs}
+        now = time.time()
+        return [{"node": node, "interface": name, "up": st.up, "since": st.since, "downs": st.downs,
+                 "damped": st.still_damped(now), "penalty": round(st.penalty_now(now))}
                 for node, paths in sorted(self.state.items()) for name, st in sorted(paths.items())]
 
 
@@ -82,7 +129,8 @@ class PathFailover:
         """A Form over the paths every node of its generation can use now."""
         if not self.data_paths.names:
             return cmd
-        paths = self.data_paths.usable(self._generation_nodes(self.op))
+        paths = self.data_paths.usable(self._generation_nodes(self.op), self.generation_paths, time.time(),
+                                       self.config.path_hold_down_s)
         if not paths:  # no path every node has: the first configured, and the collectives say the rest
             paths = self.data_paths.names[:1]
         self.generation_paths = list(paths)
@@ -96,6 +144,8 @@ class PathFailover:
         if not self.data_paths.note(node, rep.interface, rep.up, at):
             return
         self._emit("path", {"node": node, "interface": rep.interface, "up": rep.up})
+        if not rep.up and self.data_paths.get(node, rep.interface).went_down(at):
+            self._damped(node, rep.interface)
         if rep.up or self.exit_code is not None or rep.interface not in self.generation_paths:
             return
         holds_ranks = any(self.workers[i.worker].role == WorkerRole.RANK and node_of(self.workers[i.worker].slot) == node
@@ -114,3 +164,29 @@ class PathFailover:
         self._open_recovery(cause=cause, failed_at=at)
         if self.op is not None:
             self.op.path_events.append(ev.id)
+
+    def _damped(self, node: str, interface: str) -> None:
+        st = self.data_paths.get(node, interface)
+        cause = (f"data path {interface} on {node} is flapping (down {st.downs} times, penalty "
+                 f"{st.penalty:.0f} over {SUPPRESS:.0f}): damped, not used again until it has stayed up about "
+                 f"{HALF_LIFE_S * math.log2(st.penalty / REUSE):.0f}s")
+        ev = self._new_event(EventKind.PATH_DAMPED, cause, None, None)
+        ev.node, ev.interface, ev.status = node, interface, "resolved"
+        self._lock.add(fx.WriteEvent(ev.id, ev.to_json()))
+        self._emit("note", {"message": cause})
+
+    def _restore_paths(self, now: float) -> None:
+        """Paths back (up for the hold-down on every node of the job, not damped) are used
+        again from the next boundary: a planned re-form with no rank moving."""
+        if not self.data_paths.names or self.loop is None or not self._may_start_move():
+            return
+        nodes = self._generation_nodes(None)
+        back = [p for p in self.data_paths.names if p not in self.generation_paths
+                and self.data_paths.ready_again(p, nodes, now, self.config.path_hold_down_s)]
+        if not back:
+            return
+        cause = f"data path{'s' if len(back) > 1 else ''} {', '.join(back)} back on every node"
+        ev = self._new_event(EventKind.PATH_RESTORED, cause, None, None)
+        ev.interface = ",".join(back)
+        op = self._start_planned([], EventKind.PATH_RESTORED, cause, joiners=[])
+        op.path_events.append(ev.id)

@@ -125,7 +125,9 @@ class Recovery:
             return
         op = self.op
         carried: dict[int, str] = {}  # rank -> joiner that can take it over in the recovery
+        path_events: list[int] = []  # a data path's failover or restore: resolved by the recovery's generation
         if op is not None and op.kind != EventKind.UNPLANNED:
+            path_events = op.path_events
             # A failure in the middle of a planned move: fold everything into one recovery.
             self._emit("note", {"message": f"failure during {op.kind.value} migration: recovering instead"})
             for rank, move in op.moves.items():
@@ -158,6 +160,7 @@ class Recovery:
             op = Operation(id=self._op_ids, kind=EventKind.UNPLANNED, generation=self.generation,
                            moves={}, phase="collect", failed_at=failed_at or time.time())
             op.enter("collect", self._report_window())
+            op.path_events.extend(path_events)
             self.op = op
             for info in self.ranks.values():
                 if info.worker and self.workers[info.worker].role == WorkerRole.RANK and info.rank != dead_rank:

@@ -39,6 +39,8 @@ class EventKind(str, enum.Enum):
     DIVERGENCE = "divergence"  # a state check found replicas (or a joiner) that differ
     FATAL = "fatal"  # the job ended on a failure no move could take (a rank lost while starting, one that left early)
     PATH_FAILOVER = "path-failover"  # a data path went down: the groups re-formed over the others, no rank moved
+    PATH_RESTORED = "path-restored"  # a data path back: used again from a planned boundary
+    PATH_DAMPED = "path-damped"  # a flapping data path: not used again until it stays up (not a failure)
 
 
 @dataclass
@@ -122,7 +124,8 @@ def yoco_ratio(events: list[dict[str, Any]]) -> float | None:
 
     Moves still in progress or cancelled (the job finished first) are not failures to count.
     """
-    done = [e for e in events if e.get("status") in ("resolved", "failed") and e.get("kind") not in ("divergence", "fatal")]
+    done = [e for e in events if e.get("status") in ("resolved", "failed")
+            and e.get("kind") not in ("divergence", "fatal", "path-restored", "path-damped")]
     if not done:
         return None
     good = [e for e in done if e.get("resolved_without_rollback") and e.get("steps_lost") == 0]
