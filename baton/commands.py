@@ -342,6 +342,10 @@ def cmd_status(args: argparse.Namespace) -> int:
         spares = ", ".join(f"{s['slot']} ({s['state']}, pid {s['pid']}"
                            + (f", borrowed from {s['from']})" if s.get("kind") == "borrowed" else ")")
                            for s in job["spares"]) or "none"
+        for r in job["ranks"]:
+            if r.get("unheard_s") is not None:
+                print(f"  rank {r['rank']} not heard from for {r['unheard_s']}s while the others train with it: "
+                      "its control path is down")
         stuck = [r for r in job["ranks"] if r.get("unmovable")]
         if stuck:  # the same reason on every rank, usually: say it once
             print(f"  cannot move bit for bit: ranks {[r['rank'] for r in stuck]}: {stuck[0]['unmovable']}")

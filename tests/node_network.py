@@ -116,6 +116,14 @@ class NodeNetwork:
                     pass
         return killed
 
+    def set_control_link(self, node: str, up: bool) -> None:
+        """Cut (or mend) only the node's link to the host, where the launcher and the control
+        plane are: its links to the other nodes stay."""
+        self._ip_on(node, "link", "set", self._link(node, HOST), "up" if up else "down")
+        if up:  # a link set down lost its route
+            self._ip_on(node, "route", "replace", f"{self.host_addr}/32", "dev", self._link(node, HOST),
+                        "src", self._addr(node), check=False)
+
     def restore(self, node: str) -> None:
         self._set_links(node, "up")
         for peer in [HOST, *self.nodes]:  # a link set down lost its route

@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.skipif(skip_reason() is not None, reason=skip_reason()
 FAST = ["--heartbeat-timeout", "2", "--op-timeout", "5"]
 # imagenet's shape: DataLoader workers with random crops, dropout, StepLR, validation that
 # all-reduces its meters, rank 0's checkpoint; 8 steps an epoch at -b 16
-ARGS = ["--epochs", "40", "--out-dir", "{d}/out"]
+ARGS = ["--epochs", "60", "--out-dir", "{d}/out"]
 
 
 @pytest.fixture(scope="module")
@@ -98,4 +98,39 @@ def test_a_rail_down_mid_step_is_routed_around_and_used_again_once_back(tmp_path
              e["step"]) for e in events][:1] == [("path-failover", "resolved", None, node, "rail1", 0, 1, 30)], events
     assert [(e["kind"], e["status"], e["interface"], e["steps_lost"], e["steps_rerun"]) for e in events][1:] == \
         [("path-restored", "resolved", "rail1", 0, 0)], events
+    compare(ref, run)
+
+
+def test_the_control_link_alone_down_does_not_disturb_training(tmp_path, slurm):
+    """Rank 1's node loses its link to the host (the launcher, the control plane) for a few
+    heartbeat timeouts: its heartbeats stop, but rank 0 keeps training with it, so it is not
+    hung. Nothing moves, and once the link is back its reports arrive (they are retried)."""
+    ref, run = tmp_path / "torchrun", tmp_path / "baton"
+    ref.mkdir()
+    script = NOCODE / "imagenet_main.py"
+    torchrun(script, [a.format(d=ref) for a in ARGS] + ["--export", str(ref / "export")], 2, ref)
+    job = Job(tmp_path, nproc=1, script=script, out_arg=False, name="baton", env=slurm.env,
+              script_args=[a.format(d=run) for a in ARGS] + ["--export", str(run / "export")],
+              run_args=["--nodes", "2", "--spare-nodes", "1", "--data-paths", "rail1,rail2", *FAST],
+              launch=["salloc", "-N3", "--no-kill", "--quiet"])
+    node = None
+    try:
+        st = job.wait_step(10, timeout=180)
+        node = _node_of_rank(st, 1)
+        slurm.network.set_control_link(node, False)
+        # rank 0 is heard; its steps go on while rank 1 is silent past the heartbeat timeout
+        silent = job.wait_until(lambda s: s["ranks"][1].get("unheard_s") is not None, timeout=120,
+                                what="rank 1 unheard while rank 0 trains on")
+        job.wait_until(lambda s: s["ranks"][0]["step"] > silent["ranks"][0]["step"] + 10, timeout=120,
+                       what="rank 0 training on")
+        slurm.network.set_control_link(node, True)
+        node = None
+        assert job.wait(timeout=240) == 0, job.log()
+        events, log = job.events(), job.log(tail=None)
+    finally:
+        job.kill()
+        if node is not None:
+            slurm.network.set_control_link(node, True)
+    assert events == [], events
+    assert "control path is down, not the rank" in log and "is heard from again" in log, log[-3000:]
     compare(ref, run)

@@ -765,3 +765,25 @@ def test_a_flapping_data_path_is_damped_and_costs_one_failover(tmp_path):
     assert "flapping (down 3 times" in events[1]["cause"] and events[1]["node"] == "local"
     link = orch.status()["jobs"][0]["data_paths"]["links"][0]
     assert link["damped"] and link["downs"] == 4
+
+
+def test_a_rank_silent_while_the_others_step_on_is_not_hung_but_one_they_wait_for_is(tmp_path):
+    """Its control path down, a rank's heartbeats stop while it trains: the others reach two
+    steps past the last it reported, which they could not without it. It is not lost. A
+    rank whose peers stop at most one step past its last is hung, as before."""
+    sched = RecordingScheduler(4)
+    orch = _started(tmp_path, sched, Config(world_size=2, spares=1, heartbeat_timeout_s=1.0))
+    said: list[tuple[str, dict]] = []
+    orch.listeners.append(lambda kind, data: said.append((kind, data)))
+    orch.workers["w1"].last_seen -= 5
+    report(orch, "w0", {"type": "heartbeat", "step": 12})
+    orch.handle(m.Tick(now=time.time()))
+    assert orch.op is None and orch.workers["w1"].unheard
+    assert any(k == "note" and "control path is down" in d["message"] for k, d in said), said
+    report(orch, "w1", {"type": "heartbeat", "step": 13})  # heard from again
+    assert not orch.workers["w1"].unheard
+    orch.workers["w1"].last_seen -= 5
+    report(orch, "w0", {"type": "heartbeat", "step": 14})  # one past its last: it may be hung there
+    orch.handle(m.Tick(now=time.time()))
+    assert orch.op is not None and orch.op.kind.value == "unplanned"
+    assert [(e["kind"], e["rank"]) for e in orch.event_list()] == [("unplanned", 1)]

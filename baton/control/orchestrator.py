@@ -275,12 +275,32 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing, PathFa
             limit = self.config.heartbeat_timeout_s if training and w.role == WorkerRole.RANK \
                 else max(30.0, 10 * self.config.heartbeat_timeout_s)
             if now - w.last_seen > limit:
+                if training and self._steps_without(w):
+                    self._unheard(w, now)
+                    continue
                 self._worker_lost(w, f"no heartbeat for {now - w.last_seen:.1f}s (hung)")
         op = self.op
         if op is not None and now > op.deadline:
             self._expired(op)
         self._restore_paths(now)
         self._replenish()
+
+    def _steps_without(self, w: Worker) -> bool:
+        """A silent rank the others keep training with: some rank has reached two steps past
+        the last one it reported. Every step needs every rank's collectives, and a hung rank
+        lets the others finish at most the step after its last: this one is alive, and only
+        what it says is not getting here (its node's control path is down, say)."""
+        if w.role != WorkerRole.RANK or w.rank is None or self.ranks[w.rank].worker != w.id:
+            return False
+        last = self.ranks[w.rank].step
+        return any(i.step >= last + 2 for r, i in self.ranks.items() if r != w.rank)
+
+    def _unheard(self, w: Worker, now: float) -> None:
+        if not w.unheard:
+            w.unheard = True
+            self._emit("note", {"message": f"rank {w.rank} ({w.slot}) has not been heard from for "
+                                           f"{now - w.last_seen:.1f}s, but the others keep training with it: its "
+                                           "control path is down, not the rank; nothing moves"})
 
     def _expired(self, op: Operation) -> None:
         """The current phase ran out of time: each phase's fallback (see planned.py, recovery.py)."""
@@ -363,6 +383,9 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing, PathFa
         with self._lock:
             w = self._worker(worker_id)
             w.last_seen = time.time()
+            if w.unheard:
+                w.unheard = False
+                self._emit("note", {"message": f"{w.id} ({w.slot}) is heard from again"})
             result = handler(w, report) or {}
             self._persist(force=kind != "heartbeat")
             return result
@@ -932,7 +955,8 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing, PathFa
                               "cpu_s": round(w.cpu_s, 3) if w else None,
                               "baton_cpu_s": round(w.baton_cpu_s, 3) if w else None,
                               "metrics": info.metrics, **({"gpu": w.gpu} if w and w.gpu else {}),
-                              **({"unmovable": info.unmovable} if info.unmovable else {})})
+                              **({"unmovable": info.unmovable} if info.unmovable else {}),
+                              **({"unheard_s": round(time.time() - w.last_seen, 1)} if w and w.unheard else {})})
             spares = [{"worker": w.id, "slot": w.slot, "pid": w.pid, "state": w.role.value,
                        **self._spare_kind(w.slot)}
                       for w in self.workers.values()

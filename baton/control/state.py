@@ -70,6 +70,7 @@ class Worker:
     held_rank: bool = False  # took a rank at some point (else: its whole CPU was a spare's)
     cpu_s: float = 0.0  # CPU-seconds of the process, as it last reported them
     baton_cpu_s: float = 0.0  # baton's own part of cpu_s (see baton.selfcost)
+    unheard: bool = False  # a rank silent while the job steps on: its control path is down, not the rank
 
 
 @dataclass
