@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from tests.jobs import Job
-from tests.nocode_runs import INJECT, NOCODE, compare, torchrun
+from tests.nocode_runs import INJECT, NOCODE, compare
 from tests.slurm_cluster import SlurmCluster, skip_reason
 
 pytestmark = [pytest.mark.skipif(skip_reason() is not None, reason=skip_reason() or ""),
@@ -25,6 +25,7 @@ FAST = ["--heartbeat-timeout", "2", "--op-timeout", "5"]
 # imagenet's shape: DataLoader workers with random crops, dropout, StepLR, validation that
 # all-reduces its meters, rank 0's checkpoint; 8 steps an epoch at -b 16
 ARGS = ["--epochs", "60", "--out-dir", "{d}/out"]
+SCRIPT = NOCODE / "imagenet_main.py"
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +36,23 @@ def slurm(tmp_path_factory):
 
 def _node_of_rank(st: dict, rank: int) -> str:
     return next(r["slot"] for r in st["ranks"] if r["rank"] == rank).split("/")[0]
+
+
+@pytest.fixture
+def reference(torchrun_reference):
+    """The unmodified script under torchrun, 2 ranks on this machine, no failures."""
+    return torchrun_reference(SCRIPT, [*ARGS, "--export", "{d}/export"])
+
+
+def _job(tmp_path, slurm: SlurmCluster, env: dict[str, str] | None = None, extra: list[str] | None = None) -> Job:
+    """The same script with no code change, one rank on each of two nodes and a spare node,
+    its collectives over both rails."""
+    run = tmp_path / "baton"
+    return Job(tmp_path, nproc=1, script=SCRIPT, out_arg=False, name="baton", env={**slurm.env, **(env or {})},
+               script_args=[a.format(d=run) for a in ARGS] + ["--export", str(run / "export")],
+               run_args=["--nodes", "2", "--spare-nodes", "1", "--data-paths", "rail1,rail2", "--path-hold-down", "1",
+                         *FAST, *(extra or [])],
+               launch=["salloc", "-N3", "--no-kill", "--quiet"])
 
 
 def test_a_watcher_in_a_node_sees_its_rail_go_down_and_come_back(slurm):
@@ -56,24 +74,15 @@ def test_a_watcher_in_a_node_sees_its_rail_go_down_and_come_back(slurm):
         rails.set_link("n1", "rail1", True)
 
 
-def test_a_rail_down_mid_step_is_routed_around_and_used_again_once_back(tmp_path, slurm):
+def test_a_rail_down_mid_step_is_routed_around_and_used_again_once_back(tmp_path, slurm, reference):
     """Rank 1 takes its node's rail1 down in step 30, between its forward and its backward:
     the backward's gradient all-reduces (over both rails in turn) stall on it until the
     orchestrator, told by the node's watcher, aborts the generation. Every rank goes back to
     the step's head and runs it again over rail2; the spare node's spare is not used. The
     rail back up for the hold-down, the job re-forms over both at a planned boundary,
     running nothing again."""
-    ref, run = tmp_path / "torchrun", tmp_path / "baton"
-    ref.mkdir()
-    script = NOCODE / "imagenet_main.py"
-    torchrun(script, [a.format(d=ref) for a in ARGS] + ["--export", str(ref / "export")], 2, ref)
-    job = Job(tmp_path, nproc=1, script=script, out_arg=False, name="baton",
-              env={**slurm.env, "PYTHONPATH": str(INJECT), "BATON_TEST_SIGNAL_MARK": str(tmp_path / "fired"),
-                   "BATON_TEST_LINK_DOWN_MID_STEP": "1:30:rail1"},
-              script_args=[a.format(d=run) for a in ARGS] + ["--export", str(run / "export")],
-              run_args=["--nodes", "2", "--spare-nodes", "1", "--data-paths", "rail1,rail2", "--path-hold-down", "1",
-                        *FAST],
-              launch=["salloc", "-N3", "--no-kill", "--quiet"])
+    job = _job(tmp_path, slurm, env={"PYTHONPATH": str(INJECT), "BATON_TEST_SIGNAL_MARK": str(tmp_path / "fired"),
+                                     "BATON_TEST_LINK_DOWN_MID_STEP": "1:30:rail1"})
     node = None
     try:
         st = job.wait_step(1, timeout=180)
@@ -98,21 +107,14 @@ def test_a_rail_down_mid_step_is_routed_around_and_used_again_once_back(tmp_path
              e["step"]) for e in events][:1] == [("path-failover", "resolved", None, node, "rail1", 0, 1, 30)], events
     assert [(e["kind"], e["status"], e["interface"], e["steps_lost"], e["steps_rerun"]) for e in events][1:] == \
         [("path-restored", "resolved", "rail1", 0, 0)], events
-    compare(ref, run)
+    compare(reference, tmp_path / "baton")
 
 
-def test_the_control_link_alone_down_does_not_disturb_training(tmp_path, slurm):
+def test_the_control_link_alone_down_does_not_disturb_training(tmp_path, slurm, reference):
     """Rank 1's node loses its link to the host (the launcher, the control plane) for a few
     heartbeat timeouts: its heartbeats stop, but rank 0 keeps training with it, so it is not
     hung. Nothing moves, and once the link is back its reports arrive (they are retried)."""
-    ref, run = tmp_path / "torchrun", tmp_path / "baton"
-    ref.mkdir()
-    script = NOCODE / "imagenet_main.py"
-    torchrun(script, [a.format(d=ref) for a in ARGS] + ["--export", str(ref / "export")], 2, ref)
-    job = Job(tmp_path, nproc=1, script=script, out_arg=False, name="baton", env=slurm.env,
-              script_args=[a.format(d=run) for a in ARGS] + ["--export", str(run / "export")],
-              run_args=["--nodes", "2", "--spare-nodes", "1", "--data-paths", "rail1,rail2", *FAST],
-              launch=["salloc", "-N3", "--no-kill", "--quiet"])
+    job = _job(tmp_path, slurm)
     node = None
     try:
         st = job.wait_step(10, timeout=180)
@@ -133,4 +135,35 @@ def test_the_control_link_alone_down_does_not_disturb_training(tmp_path, slurm):
             slurm.network.set_control_link(node, True)
     assert events == [], events
     assert "control path is down, not the rank" in log and "is heard from again" in log, log[-3000:]
-    compare(ref, run)
+    compare(reference, tmp_path / "baton")
+
+
+def test_a_blackholed_rail_is_found_by_probes_routed_around_and_used_again_once_it_answers(tmp_path, slurm,
+                                                                                           reference):
+    """Rank 1's node's rail1 keeps its carrier and silently drops everything it sends: the
+    collectives on it stall until --op-timeout, then every rank probes its peer over each
+    rail before it reports where it stands; rail1 is silent where rail2 answered, so the job
+    re-forms over rail2 with no rank moved. Once the rail carries packets again the probes
+    say so and, after the hold-down, the job uses it again."""
+    job = _job(tmp_path, slurm)
+    node = None
+    try:
+        st = job.wait_step(20, timeout=180)
+        node = _node_of_rank(st, 1)
+        slurm.rails.blackhole(node, "rail1")
+        job.wait_until(lambda s: s["data_paths"]["in_use"] == ["rail2"] and not s["operation"], timeout=120,
+                       what="the job re-formed over rail2")
+        slurm.rails.blackhole(node, "rail1", on=False)
+        node = None
+        job.wait_until(lambda s: s["data_paths"]["in_use"] == ["rail1", "rail2"] and not s["operation"],
+                       timeout=120, what="the job re-formed over both rails again")
+        assert job.wait(timeout=240) == 0, job.log()
+        events = job.events()
+    finally:
+        job.kill()
+        if node is not None:
+            slurm.rails.blackhole(node, "rail1", on=False)
+    assert [(e["kind"], e["status"], e["interface"], e["steps_lost"]) for e in events] == \
+        [("path-failover", "resolved", "rail1", 0), ("path-restored", "resolved", "rail1", 0)], events
+    assert "silent towards" in events[0]["cause"], events  # found by the probes, its carrier up
+    compare(reference, tmp_path / "baton")

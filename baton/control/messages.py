@@ -212,15 +212,24 @@ class Left(_Msg):
 
 
 class PathChanged(_Dated):
-    """A data link of this worker's node went down or came back (dated as it was seen)."""
+    """A data link of this worker's node went down or came back (dated as it was seen);
+    `detail`: how it was found, when not from the link's state (a probe)."""
 
     type: Literal["path"] = "path"
     interface: Iface
     up: bool
+    detail: Annotated[str, Field(max_length=500)] = ""
+
+
+class PathsReady(_Msg):
+    """Where this worker answers probes on each data path (baton.net.probe)."""
+
+    type: Literal["paths_ready"] = "paths_ready"
+    addrs: dict[Iface, Addr]
 
 
 Report = Annotated[Union[Heartbeat, Ready, UnitDone, PauseAck, Paused, Recover, Formed, Verified, Finished,
-                         UserError, Left, PathChanged], Field(discriminator="type")]
+                         UserError, Left, PathChanged, PathsReady], Field(discriminator="type")]
 REPORT = TypeAdapter(Report)
 
 
@@ -310,6 +319,8 @@ class Form(_Msg):
     # The data paths (interfaces, the same names on every node) the new generation's groups
     # use: those every node can use now. None given: the default device.
     paths: list[Iface] = []
+    # Where the generation's other members answer probes on those paths (one dict per member).
+    path_peers: list[dict[Iface, Addr]] = []
 
 
 class Abort(_Msg):

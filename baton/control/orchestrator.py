@@ -324,7 +324,7 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing, PathFa
     # ------------------------------------------------------------------ worker API
     def _post(self, worker_id: str, cmd: BaseModel) -> None:
         if isinstance(cmd, m.Form):
-            cmd = self._with_paths(cmd)
+            cmd = self._with_paths(cmd, worker_id)
         self.mail.post(worker_id, cmd.model_dump(mode="json"))
 
     def register(self, worker_id: str, req: m.Register) -> dict[str, Any]:

@@ -19,8 +19,12 @@ halves every `HALF_LIFE_S`; above `SUPPRESS` it is not used again until the pena
 decayed below `REUSE`, which the ledger says (`path-damped`). So a link going down and up
 every few seconds costs one failover, not one re-form per flap.
 
-Not yet: a node that keeps a path down past a grace, or loses every path, is not moved; a
-link that drops everything with its carrier up is found only as a collective timeout.
+A path that drops everything with its link up is found after a collective fails (at
+--op-timeout): every rank probes its peers over each path before it reports where it stands
+(baton.net.probe), and one silent where another answered is reported down the same way,
+then re-probed until it answers again (reported up, then the hold-down).
+
+Not yet: a node that keeps a path down past a grace, or loses every path, is not moved.
 """
 
 from __future__ import annotations
@@ -114,19 +118,23 @@ class DataPaths:
 class PathFailover:
     """Mixed into the Orchestrator; runs under its decision lock."""
 
-    def _generation_nodes(self, op: Operation | None) -> set[str]:
-        """The nodes holding the ranks of the generation being formed (joiners' included)."""
-        nodes = set()
+    def _generation_members(self, op: Operation | None) -> list[Worker]:
+        """The workers holding the ranks of the generation being formed (joiners included)."""
+        members = []
         for rank, info in self.ranks.items():
             move = op.moves.get(rank) if op is not None else None
             wid = move.to_worker if move is not None and move.to_worker else info.worker
             w = self.workers.get(wid or "")
             if w is not None:
-                nodes.add(node_of(w.slot))
-        return nodes
+                members.append(w)
+        return members
 
-    def _with_paths(self, cmd: m.Form) -> m.Form:
-        """A Form over the paths every node of its generation can use now."""
+    def _generation_nodes(self, op: Operation | None) -> set[str]:
+        return {node_of(w.slot) for w in self._generation_members(op)}
+
+    def _with_paths(self, cmd: m.Form, worker_id: str) -> m.Form:
+        """A Form over the paths every node of its generation can use now, with where the
+        other members answer probes on them."""
         if not self.data_paths.names:
             return cmd
         paths = self.data_paths.usable(self._generation_nodes(self.op), self.generation_paths, time.time(),
@@ -134,7 +142,12 @@ class PathFailover:
         if not paths:  # no path every node has: the first configured, and the collectives say the rest
             paths = self.data_paths.names[:1]
         self.generation_paths = list(paths)
-        return cmd.model_copy(update={"paths": paths})
+        peers = [{p: w.path_addrs[p] for p in paths if p in w.path_addrs}
+                 for w in self._generation_members(self.op) if w.id != worker_id and w.path_addrs]
+        return cmd.model_copy(update={"paths": paths, "path_peers": peers})
+
+    def _on_paths_ready(self, w: Worker, rep: m.PathsReady) -> None:
+        w.path_addrs = {name: tuple(addr) for name, addr in rep.addrs.items()}  # type: ignore[misc]
 
     def _on_path(self, w: Worker, rep: m.PathChanged) -> None:
         if rep.interface not in self.data_paths.names:
@@ -157,7 +170,9 @@ class PathFailover:
             self._emit("note", {"message": f"data path {rep.interface} down on {node}, and the job has no other: "
                                            "its collectives fail over to a recovery (--op-timeout)"})
             return
-        cause = f"data path {rep.interface} down on {node}"
+        if self.op is not None and any(self.events[i - 1].interface == rep.interface for i in self.op.path_events):
+            return  # the same path, seen from another node: one failover
+        cause = f"data path {rep.interface} down on {node}" + (f" ({rep.detail})" if rep.detail else "")
         ev = self._new_event(EventKind.PATH_FAILOVER, cause, None, None)
         ev.node, ev.interface, ev.detected_at = node, rep.interface, at
         log.info("%s: re-forming over %s", cause, ", ".join(others))

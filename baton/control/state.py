@@ -71,6 +71,7 @@ class Worker:
     cpu_s: float = 0.0  # CPU-seconds of the process, as it last reported them
     baton_cpu_s: float = 0.0  # baton's own part of cpu_s (see baton.selfcost)
     unheard: bool = False  # a rank silent while the job steps on: its control path is down, not the rank
+    path_addrs: dict[str, tuple[str, int]] = field(default_factory=dict)  # where it answers probes, per data path
 
 
 @dataclass

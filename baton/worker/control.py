@@ -68,6 +68,9 @@ class ControlChannel:
         self.on_abort: Callable[[], None] | None = None
         self._on_form: Callable[[m.Form], None] | None = None
         self._links: Any = None  # baton.net.links.LinkWatcher of the node's data paths, when the job has some
+        self._responder: Any = None  # baton.net.probe.Responder: answers peers' probes on each path
+        self.path_peers: list[dict[str, Any]] = []  # where the generation's other members answer probes
+        self._reprobing: dict[str, Any] = {}  # path -> its Reprober, while it is silent
 
     # ------------------------------------------------------------------ requests
     def _post(self, path: str, body: dict[str, Any], client: httpx.Client | None = None) -> dict[str, Any]:
@@ -110,6 +113,31 @@ class ControlChannel:
         for name, up in self._links.state.items():
             if not up:
                 changed(name, False, time.time())
+        if len(names) > 1:  # a path silent with its link up is told from the others by probes
+            from baton.net.probe import Responder
+
+            self._responder = Responder(names)
+            self.report(m.PathsReady(addrs=self._responder.addrs))
+
+    def probe_paths(self, in_use: tuple[str, ...]) -> None:
+        """After a failed collective: report each path in use that is silent towards a peer
+        another path reached (then re-probed until it answers, and reported up)."""
+        if len(in_use) < 2 or not self.path_peers:
+            return
+        from baton.net.probe import Reprober, silent_paths
+
+        peers = [{n: tuple(a) for n, a in p.items() if n in in_use} for p in self.path_peers]
+        for name, towards in silent_paths(peers).items():  # type: ignore[arg-type]
+            if name in self._reprobing:
+                continue
+            detail = f"silent towards {', '.join(towards)} while another path answered"
+            log.warning("data path %s: %s", name, detail)
+            self.report(m.PathChanged(interface=name, up=False, detail=detail))
+
+            def back(n: str) -> None:
+                self._reprobing.pop(n, None)
+                self.report(m.PathChanged(interface=n, up=True, detail="answers probes again"))
+            self._reprobing[name] = Reprober(name, [tuple(p[name]) for p in peers if name in p], back)
 
     def report(self, msg: BaseModel) -> None:
         """Queue a report; the reporter thread sends it (never blocks the caller)."""
@@ -129,6 +157,10 @@ class ControlChannel:
         self.reach.stopped = True
         if self._links is not None:
             self._links.stop()
+        if self._responder is not None:
+            self._responder.close()
+        for r in self._reprobing.values():
+            r.stop()
 
     def flush(self, timeout: float = 5.0) -> None:
         deadline = time.time() + timeout

@@ -34,7 +34,9 @@ class Recovery:
         blocked = round(max(0.0, time.time() - issued), 4) if issued else None
         self.scope = self.tracked.scope = None
         self._reset_ddp()
+        in_use = self.group.paths
         self.group.drop()
+        ctl.probe_paths(in_use)  # a path silent with its link up: reported before this rank's Recover
         pos = self.pos
         unit_reported = False
         if in_step:
