@@ -68,7 +68,8 @@ def run_attached(opts: RunOptions, server: ServerOptions) -> int:
                            return_home=opts.return_home, straggler_factor=opts.straggler_factor,
                            straggler_steps=opts.straggler_steps, borrow_spares=opts.borrow_spares,
                            control_grace_s=server.grace_s, mode=opts.mode,
-                           data_paths=list(opts.data_paths), path_hold_down_s=opts.path_hold_down_s)
+                           data_paths=list(opts.data_paths), path_hold_down_s=opts.path_hold_down_s,
+                           path_grace_s=opts.path_grace_s)
         try:
             resp = reach.request(reach.client(30.0), "POST", "/v1/jobs", json=spec.model_dump(mode="json"))
         except OrchestratorGone as exc:

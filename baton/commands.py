@@ -44,6 +44,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--path-hold-down", type=float, default=5.0, metavar="S",
                    help="a data path that came back is used again once it has stayed up S seconds on every node "
                         "(at a planned boundary), default 5; a flapping one is damped")
+    p.add_argument("--path-grace", type=float, default=60.0, metavar="S",
+                   help="a node that has run with a data path down for S seconds is tainted and its ranks move "
+                        "to spares elsewhere (--return-home brings them back once its paths are up), default 60")
     p.add_argument("--return-home", action="store_true",
                    help="move ranks back to the node they started on once it is healthy again (untainted, "
                         "with warm spares), at a planned boundary")
@@ -209,7 +212,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                       straggler_factor=args.straggler_factor, straggler_steps=args.straggler_steps,
                       borrow_spares=args.borrow_spares, borrow_partition=args.borrow_partition,
                       data_paths=tuple(p for p in args.data_paths.split(",") if p),
-                      path_hold_down_s=args.path_hold_down,
+                      path_hold_down_s=args.path_hold_down, path_grace_s=args.path_grace,
                       env={"BATON_SNAPSHOT_TRANSPORT": args.snapshot_transport},
                       gpu_limits=GpuThresholds(temp_c=args.taint_gpu_temp, ecc_uncorrected=args.taint_ecc_uncorrected,
                                                ecc_corrected=args.taint_ecc_corrected))

@@ -68,6 +68,7 @@ class RunOptions:
     tail_copies: bool = True  # no-code: each step's parameters and buckets kept (baton.transparent.tail)
     data_paths: tuple[str, ...] = ()  # interfaces the groups run over, the same names on every node
     path_hold_down_s: float = 5.0  # a path back is used again once up this long everywhere
+    path_grace_s: float = 60.0  # a node with a path down this long is tainted (its ranks move)
 
 
 class EventPrinter:
@@ -152,7 +153,7 @@ def validate(opts: RunOptions) -> None:
         raise SystemExit("baton run: --nproc must be at least 1")
     for flag, value in (("--op-timeout", opts.op_timeout_s), ("--heartbeat-timeout", opts.heartbeat_timeout_s),
                         ("--formation-timeout", opts.formation_timeout_s), ("--spare-wait", opts.spare_wait_s),
-                        ("--path-hold-down", opts.path_hold_down_s)):
+                        ("--path-hold-down", opts.path_hold_down_s), ("--path-grace", opts.path_grace_s)):
         if not math.isfinite(value) or value <= 0:
             raise SystemExit(f"baton run: {flag} must be a positive number of seconds, got {value}")
     if opts.redundancy < 0:
@@ -238,7 +239,7 @@ def run(opts: RunOptions, listeners: list[Callable[[str, dict[str, Any]], None]]
                     return_home=opts.return_home, straggler_factor=opts.straggler_factor,
                     straggler_steps=opts.straggler_steps, borrow_spares=opts.borrow_spares,
                     gpu_limits=opts.gpu_limits, mode=opts.mode, data_paths=tuple(opts.data_paths),
-                    path_hold_down_s=opts.path_hold_down_s)
+                    path_hold_down_s=opts.path_hold_down_s, path_grace_s=opts.path_grace_s)
     orch = Orchestrator(config, db)
     orch.helper_cpu = store.cpu_s
     db.on_error = lambda text: orch.handle(m.StoreFailed(message=text))

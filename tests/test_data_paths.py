@@ -44,12 +44,13 @@ def reference(torchrun_reference):
     return torchrun_reference(SCRIPT, [*ARGS, "--export", "{d}/export"])
 
 
-def _job(tmp_path, slurm: SlurmCluster, env: dict[str, str] | None = None, extra: list[str] | None = None) -> Job:
+def _job(tmp_path, slurm: SlurmCluster, env: dict[str, str] | None = None, extra: list[str] | None = None,
+         args: list[str] = ARGS) -> Job:
     """The same script with no code change, one rank on each of two nodes and a spare node,
     its collectives over both rails."""
     run = tmp_path / "baton"
     return Job(tmp_path, nproc=1, script=SCRIPT, out_arg=False, name="baton", env={**slurm.env, **(env or {})},
-               script_args=[a.format(d=run) for a in ARGS] + ["--export", str(run / "export")],
+               script_args=[a.format(d=run) for a in args] + ["--export", str(run / "export")],
                run_args=["--nodes", "2", "--spare-nodes", "1", "--data-paths", "rail1,rail2", "--path-hold-down", "1",
                          *FAST, *(extra or [])],
                launch=["salloc", "-N3", "--no-kill", "--quiet"])
@@ -166,4 +167,72 @@ def test_a_blackholed_rail_is_found_by_probes_routed_around_and_used_again_once_
     assert [(e["kind"], e["status"], e["interface"], e["steps_lost"]) for e in events] == \
         [("path-failover", "resolved", "rail1", 0), ("path-restored", "resolved", "rail1", 0)], events
     assert "silent towards" in events[0]["cause"], events  # found by the probes, its carrier up
+    compare(reference, tmp_path / "baton")
+
+
+LONG = ["--epochs", "150", "--out-dir", "{d}/out"]  # time for a move away and one back
+
+
+def test_a_rail_down_past_the_grace_moves_the_nodes_rank_and_it_returns_once_the_rail_is_back(
+        tmp_path, slurm, torchrun_reference):
+    """Rank 1's node keeps rail1 down past --path-grace: after the failover, the node is
+    tainted `network: rail1 ...` and rank 1 moves pre-emptively to the spare node, where the
+    job runs over both rails again. With rail1 back, the node's links are read there (a job
+    step), it is untainted after the hold-down, and --return-home moves rank 1 back."""
+    reference = torchrun_reference(SCRIPT, [*LONG, "--export", "{d}/export"])
+    job = _job(tmp_path, slurm, extra=["--path-grace", "2", "--return-home"], args=LONG)
+    node = None
+    try:
+        st = job.wait_step(20, timeout=180)
+        node = _node_of_rank(st, 1)
+        slurm.rails.set_link(node, "rail1", False)
+        st = job.wait_until(lambda s: _node_of_rank(s, 1) != node and not s["operation"]
+                            and s["data_paths"]["in_use"] == ["rail1", "rail2"], timeout=120,
+                            what="rank 1 moved off its node, the job on both rails again")
+        tainted = {n["node"]: n for n in st["nodes"]}[node]
+        assert tainted["state"] == "tainted" and tainted["reason"].startswith("network: rail1 down"), tainted
+        slurm.rails.set_link(node, "rail1", True)
+        node_back = node
+        node = None
+        job.wait_until(lambda s: _node_of_rank(s, 1) == node_back and not s["operation"], timeout=180,
+                       what="rank 1 back on its node")
+        assert job.wait(timeout=300) == 0, job.log()
+        events = job.events()
+    finally:
+        job.kill()
+        if node is not None:
+            slurm.rails.set_link(node, "rail1", True)
+    assert [(e["kind"], e["status"], e["rank"], e["steps_lost"]) for e in events] == [
+        ("path-failover", "resolved", None, 0), ("pre-emptive", "resolved", 1, 0), ("planned", "resolved", 1, 0)], events
+    assert "network: rail1 down" in events[1]["cause"], events
+    compare(reference, tmp_path / "baton")
+
+
+def test_both_rails_of_a_node_down_lose_its_rank_at_once_and_it_is_rebuilt_on_the_spare_node(
+        tmp_path, slurm, reference):
+    """With every data path of rank 1's node down, its rank can take part in no collective:
+    the node is tainted and the rank lost at once (not after --op-timeout), rebuilt on the
+    spare node from rank 0's state and its buddy's copy of its own, bitwise."""
+    job = _job(tmp_path, slurm)
+    node = None
+    try:
+        st = job.wait_step(20, timeout=180)
+        node, spare_node = _node_of_rank(st, 1), st["spares"][0]["slot"].split("/")[0]
+        slurm.rails.set_link(node, "rail1", False)
+        slurm.rails.set_link(node, "rail2", False)
+        st = job.wait_until(lambda s: _node_of_rank(s, 1) != node and not s["operation"], timeout=120,
+                            what="rank 1 rebuilt off its node")
+        assert job.wait(timeout=240) == 0, job.log()
+        events = job.events()
+    finally:
+        job.kill()
+        if node is not None:
+            slurm.rails.set_link(node, "rail1", True)
+            slurm.rails.set_link(node, "rail2", True)
+    lost = [e for e in events if e["kind"] == "unplanned"]
+    assert [(e["status"], e["rank"], e["steps_lost"]) for e in lost] == [("resolved", 1, 0)], events
+    assert lost[0]["to_slot"].startswith(spare_node + "/") and "every data path" in lost[0]["cause"], lost
+    assert all(e["status"] == "resolved" for e in events), events
+    tainted = {n["node"]: n for n in st["nodes"]}[node]
+    assert tainted["state"] == "tainted" and "every data path down" in tainted["reason"], tainted
     compare(reference, tmp_path / "baton")

@@ -51,6 +51,14 @@ class ProbeNode:
 
 
 @dataclass(frozen=True)
+class ProbeLinks:
+    """Ask the scheduler for the state of a node's data links; it answers with NodeLinks."""
+
+    node: str
+    names: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class DrainNode:
     """Tell the scheduler to place nothing new on a node (Slurm: state=drain with the reason)."""
 
@@ -77,7 +85,7 @@ class ReleaseNode:
 
 
 Effect = Union[StartWorker, KillWorker, Emit, WriteEvent, WriteRows, ProbeNode, DrainNode, ResumeNode, BorrowNode,
-               ReleaseNode]
+               ReleaseNode, ProbeLinks]
 
 
 class DecisionLock:

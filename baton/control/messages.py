@@ -405,6 +405,16 @@ class StoreFailed(_Msg):
     message: str
 
 
+class NodeLinks(_Msg):
+    """From the scheduler: the state of a node's data links, read on the node (no worker of
+    the job runs there: it was tainted for its network)."""
+
+    type: Literal["node_links"] = "node_links"
+    node: str
+    up: dict[str, bool] = {}  # interface -> up and running (absent: not read)
+    detail: str = ""
+
+
 class NodeProbed(_Msg):
     """From the scheduler: whether a suspect node still starts and runs processes."""
 
@@ -534,7 +544,8 @@ class AttachJob(_Msg):
     mode: Literal["model-aware", "no-code"] = "model-aware"  # how the agent runs the script (`baton status`)
     data_paths: list[Iface] = []  # baton run --data-paths
     path_hold_down_s: Annotated[float, Field(gt=0, le=86400, allow_inf_nan=False)] = 5.0
+    path_grace_s: Annotated[float, Field(gt=0, le=86400, allow_inf_nan=False)] = 60.0
 
 
 Input = Union[MigrateRequest, TaintRequest, UntaintRequest, WorkerExited, Tick, Interrupted, StoreFailed,
-              NodeProbed, NodeBorrowed, AlertBatch, AgentSync, LendSpare, TakeBack]
+              NodeProbed, NodeBorrowed, AlertBatch, AgentSync, LendSpare, TakeBack, NodeLinks]

@@ -118,12 +118,16 @@ class NodeHealth:
                 ranks.append(w.rank)
         return ranks
 
-    def _taint_node(self, name: str, reason: str) -> dict[str, Any]:
+    def _taint_node(self, name: str, reason: str, move: bool = True) -> dict[str, Any]:
+        """Taint every slot of a node and drain it; its ranks move (`move`), or are left to
+        whoever taints it (a node whose ranks are lost anyway)."""
         node = self.nodes[name]
         node.state, node.reason = "tainted", reason
         self._emit("taint", {"node": name, "reason": reason})
         moved = self._taint_slots(node, f"node {name}: {reason}")
         self._lock.add(fx.DrainNode(name, f"baton: {reason}"[:200]))
+        if not move:
+            return {"node": name, "reason": reason}
         return self._move_off_taint({"node": name, "reason": reason}, sorted(moved), f"taint: node {name}: {reason}")
 
     def _untaint_node(self, name: str) -> dict[str, Any]:

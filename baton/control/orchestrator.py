@@ -94,6 +94,7 @@ class Config:
     mode: str = "model-aware"  # or "no-code": the script does not import baton (baton.transparent)
     data_paths: tuple[str, ...] = ()  # the interfaces the groups run over (baton run --data-paths); none: the default
     path_hold_down_s: float = 5.0  # a data path back is used again once up this long on every node
+    path_grace_s: float = 60.0  # a node holding ranks with a data path down this long is tainted (they move)
 
 
 class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing, PathFailover):
@@ -136,6 +137,7 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing, PathFa
         self.imports_cpu: Callable[[], float] = lambda: 0.0  # the workers' imports, done once in the zygote
         self.data_paths = DataPaths(list(config.data_paths))
         self.generation_paths: list[str] = list(config.data_paths)  # the paths of the newest generation formed
+        self._network_taints: dict[str, float] = {}  # node tainted for its links -> when they were last read
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -238,6 +240,11 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing, PathFa
             node = effect.node
             self.scheduler.probe_node(  # type: ignore[union-attr]
                 node, lambda ok, detail: self.handle(m.NodeProbed(node=node, ok=ok, detail=detail[:500])))
+        elif isinstance(effect, fx.ProbeLinks):
+            node = effect.node
+            self.scheduler.probe_links(  # type: ignore[union-attr]
+                node, list(effect.names),
+                lambda up, detail: self.handle(m.NodeLinks(node=node, up=up, detail=detail[:500])))
         elif isinstance(effect, fx.BorrowNode):
             self.scheduler.borrow(  # type: ignore[union-attr]
                 lambda node, text, slots=(): self.handle(m.NodeBorrowed(
@@ -283,6 +290,8 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing, PathFa
         if op is not None and now > op.deadline:
             self._expired(op)
         self._restore_paths(now)
+        self._path_grace(now)
+        self._probe_network_taints(now)
         self._replenish()
 
     def _steps_without(self, w: Worker) -> bool:

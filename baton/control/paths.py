@@ -24,7 +24,16 @@ A path that drops everything with its link up is found after a collective fails 
 (baton.net.probe), and one silent where another answered is reported down the same way,
 then re-probed until it answers again (reported up, then the hold-down).
 
-Not yet: a node that keeps a path down past a grace, or loses every path, is not moved.
+A fault that stays becomes a move: a node holding ranks that has run with a path down for
+`--path-grace` seconds is tainted `network: <path> down` and its ranks move pre-emptively
+(one move, over the paths still working) to spares elsewhere, after which the job runs over
+every path again. A node that loses every data path cannot take part in a collective: it is
+tainted and its ranks are lost at once (rebuilt on spares from the survivors' state and
+their buddies'), not left for --op-timeout. Where the scheduler can read a node's links
+(Slurm: a job step runs `ip link` there), a node tainted by its links is read again every
+hold-down, and untainted once they are all up (`--return-home` then moves its ranks back);
+one tainted for a path its probes found silent, with its links up, stays tainted until
+`baton untaint`.
 """
 
 from __future__ import annotations
@@ -54,6 +63,7 @@ class PathState:
     up: bool = True
     since: float = 0.0  # when it last changed (the orchestrator's clock, as the report dates it)
     downs: int = 0  # how many times it went down
+    silent: bool = False  # down because probes found it silent (its link looked up)
     penalty: float = 0.0  # flap penalty as of `penalty_at`
     penalty_at: float = 0.0
     damped: bool = False
@@ -87,7 +97,7 @@ class DataPaths:
         st = self.get(node, interface)
         if st.up == up:
             return False
-        st.up, st.since = up, at
+        st.up, st.since, st.silent = up, at, False
         st.downs += 0 if up else 1
         return True
 
@@ -154,8 +164,13 @@ class PathFailover:
             return
         node = node_of(w.slot)
         at = time.time() - rep.queued_s
+        if not rep.up and rep.detail and any(
+                not st.up and not st.silent for n, paths in self.data_paths.state.items() if n != node
+                for p, st in paths.items() if p == rep.interface):
+            return  # silent towards a node whose own link on it is down: explained there, not here
         if not self.data_paths.note(node, rep.interface, rep.up, at):
             return
+        self.data_paths.get(node, rep.interface).silent = not rep.up and bool(rep.detail)
         self._emit("path", {"node": node, "interface": rep.interface, "up": rep.up})
         if not rep.up and self.data_paths.get(node, rep.interface).went_down(at):
             self._damped(node, rep.interface)
@@ -165,6 +180,9 @@ class PathFailover:
                           for i in self.ranks.values() if i.worker in self.workers)
         if not holds_ranks or self.loop is None:
             return  # a spare's node, or the job still starting (its first generation forms over what is left)
+        if not self.data_paths.usable({node}, self.data_paths.names, at, float("inf")):
+            self._isolated(node)
+            return
         others = [p for p in self.generation_paths if p != rep.interface]
         if not others:
             self._emit("note", {"message": f"data path {rep.interface} down on {node}, and the job has no other: "
@@ -205,3 +223,65 @@ class PathFailover:
         ev.interface = ",".join(back)
         op = self._start_planned([], EventKind.PATH_RESTORED, cause, joiners=[])
         op.path_events.append(ev.id)
+
+    # ---------------------------------------------------------------- faults that stay
+    def _network_reason(self, node: str, down: list[str], now: float) -> str:
+        since = min(self.data_paths.get(node, p).since for p in down)
+        return f"network: {', '.join(down)} down for {now - since:.0f}s"
+
+    def _isolated(self, node: str) -> None:
+        """Every data path of `node` is down: its ranks can take part in no collective. Taint
+        it and lose them now (their state is rebuilt on spares elsewhere)."""
+        known = self.nodes.get(node)
+        reason = f"network: every data path down ({', '.join(self.data_paths.names)})"
+        if known is not None and known.state == "healthy":
+            self._taint_node(node, reason, move=False)
+            self._network_taints[node] = time.time()
+        for w in list(self.workers.values()):
+            if w.role == WorkerRole.RANK and node_of(w.slot) == node:
+                self._worker_lost(w, f"node {node} lost every data path")
+
+    def _path_grace(self, now: float) -> None:
+        """A node holding ranks with a path down past --path-grace: taint it; its ranks move."""
+        if not self.data_paths.names or self.loop is None or self.exit_code is not None or self._finishing():
+            return
+        for node in sorted(self._generation_nodes(None)):
+            if node not in self.nodes or self.nodes[node].state != "healthy":
+                continue
+            down = [p for p in self.data_paths.names if node in self.data_paths.state
+                    and not self.data_paths.get(node, p).up
+                    and now - self.data_paths.get(node, p).since >= self.config.path_grace_s]
+            if not down or not any(node_of(w.slot) != node for w in self._ready_spares()):
+                continue
+            self._taint_node(node, self._network_reason(node, down, now))
+            self._network_taints[node] = now
+
+    def _probe_network_taints(self, now: float) -> None:
+        """Read the links of nodes tainted for them (no worker of the job runs there now)."""
+        if not callable(getattr(self.scheduler, "probe_links", None)):
+            return
+        for node, last in list(self._network_taints.items()):
+            if self.nodes.get(node) is None or self.nodes[node].state != "tainted":
+                self._network_taints.pop(node)
+                continue
+            if now - last >= self.config.path_hold_down_s:
+                self._network_taints[node] = now
+                self._lock.add(fx.ProbeLinks(node, tuple(self.data_paths.names)))
+
+    def _on_node_links(self, ev: m.NodeLinks) -> None:
+        """A tainted node's links as read there: each change is noted (dated now); once all
+        are up for the hold-down, none found silent by probes, the node is untainted."""
+        if ev.node not in self._network_taints:
+            return
+        now = time.time()
+        for name, up in ev.up.items():
+            if self.data_paths.get(ev.node, name).silent:
+                continue  # its link looked up while probes found it silent: the link cannot vouch for it
+            if self.data_paths.note(ev.node, name, up, now):
+                self._emit("path", {"node": ev.node, "interface": name, "up": up})
+        if len(ev.up) == len(self.data_paths.names) and \
+                all(self.data_paths.ready_again(p, {ev.node}, now, self.config.path_hold_down_s)
+                    for p in self.data_paths.names):
+            self._network_taints.pop(ev.node)
+            self._emit("note", {"message": f"node {ev.node}'s data paths are all up again: untainted"})
+            self._untaint_node(ev.node)

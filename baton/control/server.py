@@ -155,7 +155,7 @@ def _config(spec: m.AttachJob) -> Config:
                   # a local job borrows idle spares of lower-priority jobs on its host (lending.py)
                   borrow_spares=spec.borrow_spares or "nodes" not in spec.features,
                   control_grace_s=spec.control_grace_s, mode=spec.mode, data_paths=tuple(spec.data_paths),
-                  path_hold_down_s=spec.path_hold_down_s)
+                  path_hold_down_s=spec.path_hold_down_s, path_grace_s=spec.path_grace_s)
 
 
 def _printer(job_id: str) -> Callable[[str, dict[str, Any]], None]:

@@ -155,6 +155,30 @@ class SlurmScheduler:
 
         threading.Thread(target=probe, name=f"baton-probe-{node}", daemon=True).start()
 
+    def probe_links(self, node: str, names: list[str], done: Callable[[dict[str, bool], str], None]) -> None:
+        """The state of `node`'s data links, read there (`ip -o link show`, in the node's
+        network namespace, as a job step), answered on a thread: up means up and running."""
+
+        def probe() -> None:
+            argv = ["srun", "--jobid", self.alloc.job_id, "--overlap", "--nodes=1", "--ntasks=1",
+                    f"--nodelist={node}", "--job-name=baton-links", "--quiet", "ip", "-o", "link", "show"]
+            try:
+                r = subprocess.run(argv, env=self.base_env, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S)
+            except (subprocess.TimeoutExpired, OSError) as exc:
+                done({}, f"could not read {node}'s links: {exc}")
+                return
+            up = {}
+            for line in r.stdout.splitlines():
+                fields = line.split()
+                if len(fields) > 2:
+                    name = fields[1].rstrip(":").split("@")[0]
+                    flags = fields[2].strip("<>").split(",")
+                    if name in names:
+                        up[name] = "UP" in flags and "LOWER_UP" in flags
+            done(up, "" if r.returncode == 0 else r.stderr.strip()[:300])
+
+        threading.Thread(target=probe, name=f"baton-links-{node}", daemon=True).start()
+
     def borrow(self, done: Callable[[str | None, str], None]) -> None:
         """Ask Slurm for one more whole node, on a thread: an exclusive allocation that Slurm
         grants by preempting (requeueing) a lower-priority job where no node is free. Answers
