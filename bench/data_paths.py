@@ -7,13 +7,13 @@ Slurm and munge as `make setup` installs them).
 
 Each round, in alternating order:
   "failover": 2 nodes x 1 rank + a spare node, `--data-paths rail1,rail2 --path-hold-down 1`
-      (baton/examples/train.py, a 256-wide MLP, 2000 steps). At step 20 rank 1's node's
+      (baton/examples/train.py, a 256-wide MLP, 1500 steps). At step 20 rank 1's node's
       rail1 is set down; then, once the job runs over rail2, set up again. Measured: from the
       link set down to every rank training again (the ledger's resumed_at, same host clock),
       the ledger's downtime, steps lost and re-run; from the link set up to the job back on
       both rails, and that restore's pause.
   "two rails" / "one rail": the same job, steady, over rail1 and rail2 or rail1 only: the
-      median step time the ranks report (steps 20-80).
+      median step time the ranks report (steps 20-1200).
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ SCRIPT_ARGS = ["--width", "256", "--depth", "3"]
 
 
 def _job(cluster: SlurmCluster, work: Path, name: str, paths: str, steps: int) -> Job:
+    cluster.wait_idle(120)  # the previous run's allocation released (a killed one takes a moment)
     return Job(work, nproc=1, steps=steps, script_args=SCRIPT_ARGS, env=cluster.env, name=name,
                run_args=[*RUN_ARGS, "--data-paths", paths], launch=["salloc", "-N3", "--no-kill", "--quiet"])
 
@@ -51,7 +52,7 @@ def _rank_node(st: dict, rank: int) -> str:
 
 
 def failover(cluster: SlurmCluster, work: Path, i: int) -> dict:
-    job = _job(cluster, work, f"failover-{i}", "rail1,rail2", 2000)
+    job = _job(cluster, work, f"failover-{i}", "rail1,rail2", 1500)
     node = None
     try:
         st = job.wait_step(20, timeout=180)
@@ -63,9 +64,12 @@ def failover(cluster: SlurmCluster, work: Path, i: int) -> dict:
         node = None
         job.wait_until(lambda s: s["data_paths"]["in_use"] == ["rail1", "rail2"] and not s["operation"],
                        timeout=120, what="restore")
+        if job.wait(timeout=300) != 0:
+            raise RuntimeError(f"failover round {i}: the job failed:\n{job.log()}")
         events = job.events()
     finally:
         job.kill()
+        cluster.run("scancel", "--full", "-u", "root", check=False)
         if node is not None:
             cluster.rails.set_link(node, "rail1", True)
     down = next(e for e in events if e["kind"] == "path-failover")
@@ -77,19 +81,20 @@ def failover(cluster: SlurmCluster, work: Path, i: int) -> dict:
 
 
 def steady(cluster: SlurmCluster, work: Path, paths: str, i: int) -> dict:
-    job = _job(cluster, work, f"steady-{paths.replace(',', '-')}-{i}", paths, 100)
+    job = _job(cluster, work, f"steady-{paths.replace(',', '-')}-{i}", paths, 1500)
     samples = []
     try:
         job.wait_step(20, timeout=180)
         while True:
             st = job.status()
-            if st["ranks"][0]["step"] >= 80 or job.proc.poll() is not None:
+            if st["ranks"][0]["step"] >= 1200 or job.proc.poll() is not None:
                 break
             samples += [r["metrics"]["step_time"] for r in st["ranks"] if r["metrics"].get("step_time")]
             time.sleep(0.2)
         job.wait(timeout=120)
     finally:
         job.kill()
+        cluster.run("scancel", "--full", "-u", "root", check=False)
     return {"step_s": statistics.median(samples) if samples else None, "samples": len(samples)}
 
 

@@ -36,7 +36,8 @@ class Recovery:
         self._reset_ddp()
         in_use = self.group.paths
         self.group.drop()
-        ctl.probe_paths(in_use)  # a path silent with its link up: reported before this rank's Recover
+        if "timed out" in error.lower():  # a path silent with its link up stalls a collective to its timeout:
+            ctl.probe_paths(in_use)  # found by probes, reported before this rank's Recover
         pos = self.pos
         unit_reported = False
         if in_step:
