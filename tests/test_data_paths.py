@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -235,4 +236,38 @@ def test_both_rails_of_a_node_down_lose_its_rank_at_once_and_it_is_rebuilt_on_th
     assert all(e["status"] == "resolved" for e in events), events
     tainted = {n["node"]: n for n in st["nodes"]}[node]
     assert tainted["state"] == "tainted" and "every data path down" in tainted["reason"], tainted
+    compare(reference, tmp_path / "baton")
+
+
+def test_a_flapping_rail_costs_one_failover_and_is_damped(tmp_path, slurm, torchrun_reference):
+    """Rank 1's node's rail1 goes down and up every second for ten seconds: the first down
+    fails over; it never stays up for the 1 s hold-down, so the job does not re-form at each
+    flap; by its third down it is damped, which the ledger says. Bitwise, as ever."""
+    reference = torchrun_reference(SCRIPT, [*LONG, "--export", "{d}/export"])
+    job = _job(tmp_path, slurm, args=LONG)
+    node = None
+    try:
+        st = job.wait_step(20, timeout=180)
+        node = _node_of_rank(st, 1)
+        for _ in range(10):
+            slurm.rails.set_link(node, "rail1", False)
+            time.sleep(0.5)
+            slurm.rails.set_link(node, "rail1", True)
+            time.sleep(0.5)
+        flapped = node
+        node = None
+        st = job.status()
+        assert st["state"] == "running", job.log()  # still training: the flaps landed mid-run
+        link = next(x for x in st["data_paths"]["links"] if x["node"] == flapped and x["interface"] == "rail1")
+        assert link["damped"] and link["downs"] == 10, link
+        assert job.wait(timeout=300) == 0, job.log()
+        events = job.events()
+    finally:
+        job.kill()
+        if node is not None:
+            slurm.rails.set_link(node, "rail1", True)
+    kinds = [e["kind"] for e in events]
+    assert kinds[:2] == ["path-failover", "path-damped"] and "path-failover" not in kinds[2:], events
+    assert set(kinds[2:]) <= {"path-restored"}, events  # once its penalty decays, if the job is still running
+    assert "flapping (down 3 times" in events[1]["cause"], events
     compare(reference, tmp_path / "baton")
