@@ -138,6 +138,7 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing, PathFa
         self.data_paths = DataPaths(list(config.data_paths))
         self.generation_paths: list[str] = list(config.data_paths)  # the paths of the newest generation formed
         self._network_taints: dict[str, float] = {}  # node tainted for its links -> when they were last read
+        self._paths_of: tuple[int, list[str]] = (-1, [])  # the generation the paths were chosen for, and them
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:

@@ -147,10 +147,14 @@ class PathFailover:
         other members answer probes on them."""
         if not self.data_paths.names:
             return cmd
-        paths = self.data_paths.usable(self._generation_nodes(self.op), self.generation_paths, time.time(),
-                                       self.config.path_hold_down_s)
-        if not paths:  # no path every node has: the first configured, and the collectives say the rest
-            paths = self.data_paths.names[:1]
+        if self._paths_of[0] == cmd.generation:  # one choice per generation: every member the same devices
+            paths = self._paths_of[1]
+        else:
+            paths = self.data_paths.usable(self._generation_nodes(self.op), self.generation_paths, time.time(),
+                                           self.config.path_hold_down_s)
+            if not paths:  # no path every node has: the first configured, and the collectives say the rest
+                paths = self.data_paths.names[:1]
+            self._paths_of = (cmd.generation, list(paths))
         self.generation_paths = list(paths)
         peers = [{p: w.path_addrs[p] for p in paths if p in w.path_addrs}
                  for w in self._generation_members(self.op) if w.id != worker_id and w.path_addrs]
