@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ipaddress
 import secrets
+import subprocess
 import time
 
 from tests.node_network import NodeNetwork, _ip, _used_networks
@@ -66,6 +67,13 @@ class RailNetwork:
     def set_link(self, node: str, rail: str, up: bool) -> float:
         """Take a node's port on a rail down or up; returns when (time.time())."""
         _ip("-n", self.network.ns(node), "link", "set", rail, "up" if up else "down")
+        return time.time()
+
+    def set_links(self, node: str, rails: list[str], up: bool) -> float:
+        """Several of a node's ports at once (one `ip -batch`: a NIC or its driver lost)."""
+        state = "up" if up else "down"
+        subprocess.run(["ip", "-n", self.network.ns(node), "-batch", "-"], check=True, timeout=20, text=True,
+                       input="".join(f"link set {r} {state}\n" for r in rails), capture_output=True)
         return time.time()
 
     def blackhole(self, node: str, rail: str, on: bool = True) -> float:

@@ -219,6 +219,7 @@ class PathChanged(_Dated):
     interface: Iface
     up: bool
     detail: Annotated[str, Field(max_length=500)] = ""
+    down_now: list[Iface] = []  # every watched link of the node down as this was seen
 
 
 class PathsReady(_Msg):

@@ -502,8 +502,8 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing, PathFa
             self.ranks[w.rank].reached = max(self.ranks[w.rank].reached, rep.pos[0])
 
     def _on_verified(self, w: Worker, rep: m.Verified) -> None:
-        if rep.ok:
-            return
+        if rep.ok or w.role == WorkerRole.GONE:
+            return  # a lost worker's word on its own state no longer counts: its rank is being rebuilt
         ev = self._new_event(EventKind.DIVERGENCE, f"state check failed: {rep.detail}", w.rank,
                              w.slot)
         ev.status, ev.step = "failed", rep.pos[0]

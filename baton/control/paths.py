@@ -160,6 +160,16 @@ class PathFailover:
                  for w in self._generation_members(self.op) if w.id != worker_id and w.path_addrs]
         return cmd.model_copy(update={"paths": paths, "path_peers": peers})
 
+    def _note_path(self, node: str, interface: str, up: bool, at: float, detail: str) -> bool:
+        """Record a path's change on a node (False: no change), and damp it if it flaps."""
+        if not self.data_paths.note(node, interface, up, at):
+            return False
+        self.data_paths.get(node, interface).silent = not up and bool(detail)
+        self._emit("path", {"node": node, "interface": interface, "up": up})
+        if not up and self.data_paths.get(node, interface).went_down(at):
+            self._damped(node, interface)
+        return True
+
     def _on_paths_ready(self, w: Worker, rep: m.PathsReady) -> None:
         w.path_addrs = {name: tuple(addr) for name, addr in rep.addrs.items()}  # type: ignore[misc]
 
@@ -172,12 +182,11 @@ class PathFailover:
                 not st.up and not st.silent for n, paths in self.data_paths.state.items() if n != node
                 for p, st in paths.items() if p == rep.interface):
             return  # silent towards a node whose own link on it is down: explained there, not here
-        if not self.data_paths.note(node, rep.interface, rep.up, at):
+        for other in rep.down_now:  # lost together with it: decided together
+            if other != rep.interface and other in self.data_paths.names:
+                self._note_path(node, other, False, at, "")
+        if not self._note_path(node, rep.interface, rep.up, at, rep.detail):
             return
-        self.data_paths.get(node, rep.interface).silent = not rep.up and bool(rep.detail)
-        self._emit("path", {"node": node, "interface": rep.interface, "up": rep.up})
-        if not rep.up and self.data_paths.get(node, rep.interface).went_down(at):
-            self._damped(node, rep.interface)
         if rep.up or self.exit_code is not None or rep.interface not in self.generation_paths:
             return
         holds_ranks = any(self.workers[i.worker].role == WorkerRole.RANK and node_of(self.workers[i.worker].slot) == node

@@ -75,10 +75,12 @@ class LinkWatcher:
             self._check()
 
     def _check(self) -> None:
+        """Read every link first, then tell each change: a report then says all that is down
+        (links lost together are decided together)."""
         now = time.time()
-        for name in self.names:
-            up = bool(link_state(name))
-            if up != self.state[name]:
-                self.state[name] = up
-                log.info("data link %s %s", name, "up" if up else "down")
-                self.changed(name, up, now)
+        seen = {name: bool(link_state(name)) for name in self.names}
+        changed = [name for name in self.names if seen[name] != self.state[name]]
+        self.state.update(seen)
+        for name in changed:
+            log.info("data link %s %s", name, "up" if seen[name] else "down")
+            self.changed(name, seen[name], now)

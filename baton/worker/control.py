@@ -107,7 +107,8 @@ class ControlChannel:
         from baton.net.links import LinkWatcher
 
         def changed(name: str, up: bool, _at: float) -> None:
-            self.report(m.PathChanged(interface=name, up=up))
+            down = [n for n, ok in self._links.state.items() if not ok] if self._links is not None else []
+            self.report(m.PathChanged(interface=name, up=up, down_now=down))
 
         self._links = LinkWatcher(names, changed).start()
         for name, up in self._links.state.items():

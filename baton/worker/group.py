@@ -291,7 +291,10 @@ class LiveGroup(dist.ProcessGroup):
             raise CollectiveFailure(f"generation {generation} did not form: {exc}") from None
         prefixed = dist.PrefixStore(prefix, store.store)
         before = _socket_fds()
-        backend = gloo_backend(prefixed, self._rank, self._world, op_timeout_s, paths)
+        try:
+            backend = gloo_backend(prefixed, self._rank, self._world, op_timeout_s, paths)
+        except RuntimeError as exc:  # gloo could not connect (a data path gone meanwhile): the plan failed
+            raise CollectiveFailure(f"generation {generation} did not form: {exc}") from None
         self.drop()
         self._inner = backend
         self.paths = paths
