@@ -51,6 +51,9 @@ def _registered(tmp_path, sched, config: Config) -> Orchestrator:
     orch.start()
     for wid, _ in list(sched.started):
         orch.register(wid, m.Register(pid=1, transfer_addr=("127.0.0.1", 1000 + int(wid[1:]))))
+        if len(config.data_paths) > 1:  # where it answers probes: the first generation waits for every rank's
+            report(orch, wid, {"type": "paths_ready", "addrs": {p: ["10.0.0.1", 2000 + int(wid[1:])]
+                                                                for p in config.data_paths}})
     return orch
 
 

@@ -139,6 +139,7 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing, PathFa
         self.generation_paths: list[str] = list(config.data_paths)  # the paths of the newest generation formed
         self._network_taints: dict[str, float] = {}  # node tainted for its links -> when they were last read
         self._paths_of: tuple[int, list[str]] = (-1, [])  # the generation the paths were chosen for, and them
+        self._gen0_posted = False  # the first generation's Assign and Form went out
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -370,8 +371,12 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing, PathFa
                                 data_paths=list(self.config.data_paths)).model_dump()
 
     def _maybe_start_generation0(self) -> None:
+        probed = len(self.config.data_paths) > 1  # each rank's probe answerers known first (paths.py)
+        if self._gen0_posted:
+            return
         if all(
-            info.worker and self.workers[info.worker].role == WorkerRole.RANK for info in self.ranks.values()
+            info.worker and self.workers[info.worker].role == WorkerRole.RANK
+            and (not probed or self.workers[info.worker].paths_ready) for info in self.ranks.values()
         ):
             for r, info in self.ranks.items():
                 info.state = RankState.RUNNING
@@ -380,6 +385,7 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing, PathFa
                                                  joiner=False))
                 self._post(info.worker, m.Form(generation=0, pos=(0, 0), buddies=self._buddy_addr(r),
                                                wards=self._ward_addr(r), verify=False))
+            self._gen0_posted = True
             self._emit("started", {"world_size": self.config.world_size})
 
     def commands(self, worker_id: str, after: int, timeout: float) -> list[dict[str, Any]]:

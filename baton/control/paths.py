@@ -172,6 +172,9 @@ class PathFailover:
 
     def _on_paths_ready(self, w: Worker, rep: m.PathsReady) -> None:
         w.path_addrs = {name: tuple(addr) for name, addr in rep.addrs.items()}  # type: ignore[misc]
+        w.paths_ready = True
+        if w.role == WorkerRole.RANK and self.loop is None and self.generation == 0:
+            self._maybe_start_generation0()
 
     def _on_path(self, w: Worker, rep: m.PathChanged) -> None:
         if rep.interface not in self.data_paths.names:
@@ -207,9 +210,12 @@ class PathFailover:
         ev = self._new_event(EventKind.PATH_FAILOVER, cause, None, None)
         ev.node, ev.interface, ev.detected_at = node, rep.interface, at
         log.info("%s: re-forming over %s", cause, ", ".join(others))
+        forming = self.op is not None and self.op.kind == EventKind.UNPLANNED and self.op.phase == "forming"
         self._open_recovery(cause=cause, failed_at=at)
         if self.op is not None:
             self.op.path_events.append(ev.id)
+            if forming:  # the generation being formed uses it (found silent as it failed to connect): plan again
+                self._restart_collect(self.op)
 
     def _damped(self, node: str, interface: str) -> None:
         st = self.data_paths.get(node, interface)

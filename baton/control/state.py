@@ -72,6 +72,7 @@ class Worker:
     baton_cpu_s: float = 0.0  # baton's own part of cpu_s (see baton.selfcost)
     unheard: bool = False  # a rank silent while the job steps on: its control path is down, not the rank
     path_addrs: dict[str, tuple[str, int]] = field(default_factory=dict)  # where it answers probes, per data path
+    paths_ready: bool = False  # it said where it answers probes (PathsReady)
 
 
 @dataclass

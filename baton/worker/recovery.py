@@ -95,6 +95,8 @@ class Recovery:
             except (CollectiveFailure, dist.DistError, TransferError, OSError) as exc:
                 log.warning("recovery into generation %s failed (%s); waiting for the next plan",
                             cmd.generation, exc)
+                if "timeout" in str(exc).lower():  # gloo could not connect over a path: a silent one?
+                    ctl.probe_paths(tuple(cmd.paths))
                 self.group.drop()
                 self.pos = pos
                 continue

@@ -31,9 +31,9 @@ class StateCheck:
             with self.ctl.lock:
                 return self.ctl.abort_generation is not None and self.ctl.abort_generation > generation
 
+        self.ctl.path_peers = [dict(p) for p in cmd.path_peers]  # before: a formation that fails probes them
         self.group.form(self.store, generation, self.op_timeout, cmd.formation_timeout_s or self.formation_timeout,
                         superseded, paths=tuple(cmd.paths))
-        self.ctl.path_peers = [dict(p) for p in cmd.path_peers]
         self.pusher.set_buddies([tuple(b) for b in cmd.buddies])
         self.ward_addrs = {int(w): (str(a[0]), int(a[1])) for w, a in cmd.wards.items()}
         if self._snapshotting():
