@@ -39,6 +39,11 @@ def _node_of_rank(st: dict, rank: int) -> str:
     return next(r["slot"] for r in st["ranks"] if r["rank"] == rank).split("/")[0]
 
 
+def _over(job: Job, paths: list[str], what: str) -> dict:
+    """Wait until the job runs over `paths` with nothing moving; its status then."""
+    return job.wait_until(lambda s: s["data_paths"]["in_use"] == paths and not s["operation"], timeout=120, what=what)
+
+
 @pytest.fixture
 def reference(torchrun_reference):
     """The unmodified script under torchrun, 2 ranks on this machine, no failures."""
@@ -90,14 +95,12 @@ def test_a_rail_down_mid_step_is_routed_around_and_used_again_once_back(tmp_path
         st = job.wait_step(1, timeout=180)
         assert st["data_paths"]["in_use"] == ["rail1", "rail2"], st["data_paths"]
         node = _node_of_rank(st, 1)
-        job.wait_until(lambda s: s["data_paths"]["in_use"] == ["rail2"] and not s["operation"], timeout=120,
-                       what="the job re-formed over rail2")
+        _over(job, ["rail2"], "the job re-formed over rail2")
         status = subprocess.run([sys.executable, "-m", "baton.cli", "status", "--run-dir", str(job.run_dir)],
                                 capture_output=True, text=True, timeout=30).stdout
         assert f"data paths: rail1, rail2; in use: rail2; down: rail1 on {node}" in status, status
         slurm.rails.set_link(node, "rail1", True)
-        job.wait_until(lambda s: s["data_paths"]["in_use"] == ["rail1", "rail2"] and not s["operation"],
-                       timeout=120, what="the job re-formed over both rails again")
+        _over(job, ["rail1", "rail2"], "the job re-formed over both rails again")
         assert job.wait(timeout=240) == 0, job.log()
         events = job.events()
     finally:
@@ -153,12 +156,10 @@ def test_a_blackholed_rail_is_found_by_probes_routed_around_and_used_again_once_
         st = job.wait_step(20, timeout=180)
         node = _node_of_rank(st, 1)
         slurm.rails.blackhole(node, "rail1")
-        job.wait_until(lambda s: s["data_paths"]["in_use"] == ["rail2"] and not s["operation"], timeout=120,
-                       what="the job re-formed over rail2")
+        _over(job, ["rail2"], "the job re-formed over rail2")
         slurm.rails.blackhole(node, "rail1", on=False)
         node = None
-        job.wait_until(lambda s: s["data_paths"]["in_use"] == ["rail1", "rail2"] and not s["operation"],
-                       timeout=120, what="the job re-formed over both rails again")
+        _over(job, ["rail1", "rail2"], "the job re-formed over both rails again")
         assert job.wait(timeout=240) == 0, job.log()
         events = job.events()
     finally:
