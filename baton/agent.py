@@ -157,6 +157,10 @@ class Agent:
             node = cmd.node
             sched.probe_node(node, lambda ok, detail: self.outbox.put(
                 m.NodeProbed(node=node, ok=ok, detail=detail[:500])))
+        elif isinstance(cmd, m.ReadLinks):
+            node = cmd.node
+            sched.probe_links(node, cmd.names, lambda up, detail: self.outbox.put(
+                m.NodeLinks(node=node, up=up, detail=detail[:500])))
         elif isinstance(cmd, m.BorrowNode):
             sched.borrow(lambda node, text: self.outbox.put(
                 m.NodeBorrowed(node=node, lender=text if node else "", detail="" if node else text[:500])))

@@ -36,10 +36,12 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                    help="seconds without a heartbeat before a worker is declared hung, default 3")
     p.add_argument("--formation-timeout", type=float, default=120.0,
                    help="seconds to wait for a new process group to form, default 120")
-    p.add_argument("--data-paths", default="", metavar="IF1,IF2",
+    p.add_argument("--data-paths", default="", metavar="IF1,IF2|auto",
                    help="the network interfaces the ranks' collectives run over, the same names on every node "
                         "(rails, NICs): each collective uses one in turn, and one that goes down on a node is "
-                        "routed around (the groups re-form over the others, no rank moved); default: one path, "
+                        "routed around (the groups re-form over the others, no rank moved); 'auto': every "
+                        "interface each node of the first generation has up with an IPv4 address, except "
+                        "loopback, bridges, tunnels and the one towards the control plane; default: one path, "
                         "GLOO_SOCKET_IFNAME's first or the node's address")
     p.add_argument("--path-hold-down", type=float, default=5.0, metavar="S",
                    help="a data path that came back is used again once it has stayed up S seconds on every node "

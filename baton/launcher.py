@@ -162,6 +162,8 @@ def validate(opts: RunOptions) -> None:
     if bad or len(set(opts.data_paths)) != len(opts.data_paths):
         raise SystemExit(f"baton run: --data-paths takes distinct interface names (at most 15 letters, digits or "
                          f"'_.:@-'), comma-separated: got {','.join(opts.data_paths)!r}")
+    if "auto" in opts.data_paths and len(opts.data_paths) > 1:
+        raise SystemExit("baton run: --data-paths auto finds the interfaces itself: name them or say auto, not both")
     if opts.verify_every < 0:
         raise SystemExit("baton run: --verify-every must be >= 0")
     g = opts.gpu_limits

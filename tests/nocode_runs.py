@@ -10,6 +10,8 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -28,23 +30,63 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun(script: Path, args: list[str], nproc: int, cwd: Path, timeout: float = 170,
+def torchrun(script: Path, args: list[str], nproc: int, cwd: Path, stall_s: float = 60,
              env: dict[str, str] | None = None) -> str:
-    """Run the script under torchrun; its output (asserts exit 0)."""
+    """Run the script under torchrun; its output (asserts exit 0).
+
+    Bounded by progress, not by a guess of its length: it may run as long as it prints
+    something every `stall_s` seconds. A run that stalls is killed, whole tree, and run once
+    more: the scripts' DataLoaders fork workers every epoch, and CPython 3.11 can deadlock a
+    forked child after fork (`PyOS_AfterFork_Child` waiting on the runtime's thread-state
+    lock another thread held), plain torchrun with no baton in sight. Twice is a failure."""
     torchrun_bin = Path(sys.executable).with_name("torchrun")
     launcher = [str(torchrun_bin)] if torchrun_bin.exists() else [sys.executable, "-m", "torch.distributed.run"]
-    cmd = [*launcher, "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1", "--master_port",
-           str(free_port()), str(script), *args]
-    proc = subprocess.Popen(cmd, cwd=cwd, env={**os.environ, **ENV, **(env or {})}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise AssertionError(f"torchrun {script.name} did not finish:\n{out[-4000:]}") from None
-    assert proc.returncode == 0, out[-6000:]
-    return out
+    for attempt in (1, 2):
+        cmd = [*launcher, "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1", "--master_port",
+               str(free_port()), str(script), *args]
+        out, code = _run_watched(cmd, cwd, {**os.environ, **ENV, **(env or {})}, stall_s)
+        if code is not None:
+            assert code == 0, out[-6000:]
+            return out
+        print(f"torchrun {script.name} printed nothing for {stall_s:g}s (attempt {attempt}): killed", file=sys.stderr)
+    raise AssertionError(f"torchrun {script.name} stalled twice:\n{out[-4000:]}")
+
+
+def _run_watched(cmd: list[str], cwd: Path, env: dict[str, str], stall_s: float) -> tuple[str, int | None]:
+    """Run `cmd`; its output and exit code, or None for the code when it printed nothing for
+    `stall_s` seconds (then it and every process under it are killed)."""
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    lines: list[str] = []
+    heard = [time.monotonic()]
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            heard[0] = time.monotonic()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    while proc.poll() is None:
+        if time.monotonic() - heard[0] > stall_s:
+            for pid in [proc.pid, *_descendants(proc.pid)]:  # torchrun's ranks run in sessions of their own
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            proc.wait()
+            reader.join(timeout=10)
+            return "".join(lines), None
+        time.sleep(0.2)
+    reader.join(timeout=30)
+    return "".join(lines), proc.returncode
+
+
+def _descendants(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    kids = [int(x) for x in out.split()]
+    return kids + [g for k in kids for g in _descendants(k)]
 
 
 def exports(folder: Path, nproc: int) -> list[dict[str, Any]]:

@@ -702,6 +702,57 @@ def test_a_data_path_down_on_a_node_with_ranks_re_forms_the_job_over_the_others(
     assert st["in_use"] == ["rail2"] and [x["up"] for x in st["links"]] == [False]
 
 
+def test_data_paths_auto_takes_the_interfaces_every_node_of_the_first_generation_has(tmp_path):
+    """--data-paths auto: the workers say their nodes' candidates; the first generation waits
+    for every rank's, then runs over the names all the ranks' nodes have (a spare's node does
+    not narrow them); workers registered before are told to watch them, later ones at
+    registration, and a restarted control plane keeps them."""
+    sched = NodeScheduler()
+    orch = Orchestrator(Config(world_size=4, spares=2, ranks_per_node=2, data_paths=("auto",)),
+                        SqliteStore(tmp_path / "s.db"), sched)
+    notes: list[str] = []
+    orch.listeners.append(lambda kind, data: notes.append(data.get("message", "")) if kind == "note" else None)
+    orch.start()
+    found = {"n1": ["eth1", "rail1", "rail2"], "n2": ["rail1", "rail2"], "n3": ["rail1"]}
+    for wid, slot in list(sched.started)[:5]:  # the last spare registers later
+        reg = orch.register(wid, m.Register(pid=1, transfer_addr=("127.0.0.1", 1000 + int(wid[1:]))))
+        assert reg["discover_paths"] and reg["data_paths"] == []
+    assert orch.status()["jobs"][0]["data_paths"]["configured"] == []
+    for wid, slot in list(sched.started)[:4]:
+        assert not any(c["type"] == "assign" for c in _commands(orch, "w0"))
+        report(orch, wid, {"type": "paths_found", "interfaces": found[slot.split("/")[0]], "detail": "eth0 (x)"})
+    assert any("data paths found on every node: rail1, rail2" in n for n in notes), notes
+    for wid in ("w0", "w4"):  # a rank and the spare registered before: told to watch them
+        assert [c["names"] for c in _commands(orch, wid) if c["type"] == "watch_paths"] == [["rail1", "rail2"]]
+    report(orch, "w4", {"type": "paths_found", "interfaces": ["rail1"]})  # too late to narrow anything
+    assert not any(c["type"] == "assign" for c in _commands(orch, "w0"))  # two paths: probes' answerers first
+    for wid, _ in list(sched.started)[:4]:
+        report(orch, wid, {"type": "paths_ready", "addrs": {p: ["10.0.0.1", 2000] for p in ("rail1", "rail2")}})
+    forms = [c for c in _commands(orch, "w0") if c["type"] == "form"]
+    assert forms and forms[0]["paths"] == ["rail1", "rail2"], forms
+    late = orch.register("w5", m.Register(pid=1, transfer_addr=("127.0.0.1", 1005)))
+    assert late["data_paths"] == ["rail1", "rail2"] and not late["discover_paths"]
+    orch.store.close()
+    again = _reloaded(tmp_path, NodeScheduler(), orch.config)
+    assert again.data_paths.names == ["rail1", "rail2"] and not again.discover_paths
+
+
+def test_data_paths_auto_with_no_name_on_every_node_runs_over_the_default_device_and_says_why(tmp_path):
+    sched = RecordingScheduler(3)
+    orch = Orchestrator(Config(world_size=2, spares=1, data_paths=("auto",)), SqliteStore(tmp_path / "s.db"), sched)
+    notes: list[str] = []
+    orch.listeners.append(lambda kind, data: notes.append(data.get("message", "")) if kind == "note" else None)
+    orch.start()
+    for wid, _ in list(sched.started):
+        orch.register(wid, m.Register(pid=1, transfer_addr=("127.0.0.1", 1000 + int(wid[1:]))))
+    for wid in ("w0", "w1"):
+        report(orch, wid, {"type": "paths_found", "interfaces": [], "detail": "not data paths: eth0 (the control plane's)"})
+    forms = [c for c in _commands(orch, "w0") if c["type"] == "form"]
+    assert forms and forms[0]["paths"] == [], forms
+    assert any("no interface is a data path on every node" in n and "eth0 (the control plane's)" in n
+               for n in notes), notes
+
+
 def _fail_over(orch: Orchestrator, wid: str, interface: str) -> None:
     """`interface` seen down by `wid`'s node: the job re-forms where it stands (step 10)."""
     report(orch, wid, {"type": "path", "interface": interface, "up": False})

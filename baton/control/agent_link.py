@@ -33,6 +33,7 @@ class AgentLink:
         # Offered only where the agent's scheduler can (Slurm): the orchestrator asks for them
         # by looking for these callables, as it does of an embedded scheduler.
         self.probe_node: Callable[..., None] | None = self._probe if "nodes" in features else None
+        self.probe_links: Callable[..., None] | None = self._read_links if "nodes" in features else None
         self.drain: Callable[..., None] | None = self._drain if "nodes" in features else None
         self.resume: Callable[..., None] | None = self._resume if "nodes" in features else None
         can_borrow = "borrow" in features or self._broker is not None
@@ -55,9 +56,12 @@ class AgentLink:
     def end(self, exit_code: int, failure: str | None) -> None:
         self._send(m.EndJob(exit_code=exit_code, failure=failure))
 
-    # The answers to these come back from the agent as NodeProbed / NodeBorrowed inputs.
+    # The answers to these come back from the agent as NodeProbed / NodeLinks / NodeBorrowed inputs.
     def _probe(self, node: str, _answer: Any) -> None:
         self._send(m.ProbeNode(node=node))
+
+    def _read_links(self, node: str, names: list[str], _answer: Any) -> None:
+        self._send(m.ReadLinks(node=node, names=list(names)))
 
     def _borrow(self, answer: Any) -> None:
         if self._broker is not None:

@@ -229,8 +229,17 @@ class PathsReady(_Msg):
     addrs: dict[Iface, Addr]
 
 
+class PathsFound(_Msg):
+    """The interfaces of this worker's node that can be data paths (`--data-paths auto`,
+    baton.net.discover), and what was left out and why."""
+
+    type: Literal["paths_found"] = "paths_found"
+    interfaces: list[Iface] = Field(default_factory=list, max_length=256)
+    detail: Annotated[str, Field(max_length=2000)] = ""
+
+
 Report = Annotated[Union[Heartbeat, Ready, UnitDone, PauseAck, Paused, Recover, Formed, Verified, Finished,
-                         UserError, Left, PathChanged, PathsReady], Field(discriminator="type")]
+                         UserError, Left, PathChanged, PathsReady, PathsFound], Field(discriminator="type")]
 REPORT = TypeAdapter(Report)
 
 
@@ -255,6 +264,7 @@ class Registered(_Msg):
     # `baton serve`, which may be restarting (reports wait in the worker meanwhile).
     control_grace_s: float = 10.0
     data_paths: list[Iface] = []  # the node's data links to watch (baton run --data-paths)
+    discover_paths: bool = False  # --data-paths auto, not decided yet: report the node's (PathsFound)
 
 
 # ---------------------------------------------------------------- commands
@@ -345,7 +355,15 @@ class Done(_Msg):
     type: Literal["done"] = "done"
 
 
-Command = Annotated[Union[Assign, Pause, Publish, Form, Abort, Release, Stop, Done], Field(discriminator="type")]
+class WatchPaths(_Msg):
+    """The job's data paths, once found (`--data-paths auto`): watch them on this node."""
+
+    type: Literal["watch_paths"] = "watch_paths"
+    names: list[Iface]
+
+
+Command = Annotated[Union[Assign, Pause, Publish, Form, Abort, Release, Stop, Done, WatchPaths],
+                    Field(discriminator="type")]
 COMMAND = TypeAdapter(Command)
 
 
@@ -461,7 +479,8 @@ class AgentSync(_Msg):
     exited: dict[str, int] = Field(default_factory=dict, max_length=100_000)
 
 
-AgentReport = Annotated[Union[WorkerExited, NodeProbed, NodeBorrowed, AgentSync, Interrupted], Field(discriminator="type")]
+AgentReport = Annotated[Union[WorkerExited, NodeProbed, NodeLinks, NodeBorrowed, AgentSync, Interrupted],
+                        Field(discriminator="type")]
 AGENT_REPORT = TypeAdapter(AgentReport)
 
 
@@ -481,6 +500,14 @@ class KillWorker(_Msg):
 class ProbeNode(_Msg):
     type: Literal["probe_node"] = "probe_node"
     node: str
+
+
+class ReadLinks(_Msg):
+    """Read these data links on a node tainted for them; answered with NodeLinks."""
+
+    type: Literal["read_links"] = "read_links"
+    node: str
+    names: list[str] = Field(max_length=64)
 
 
 class DrainNode(_Msg):
@@ -511,7 +538,7 @@ class EndJob(_Msg):
     failure: str | None = None
 
 
-AgentCommand = Annotated[Union[StartWorker, KillWorker, ProbeNode, DrainNode, ResumeNode, BorrowNode, ReleaseNode,
+AgentCommand = Annotated[Union[StartWorker, KillWorker, ProbeNode, ReadLinks, DrainNode, ResumeNode, BorrowNode, ReleaseNode,
                                EndJob], Field(discriminator="type")]
 AGENT_COMMAND = TypeAdapter(AgentCommand)
 

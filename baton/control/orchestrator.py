@@ -36,7 +36,7 @@ from baton.control.homing import Homing
 from baton.control.mailbox import Mailboxes
 from baton.control.nodes import Node, NodeHealth
 from baton.control.operation import Operation, RetryMove
-from baton.control.paths import DataPaths, PathFailover
+from baton.control.paths import AUTO_PATHS, DataPaths, PathFailover
 from baton.control.planned import PlannedMoves
 from baton.control.recovery import LossStreak, Recovery
 from baton.control.spares import SparePool
@@ -135,8 +135,11 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing, PathFa
         self.lives = 0  # earlier lives of this job's control plane (restarts from its store)
         self.helper_cpu: Callable[[], float] = lambda: 0.0  # CPU of its helper processes (the store)
         self.imports_cpu: Callable[[], float] = lambda: 0.0  # the workers' imports, done once in the zygote
-        self.data_paths = DataPaths(list(config.data_paths))
-        self.generation_paths: list[str] = list(config.data_paths)  # the paths of the newest generation formed
+        # --data-paths auto: no names until the first generation's nodes said theirs (paths.py)
+        self.discover_paths = list(config.data_paths) == [AUTO_PATHS]
+        self._found_detail: dict[str, str] = {}  # node -> what its discovery left out, and why
+        self.data_paths = DataPaths([] if self.discover_paths else list(config.data_paths))
+        self.generation_paths: list[str] = list(self.data_paths.names)  # the paths of the newest generation formed
         self._network_taints: dict[str, float] = {}  # node tainted for its links -> when they were last read
         self._paths_of: tuple[int, list[str]] = (-1, [])  # the generation the paths were chosen for, and them
         self._gen0_posted = False  # the first generation's Assign and Form went out
@@ -368,12 +371,13 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing, PathFa
                                 redundancy=self._redundancy(), ranks_per_node=self._per_node(),
                                 heartbeat_timeout_s=self.config.heartbeat_timeout_s,
                                 control_grace_s=self.config.control_grace_s,
-                                data_paths=list(self.config.data_paths)).model_dump()
+                                data_paths=list(self.data_paths.names),
+                                discover_paths=self.discover_paths).model_dump()
 
     def _maybe_start_generation0(self) -> None:
-        probed = len(self.config.data_paths) > 1  # each rank's probe answerers known first (paths.py)
-        if self._gen0_posted:
+        if self._gen0_posted or not self._paths_decided():
             return
+        probed = len(self.data_paths.names) > 1  # each rank's probe answerers known first (paths.py)
         if all(
             info.worker and self.workers[info.worker].role == WorkerRole.RANK
             and (not probed or self.workers[info.worker].paths_ready) for info in self.ranks.values()

@@ -52,6 +52,7 @@ from baton.control.state import EventKind, Worker, WorkerRole
 log = logging.getLogger("baton.orchestrator")
 
 
+AUTO_PATHS = "auto"  # --data-paths auto: found on the nodes (baton.net.discover)
 PENALTY = 1000.0  # earned each time a path goes down
 HALF_LIFE_S = 30.0
 SUPPRESS = 2500.0  # damped above this (a third down within about half a minute)
@@ -168,6 +169,45 @@ class PathFailover:
         self._emit("path", {"node": node, "interface": interface, "up": up})
         if not up and self.data_paths.get(node, interface).went_down(at):
             self._damped(node, interface)
+        return True
+
+    # ------------------------------------------------------------ --data-paths auto
+    def _on_paths_found(self, w: Worker, rep: m.PathsFound) -> None:
+        w.found_paths = list(rep.interfaces)
+        log.info("%s (%s) can run data paths over %s%s", w.id, w.slot, ", ".join(rep.interfaces) or "nothing",
+                 f"; {rep.detail}" if rep.detail else "")
+        self._found_detail[node_of(w.slot)] = rep.detail
+        if self.discover_paths and not self._gen0_posted:
+            self._maybe_start_generation0()
+
+    def _paths_decided(self) -> bool:
+        """Whether the job's data paths are known; with `--data-paths auto`, they are decided
+        here once every rank of the first generation said its node's candidates: the names
+        every one of those nodes has, in name order. Workers registered before then are told
+        to watch them."""
+        if not self.discover_paths:
+            return True
+        found: dict[str, list[str]] = {}
+        for info in self.ranks.values():
+            w = self.workers.get(info.worker or "")
+            if w is None or w.found_paths is None:
+                return False
+            found.setdefault(node_of(w.slot), w.found_paths)
+        common = sorted(set.intersection(*(set(f) for f in found.values()))) if found else []
+        self.discover_paths = False
+        self.data_paths = DataPaths(common)
+        self.generation_paths = list(common)
+        each = "; ".join(f"{n}: {', '.join(f) or 'none'}" for n, f in sorted(found.items()))
+        if common:
+            self._emit("note", {"message": f"data paths found on every node: {', '.join(common)} ({each})"})
+        else:
+            why = "; ".join(f"{n}: {d}" for n, d in sorted(self._found_detail.items()) if d and n in found)
+            self._emit("note", {"message": f"--data-paths auto: no interface is a data path on every node ({each}"
+                                           f"{'; ' + why if why else ''}): the groups run over the default device"})
+        for w in self.workers.values():
+            if common and w.role in (WorkerRole.RANK, WorkerRole.SPARE):
+                self._post(w.id, m.WatchPaths(names=common))
+        self._persist(force=True)
         return True
 
     def _on_paths_ready(self, w: Worker, rep: m.PathsReady) -> None:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from baton.control import messages as m
 from baton.control.nodes import Node
 from baton.control.operation import Move, Operation, RetryMove
+from baton.control.paths import DataPaths
 from baton.control.state import Event, EventKind, RankInfo, RankState, Slot, Worker, WorkerRole, to_json
 
 if TYPE_CHECKING:
@@ -35,6 +36,7 @@ def job_record(orch: Orchestrator) -> dict[str, Any]:
         "home": {str(r): s for r, s in orch.home.items()},
         "training_done": orch._training_done, "final_code": orch._final_code, "failure": orch.failure,
         "retry_moves": [to_json(x) for x in orch._retry_moves],
+        "data_paths": None if orch.discover_paths else orch.data_paths.names,  # --data-paths auto: as found
         "op": None if op is None else {
             "id": op.id, "kind": op.kind.value, "generation": op.generation, "phase": op.phase,
             "failed_at": op.failed_at, "target_step": op.target_step,
@@ -61,6 +63,10 @@ def restore(orch: Orchestrator, store: SqliteStore) -> bool:
     orch._training_done, orch._final_code = job["training_done"], job["final_code"]
     orch.failure = job.get("failure")
     orch._retry_moves = [RetryMove(**x) for x in job.get("retry_moves", [])]
+    if orch.discover_paths and job.get("data_paths") is not None:
+        orch.discover_paths = False
+        orch.data_paths = DataPaths(job["data_paths"])
+        orch.generation_paths = list(job["data_paths"])
     for name, body in store.all("slot").items():
         orch.slots[name] = Slot(**body)
     for name, body in store.all("node").items():

@@ -73,6 +73,7 @@ class Worker:
     unheard: bool = False  # a rank silent while the job steps on: its control path is down, not the rank
     path_addrs: dict[str, tuple[str, int]] = field(default_factory=dict)  # where it answers probes, per data path
     paths_ready: bool = False  # it said where it answers probes (PathsReady)
+    found_paths: list[str] | None = None  # its node's data-path candidates (--data-paths auto), once said
 
 
 @dataclass

@@ -16,6 +16,7 @@ import queue
 import threading
 import time
 from typing import Any, Callable
+from urllib.parse import urlparse
 
 import httpx
 from pydantic import BaseModel, ValidationError
@@ -99,6 +100,11 @@ class ControlChannel:
                 log.warning("heartbeats go over HTTP: cannot reach %s over UDP (%s)", reg.heartbeat_addr, exc)
         if reg.data_paths and self._links is None:
             self._watch_links(reg.data_paths)
+        if reg.discover_paths:
+            from baton.net.discover import discover
+
+            found = discover(urlparse(self.reach.url).hostname or "127.0.0.1")
+            self.report(m.PathsFound(interfaces=found.names, detail=found.detail[:2000]))
         return reg
 
     def _watch_links(self, names: list[str]) -> None:
@@ -198,6 +204,10 @@ class ControlChannel:
                 time.sleep(0.25)
 
     def _handle(self, cmd: BaseModel) -> None:
+        if isinstance(cmd, m.WatchPaths):
+            if self._links is None:
+                self._watch_links(cmd.names)
+            return
         if isinstance(cmd, m.Pause):
             target = cmd.at_step
             with self.lock:
