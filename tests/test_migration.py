@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -59,6 +61,13 @@ def test_planned_migration_is_bitwise_identical(tmp_path, reference):
         job.client.migrate(1)
         events = _check(job, reference, "planned", rerun_max=0)
         assert events[0]["rank"] == 1
+        phases = events[0]["phases"]  # where the downtime went, summing to it
+        assert list(phases) == ["fetch", "load", "form", "verify", "rest"], phases
+        assert abs(sum(phases.values()) - events[0]["downtime_s"]) < 0.01, (phases, events[0])
+        assert phases["fetch"] > 0
+        shown = subprocess.run([sys.executable, "-m", "baton.cli", "events", "--run-dir", str(job.run_dir)],
+                               capture_output=True, text=True, timeout=60).stdout
+        assert "MB moved; fetch " in shown and ", rest " in shown, shown
     finally:
         job.kill()
 

@@ -176,6 +176,9 @@ class Formed(_Dated):
     # How long the joiner's step loop waited for its state: less than `seconds` when the
     # fetch ran while the script was still setting up.
     fetch_wait_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
+    # A joiner: where its part of the move went, in seconds (fetch, load, form, verify).
+    phases: dict[Annotated[str, Field(max_length=20)], Annotated[float, Field(ge=0, allow_inf_nan=False)]] = \
+        Field(default_factory=dict, max_length=10)
     # A no-code successor that ran code of its rank again before it formed (the step its
     # predecessor was lost after, or the region after the step loop), and for how long.
     ran_again: Annotated[str, Field(max_length=300)] = ""

@@ -61,6 +61,7 @@ class Operation:
     transfer_s: float = 0.0
     joiner_setup_s: float = 0.0  # the slowest joiner's script setup after its assignment
     transfer_wait_s: float = 0.0  # the longest a joiner waited for its state after its setup
+    joiner_phases: dict[str, float] = field(default_factory=dict)  # the slowest joiner's (Formed.phases)
     waiting_message: str | None = None
     rerun: bool = False  # some survivor discarded a partial step and re-runs it
     target: tuple[int, int] | None = None  # the position the new generation forms at

@@ -463,6 +463,8 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing, PathFa
             op.transfer_wait_s = max(op.transfer_wait_s, rep.fetch_wait_s)
         if rep.setup_s and op:
             op.joiner_setup_s = max(op.joiner_setup_s, rep.setup_s)
+        if rep.phases and op and sum(rep.phases.values()) >= sum(op.joiner_phases.values()):
+            op.joiner_phases = dict(rep.phases)
         if rep.ran_again and op and w.rank in op.moves:
             ev = self.events[op.moves[w.rank].event_id - 1]
             ev.note = "; ".join(n for n in (ev.note, rep.ran_again) if n)
@@ -846,6 +848,10 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing, PathFa
             ev.transfer_s = round(op.transfer_s, 4) if op.transfer_s else None
             ev.joiner_setup_s = round(op.joiner_setup_s, 4) if op.joiner_setup_s else None
             ev.transfer_wait_s = round(op.transfer_wait_s, 4) if op.transfer_bytes else None
+            if op.joiner_phases:  # where the downtime went: the joiner's part, and the rest (agreeing,
+                # pausing, the sources publishing, the survivors forming, messages)
+                ev.phases = {**op.joiner_phases,
+                             "rest": round(max(0.0, ev.downtime_s - sum(op.joiner_phases.values())), 4)}
             # From what the ranks reported: a step every rank had completed that must run again
             # is lost progress; a step some rank abandoned half way is the in-flight step re-run.
             resumed = op.target_step or 0

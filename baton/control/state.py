@@ -111,6 +111,7 @@ class Event:
     transfer_s: float | None = None
     joiner_setup_s: float | None = None  # the joiner's script from its assignment to its step loop
     transfer_wait_s: float | None = None  # the part of transfer_s the joiner waited for after its setup
+    phases: dict[str, float] | None = None  # where a move's downtime went: the joiner's fetch, load, form, verify; rest
     step: int | None = None
     status: str = "in-progress"  # in-progress | resolved | failed
     note: str = ""

@@ -73,7 +73,10 @@ class Joining:
                      gen, self.pos, t_fetched - t0, stats.bytes, t_loaded - t_fetched, t_formed - t_loaded,
                      t_verified - t_formed)
             self.ctl.report(m.Formed(generation=gen, pos=self.pos, bytes=stats.bytes, seconds=round(stats.seconds, 4),
-                                     setup_s=round(self.setup_s, 4), fetch_wait_s=round(t_fetched - t0, 4)))
+                                     setup_s=round(self.setup_s, 4), fetch_wait_s=round(t_fetched - t0, 4),
+                                     phases={"fetch": round(t_fetched - t0, 4), "load": round(t_loaded - t_fetched, 4),
+                                             "form": round(t_formed - t_loaded, 4),
+                                             "verify": round(t_verified - t_formed, 4)}))
             self.joiner = False
             fence.lift()
             return
