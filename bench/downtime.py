@@ -16,6 +16,8 @@ What is measured:
   unplanned_s         kill -9 (taken just before os.kill) -> every rank formed again
                       (ledger resumed_at; same host clock)
   unplanned_ledger_s  ledger downtime_s of the recovery: failure detected -> every rank formed
+  phases              per kind, the ledger's phases of each move (the slowest joiner's fetch,
+                      load, form, verify; the rest) and its joiner's script setup, medians
   raw_tcp_s, raw_shm_s  see rawcopy.tcp_copy_s / rawcopy.shm_copy_s
 Each is {"median", "min", "max", "n"} over the repetitions. `fit` is a least-squares line
 downtime_median = slope * raw_tcp_median + intercept_s across the sizes (numpy.polyfit):
@@ -189,6 +191,7 @@ def _one_size(mb: float, moves: int, tmp: Path, python: str) -> dict:
     log_path = tmp / f"downtime-{tag}.log"
     print(f"  [{tag}] starting 2 ranks + 1 spare ({params_m:.2f}M params); log {log_path}", flush=True)
     planned, transfer, unplanned, unplanned_ledger, state_bytes = [], [], [], [], []
+    phases: dict[str, list[dict]] = {"planned": [], "unplanned": []}  # each move's ledger phases
     job = _Job(python, tmp / f"run-{tag}", log_path, params_m, start_timeout)
     try:
         job.ready(start_timeout)
@@ -199,6 +202,7 @@ def _one_size(mb: float, moves: int, tmp: Path, python: str) -> dict:
             ev = job.resolved_event(n, "planned", op_timeout)
             planned.append(ev["downtime_s"])
             transfer.append(ev["transfer_s"])
+            phases["planned"].append({**(ev.get("phases") or {}), "joiner_setup": ev.get("joiner_setup_s") or 0.0})
             if ev["state_bytes"]:
                 state_bytes.append(int(ev["state_bytes"]))
             print(f"  [{tag}] planned move {i + 1}/{moves} (rank {rank}): downtime {ev['downtime_s']:.3f}s "
@@ -213,6 +217,7 @@ def _one_size(mb: float, moves: int, tmp: Path, python: str) -> dict:
             ev = job.resolved_event(n, "unplanned", op_timeout)
             unplanned.append(ev["resumed_at"] - t_kill)
             unplanned_ledger.append(ev["downtime_s"])
+            phases["unplanned"].append({**(ev.get("phases") or {}), "joiner_setup": ev.get("joiner_setup_s") or 0.0})
             print(f"  [{tag}] unplanned recovery {i + 1}/{moves} (kill -9 rank {victim}): kill -> all formed "
                   f"{ev['resumed_at'] - t_kill:.3f}s (ledger downtime {ev['downtime_s']:.3f}s)", flush=True)
             if i + 1 < moves:
@@ -241,6 +246,10 @@ def _one_size(mb: float, moves: int, tmp: Path, python: str) -> dict:
            "planned_s": median_range(planned), "unplanned_s": median_range(unplanned),
            "unplanned_ledger_s": median_range(unplanned_ledger), "transfer_s": median_range(transfer),
            "raw_tcp_s": median_range(tcp), "raw_shm_s": median_range(shm)}
+    # Where each kind's downtime went, phase by phase (the ledger's), medians over the moves.
+    out["phases"] = {kind: {k: median_range([p.get(k, 0.0) for p in runs])
+                            for k in dict.fromkeys(k for p in runs for k in p)}
+                     for kind, runs in phases.items() if runs}
     out["planned_over_tcp"] = ratio(out["planned_s"]["median"], out["raw_tcp_s"]["median"])
     out["unplanned_over_tcp"] = ratio(out["unplanned_s"]["median"], out["raw_tcp_s"]["median"])
     print(f"  [{tag}] {nbytes / 1e6:.1f} MB: planned {out['planned_s']['median']:.3f}s, unplanned "

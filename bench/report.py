@@ -421,10 +421,23 @@ def move_cost_sentence(result: dict) -> str | None:
         return None
     parts = ([f"a planned move took {p / t:.1f}×"] if p is not None else []) + \
         ([f"an unplanned recovery {u / t:.1f}×"] if u is not None else [])
+    where = _phases_text(big.get("phases") or {})
     return (f"Moving large state costs several raw copies of it: at {_bytes(big['state_bytes'])} "
             f"{' and '.join(parts)} a raw loopback TCP copy of the same bytes (medians, measured "
-            f"{result.get('date', '?')}; the joiner receives into fresh memory and both sides checksum every "
-            "chunk); see [docs/benchmarks.md](docs/benchmarks.md).")
+            f"{result.get('date', '?')}{'; ' + where if where else ''}); see "
+            "[docs/benchmarks.md](docs/benchmarks.md).")
+
+
+def _phases_text(phases: dict) -> str:
+    """Where the moves' downtime went, from the ledger's phases: 'planned: fetch 0.48 s, ...'."""
+    out = []
+    for kind, per in phases.items():
+        shown = [f"{k.replace('_', ' ')} {_secs(_med(v))}" for k, v in per.items()
+                 if _med(v) is not None and (k != "joiner_setup" or kind == "unplanned")]
+        if shown:
+            out.append(f"{kind}: {', '.join(shown)}")
+    return ("where the time went (ledger phases; an unplanned joiner runs the script's setup after the "
+            "failure): " + "; ".join(out)) if out else ""
 
 
 # ----------------------------------------------------------------------------- page sections

@@ -80,6 +80,7 @@ def _commands(orch: Orchestrator, wid: str) -> list[dict]:
 def test_boundary_is_retargeted_when_a_rank_is_past_it(tmp_path):
     orch, _ = _running(tmp_path)
     op = orch.handle(m.MigrateRequest(rank=0))["op"]
+    _joiners_ready(orch)
     target = orch.op.target_step
     # rank 0 accepts; rank 1 was already past the target
     report(orch, "w0", {"type": "pause_ack", "op": op, "ok": True, "next_step": target})
@@ -96,6 +97,30 @@ def test_boundary_is_retargeted_when_a_rank_is_past_it(tmp_path):
     assert any(c["type"] == "publish" and c["leave"] for c in _commands(orch, "w0"))
     spare_form = [c for c in _commands(orch, "w2") if c["type"] == "form"]
     assert spare_form and spare_form[0]["fetch_from"] == [["127.0.0.1", 1000]] and spare_form[0]["full_state"]
+
+
+def test_a_planned_move_pauses_nobody_until_its_joiner_is_at_its_step_loop(tmp_path):
+    """The joiner runs the script's setup while the ranks train on: they are asked to pause
+    only once it said Ready. A joiner lost in its setup stops nothing (no Abort, no re-form):
+    another spare takes its place; and one still in its setup at --formation-timeout has
+    the ranks pause for it anyway."""
+    sched = RecordingScheduler(6)
+    orch = _started(tmp_path, sched, Config(world_size=2, spares=2, formation_timeout_s=30))
+    op = orch.handle(m.MigrateRequest(rank=1))["op"]
+    first = orch.op.moves[1].to_worker
+    assert orch.op.phase == "prepare" and not any(c["type"] == "pause" for c in _commands(orch, "w0"))
+    assert [c["type"] for c in _commands(orch, first)] == ["assign"]
+    orch.handle(m.WorkerExited(worker_id=first, returncode=-9))  # killed in its setup
+    assert not any(c["type"] in ("pause", "abort") for w in ("w0", "w1") for c in _commands(orch, w))
+    ev = orch.event_list()[0]
+    assert (ev["status"], ev["note"]) == ("failed", "its joiner was lost before the ranks paused; the move runs again")
+    assert orch.op is not None and orch.op.id != op and orch.op.phase == "prepare"
+    second = orch.op.moves[1].to_worker
+    assert second not in (None, first)
+    orch.op.deadline = time.time() - 1  # still in its setup at the formation timeout
+    orch.handle(m.Tick(now=time.time()))
+    pauses = [c for c in _commands(orch, "w0") if c["type"] == "pause"]
+    assert orch.op.phase == "agree" and len(pauses) == 1 and pauses[0]["at_step"] == orch.op.target_step
 
 
 def test_a_move_is_cancelled_when_the_job_finishes_first(tmp_path):
@@ -137,6 +162,7 @@ def test_a_moves_downtime_runs_from_the_first_pause_to_the_last_formation_as_the
     wait, on no clock but the orchestrator's."""
     orch, _ = _running(tmp_path)
     op = orch.handle(m.MigrateRequest(rank=1))["op"]
+    _joiners_ready(orch)
     target = orch.op.target_step
     for w in ("w0", "w1"):
         report(orch, w, {"type": "pause_ack", "op": op, "ok": True, "next_step": target})
@@ -226,6 +252,7 @@ def _expire(orch: Orchestrator) -> None:
 def test_a_rank_that_never_answers_the_pause_request_is_asked_again_then_lost(tmp_path):
     orch, sched = _running(tmp_path, spares=2)
     op = orch.handle(m.MigrateRequest(rank=0))["op"]
+    _joiners_ready(orch)
     report(orch, "w0", {"type": "pause_ack", "op": op, "ok": True, "next_step": 11})
     _expire(orch)
     assert orch.op.phase == "agree" and "w1" not in sched.killed
@@ -240,6 +267,7 @@ def test_a_rank_that_never_answers_the_pause_request_is_asked_again_then_lost(tm
 def test_a_rank_that_stops_short_of_the_agreed_step_is_lost_once_the_others_waited(tmp_path):
     orch, sched = _running(tmp_path, spares=2)
     op = orch.handle(m.MigrateRequest(rank=0))["op"]
+    _joiners_ready(orch)
     target = orch.op.target_step
     for w in ("w0", "w1"):
         report(orch, w, {"type": "pause_ack", "op": op, "ok": True, "next_step": 11})
@@ -380,8 +408,18 @@ def test_taint_of_a_node_moves_all_its_ranks_in_one_move_and_untaint_resumes_it(
     assert not any(s["taint"] for s in orch.status()["jobs"][0]["slots"])
 
 
+def _joiners_ready(orch: Orchestrator) -> None:
+    """The planned move's joiners reach their step loop (Ready): the ranks are asked to pause."""
+    assert orch.op is not None and orch.op.phase == "prepare" and not orch.op.target_step
+    for mv in list(orch.op.moves.values()):
+        report(orch, mv.to_worker, {"type": "ready", "loop": LOOP, "joined": True})
+    assert orch.op.phase == "agree"
+
+
 def _run_planned(orch: Orchestrator, step: int = 12) -> None:
     """Drive the current planned move to its end as the workers would."""
+    if orch.op.phase == "prepare":
+        _joiners_ready(orch)
     op = orch.op
     holders = {r: i.worker for r, i in orch.ranks.items()}
     for r, wid in holders.items():
@@ -563,6 +601,7 @@ def test_a_restarted_control_plane_reloads_the_job_and_numbers_commands_above_it
     # each rank's own durable state (as JSON: a position comes back as a list)
     assert all(again.ranks[r].held == json.loads(json.dumps(orch.ranks[r].held)) for r in range(3))
     again.handle(m.MigrateRequest(rank=1))
+    _joiners_ready(again)
     pauses = [c for c in _commands(again, "w1") if c["type"] == "pause"]
     assert pauses and pauses[0]["seq"] > last_seq  # a worker polling `after=last_seq` gets them
 

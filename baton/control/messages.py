@@ -76,6 +76,7 @@ class Heartbeat(_Msg):
     step_time: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
     busy_time: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None  # own work until the last bucket
     snapshot_mb: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None  # shard snapshots held (host memory)
+    state_mb: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None  # the replicated state a joiner receives
     metrics: Annotated[dict[Annotated[str, Field(max_length=64)], float], Field(max_length=64)] = {}
     cpu: CpuReport | None = None
     gpu: GpuReading | None = None  # NVML readings of the slot's GPU, where there is one
@@ -268,6 +269,7 @@ class Registered(_Msg):
     control_grace_s: float = 10.0
     data_paths: list[Iface] = []  # the node's data links to watch (baton run --data-paths)
     discover_paths: bool = False  # --data-paths auto, not decided yet: report the node's (PathsFound)
+    receive_mb: float = 0.0  # a spare: map this much receive memory ahead (baton.transfer.pool); 0: not yet known
 
 
 # ---------------------------------------------------------------- commands
@@ -358,6 +360,13 @@ class Done(_Msg):
     type: Literal["done"] = "done"
 
 
+class PrepareReceive(_Msg):
+    """To a spare: the state a joiner receives is this large now; map receive memory for it."""
+
+    type: Literal["prepare_receive"] = "prepare_receive"
+    receive_mb: Annotated[float, Field(gt=0, allow_inf_nan=False)]
+
+
 class WatchPaths(_Msg):
     """The job's data paths, once found (`--data-paths auto`): watch them on this node."""
 
@@ -365,7 +374,7 @@ class WatchPaths(_Msg):
     names: list[Iface]
 
 
-Command = Annotated[Union[Assign, Pause, Publish, Form, Abort, Release, Stop, Done, WatchPaths],
+Command = Annotated[Union[Assign, Pause, Publish, Form, Abort, Release, Stop, Done, WatchPaths, PrepareReceive],
                     Field(discriminator="type")]
 COMMAND = TypeAdapter(Command)
 

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from baton.control.state import EventKind
 
-Phase = Literal["agree", "pausing", "collect", "spares", "forming"]
+Phase = Literal["prepare", "agree", "pausing", "collect", "spares", "forming"]
 
 
 @dataclass
@@ -72,6 +72,7 @@ class Operation:
     form_tries: int = 0  # generations that did not form in time (each retry gets twice the time)
     path_events: list[int] = field(default_factory=list)  # path-failover events this operation resolves
     agree_tries: int = 0  # pause requests sent again to ranks that had not answered
+    ready_joiners: set[str] = field(default_factory=set)  # planned: joiners at their step loop (prepare)
 
     def enter(self, phase: Phase, seconds: float) -> None:
         """Start `phase`, which must be over within `seconds`."""

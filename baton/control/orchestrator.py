@@ -143,6 +143,7 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing, PathFa
         self._network_taints: dict[str, float] = {}  # node tainted for its links -> when they were last read
         self._paths_of: tuple[int, list[str]] = (-1, [])  # the generation the paths were chosen for, and them
         self._gen0_posted = False  # the first generation's Assign and Form went out
+        self.receive_mb = 0.0  # the receive memory a spare maps ahead: the replicated state the ranks report, and room
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -319,7 +320,7 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing, PathFa
     def _expired(self, op: Operation) -> None:
         """The current phase ran out of time: each phase's fallback (see planned.py, recovery.py)."""
         log.warning("op %d: %s phase expired", op.id, op.phase)
-        {"agree": self._expired_agree, "pausing": self._expired_pausing, "collect": self._expired_collect,
+        {"prepare": self._expired_prepare, "agree": self._expired_agree, "pausing": self._expired_pausing, "collect": self._expired_collect,
          "spares": self._expired_spares, "forming": self._expired_forming}[op.phase](op)
 
     def _forgive_own_stall(self, now: float) -> None:
@@ -372,7 +373,8 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing, PathFa
                                 heartbeat_timeout_s=self.config.heartbeat_timeout_s,
                                 control_grace_s=self.config.control_grace_s,
                                 data_paths=list(self.data_paths.names),
-                                discover_paths=self.discover_paths).model_dump()
+                                discover_paths=self.discover_paths,
+                                receive_mb=self.receive_mb if w.role == WorkerRole.SPARE else 0.0).model_dump()
 
     def _maybe_start_generation0(self) -> None:
         if self._gen0_posted or not self._paths_decided():
@@ -430,6 +432,8 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing, PathFa
                 info.metrics["step_time"] = rep.step_time
             if rep.snapshot_mb is not None:
                 info.metrics["snapshot_mb"] = rep.snapshot_mb
+            if rep.state_mb is not None:
+                self._note_state_size(rep.state_mb)
             if rep.unmovable and info.unmovable is None:
                 info.unmovable = rep.unmovable
                 self._emit("unmovable", {"rank": w.rank, "detail": rep.unmovable})
@@ -449,6 +453,18 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing, PathFa
         if why is not None and w.slot in self.slots and self.slots[w.slot].healthy and self.exit_code is None:
             self._emit("gpu-health", {"worker": w.id, "slot": w.slot, "detail": why})
             self._on_taint(m.TaintRequest(slot=w.slot, reason=why[:200]))
+
+    def _note_state_size(self, state_mb: float) -> None:
+        """The state a joiner receives has grown (an optimizer's moments appear with its first
+        step): every spare maps that much receive memory ahead, and a little room (the rank's
+        own state, alignment)."""
+        wanted = round(state_mb * 1.02 + 16, 1)
+        if wanted <= self.receive_mb:
+            return
+        self.receive_mb = wanted
+        for w in self.workers.values():
+            if w.role == WorkerRole.SPARE:
+                self._post(w.id, m.PrepareReceive(receive_mb=wanted))
 
     def _on_formed(self, w: Worker, rep: m.Formed) -> None:
         op = self.op
@@ -476,6 +492,8 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing, PathFa
 
     def _on_ready(self, w: Worker, rep: m.Ready) -> None:
         """The rank entered its step loop with `rep.bundle` as its starting state."""
+        if rep.joined:
+            self._on_joiner_ready(w)
         if w.rank is None:
             return
         info = self.ranks[w.rank]

@@ -1,5 +1,13 @@
-"""Planned and pre-emptive moves: agree on a boundary ahead of every rank, pause there,
-the leaver serves its full state to the joiner, everyone forms the next generation.
+"""Planned and pre-emptive moves: the joiners run the script's setup while training goes
+on, then every rank agrees on a boundary just ahead, pauses there, the leaver serves its
+full state to the joiner, and everyone forms the next generation.
+
+Pausing before the joiners are at their step loop would make the ranks wait for the
+joiners' setup (building and placing the model: seconds for a large one) inside the move's
+downtime; so a planned move of a model-aware job first prepares (phase `prepare`, until
+every joiner said Ready, or --formation-timeout, after which the ranks pause for them
+anyway). A no-code joiner walks the script to the rank's place, which the pause decides: it
+prefetches what it can meanwhile (baton/worker/prefetch.py).
 
 A rank already past the proposed boundary says so and the boundary moves; a move whose
 joiner is lost runs again with another spare once the job has re-formed without it.
@@ -81,8 +89,8 @@ class PlannedMoves:
         ranks = ranks[: len(spares)]
         self.generation += 1
         self._op_ids += 1
-        op = Operation(id=self._op_ids, kind=kind, generation=self.generation, moves={}, phase="agree")
-        op.enter("agree", self._report_window())
+        op = Operation(id=self._op_ids, kind=kind, generation=self.generation, moves={}, phase="prepare")
+        op.enter("prepare", self.config.formation_timeout_s)
         for rank, spare in zip(ranks, spares):
             leaver = self.workers[self.ranks[rank].worker or ""]
             ev = self._new_event(kind, cause, rank, leaver.slot)
@@ -91,12 +99,41 @@ class PlannedMoves:
             self._assign_joiner(spare, rank, op)
             self.ranks[rank].state = RankState.MIGRATING
         self.op = op
+        if op.moves and not self._joiners_walk():
+            self._emit("migration-prepare", {"kind": kind.value, "ranks": ranks, "cause": cause})
+        else:  # nobody joins (a data path back), or joiners that need the boundary to get there
+            self._begin_agree(op)
+        return op
+
+    def _joiners_walk(self) -> bool:
+        """A no-code job's joiner reaches its step loop only by walking the script to the
+        rank's place, which its Form names: it cannot be ready before the ranks pause."""
+        return self.loop is not None and self.loop.style == "script"
+
+    def _on_joiner_ready(self, w: Worker) -> None:
+        """A joiner reached its step loop: once all of the move's have, the ranks pause."""
+        op = self.op
+        if op is None or op.phase != "prepare" or not any(mv.to_worker == w.id for mv in op.moves.values()):
+            return
+        op.ready_joiners.add(w.id)
+        if all(mv.to_worker in op.ready_joiners for mv in op.moves.values()):
+            self._begin_agree(op)
+
+    def _expired_prepare(self, op: Operation) -> None:
+        slow = sorted(mv.to_worker for mv in op.moves.values() if mv.to_worker not in op.ready_joiners)
+        self._emit("note", {"message": f"joiner(s) {', '.join(map(str, slow))} still in the script's setup after "
+                                       f"{self.config.formation_timeout_s:g}s: the ranks pause for them"})
+        self._begin_agree(op)
+
+    def _begin_agree(self, op: Operation) -> None:
+        op.enter("agree", self._report_window())
         op.target_step = self._estimate_target()
-        self._emit("migration", {"kind": kind.value, "ranks": ranks, "cause": cause, "at_step": op.target_step})
-        for r, info in self.ranks.items():
+        causes = sorted({self.events[mv.event_id - 1].cause for mv in op.moves.values()})
+        self._emit("migration", {"kind": op.kind.value, "ranks": sorted(op.moves), "cause": "; ".join(causes),
+                                 "at_step": op.target_step})
+        for info in self.ranks.values():
             assert info.worker
             self._post(info.worker, m.Pause(op=op.id, at_step=op.target_step))
-        return op
 
     def _estimate_target(self) -> int:
         """Pick a boundary just ahead of where the fastest rank is now.

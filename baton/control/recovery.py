@@ -255,6 +255,9 @@ class Recovery:
                 return
         else:
             tries = self._spares_lost_moving[rank] = self._spares_lost_moving.get(rank, 0) + 1
+            if op.phase == "prepare":  # no rank has paused: nothing to re-form
+                self._joiner_lost_preparing(op, rank, w, cause, tries)
+                return
             if tries >= LOSSES_IN_PLACE:
                 # The leaver still holds the rank: the move is given up (taken out of the op, so
                 # the recovery below does not queue it again) and the job goes on where it stands.
@@ -278,6 +281,34 @@ class Recovery:
         ev = self.events[move.event_id - 1]
         self._retry_moves.append(RetryMove(rank, ev.id, move.from_worker))
         self._open_recovery(cause=f"the spare taking over rank {rank} was lost: {cause}")
+
+    def _joiner_lost_preparing(self, op: Operation, rank: int, w: Worker, cause: str, tries: int) -> None:
+        """A planned move's joiner lost in the script's setup, before any rank paused: the move
+        is called off (its other joiners stopped) and starts again with other spares, or is
+        given up after LOSSES_IN_PLACE spares in a row; training never stopped."""
+        if tries >= LOSSES_IN_PLACE:
+            self._spares_lost_moving.pop(rank)
+            self._emit("note", {"message": f"the move of rank {rank} is given up: {tries} spares in a row were "
+                                           f"lost taking it over (the last: {cause}); the rank stays where it is"})
+        else:
+            self._emit("note", {"message": f"the spare taking over rank {rank} ({w.id} on {w.slot}) was lost in "
+                                           f"its setup ({cause}); another spare takes its place"})
+        for r, move in op.moves.items():
+            ev = self.events[move.event_id - 1]
+            if r == rank and tries >= LOSSES_IN_PLACE:
+                self._close(ev, "failed", f"given up: {tries} spares in a row were lost taking the rank over")
+            else:
+                self._close(ev, "failed", "its joiner was lost before the ranks paused; the move runs again"
+                            if r == rank else "another joiner of the move was lost; the move runs again")
+                self._retry_moves.append(RetryMove(r, ev.id, move.from_worker))
+            self.ranks[r].state = RankState.RUNNING
+            joiner = self.workers.get(move.to_worker or "")
+            if joiner is not None and joiner.id != w.id and joiner.role == WorkerRole.RANK:
+                joiner.role, joiner.rank = WorkerRole.GONE, None
+                if self.scheduler is not None:
+                    self._kill(joiner.id)
+        self.op = None
+        self._retry_lost_moves()
 
     def _lost_in_place(self, rank: int, cause: str) -> LossStreak | None:
         """Count a loss of `rank`; its streak once it has LOSSES_IN_PLACE losses while the job

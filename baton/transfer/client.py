@@ -20,6 +20,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 import xxhash
 
@@ -163,9 +164,10 @@ class SnapshotLink:
 
 def fetch_state(sources: list[tuple[str, int]], generation: int, token: str,
                 timeout: float = 60.0, kind: bytes = FETCH,
-                into: list[torch.Tensor] | None = None) -> tuple[FlatState, FetchStats]:
+                into: list[torch.Tensor] | None = None, pool: Any = None) -> tuple[FlatState, FetchStats]:
     """The state the sources publish for `generation` (with kind SNAPSHOT: the shard
-    snapshot whose `snapshot_key` it is), received into `into`'s tensors where they fit."""
+    snapshot whose `snapshot_key` it is), received into `into`'s tensors where they fit,
+    else into `pool` (a ReceivePool, mapped ahead) where it fits."""
     t0 = time.perf_counter()
     conns: list[_Source] = []
     errors: list[str] = []
@@ -185,7 +187,7 @@ def fetch_state(sources: list[tuple[str, int]], generation: int, token: str,
     conns = agreeing
     manifest = conns[0].manifest
     t_conn = time.perf_counter()
-    tensors = alloc_tensors(manifest, into)
+    tensors = alloc_tensors(manifest, into, pool)
     views = [byte_view(t) for t in tensors]
     chunks = plan_chunks(sizes_of(manifest), int(manifest["chunk_bytes"]))
     if len(chunks) != int(manifest["chunks"]):
@@ -276,6 +278,7 @@ def fetch_state(sources: list[tuple[str, int]], generation: int, token: str,
 _MADV_POPULATE_WRITE = 23
 # madvise(MADV_HUGEPAGE): back a range with 2 MB pages where the kernel can (THP "madvise" mode).
 _MADV_HUGEPAGE = 14
+_MADV_DONTNEED = 4
 _PAGE = 4096
 _HUGE = 2 << 20
 
@@ -293,6 +296,37 @@ def _madvise_fn():
 
 
 _madvise = _madvise_fn()
+
+
+def advise_huge(t: torch.Tensor) -> None:
+    """Ask for 2 MB pages behind the tensor's 2 MB-aligned interior (advice: refused is fine)."""
+    if _madvise is None:
+        return
+    start = t.data_ptr()
+    lo = (start + _HUGE - 1) & ~(_HUGE - 1)
+    hi = (start + t.numel() * t.element_size()) & ~(_HUGE - 1)
+    if hi > lo:
+        _madvise(lo, hi - lo, _MADV_HUGEPAGE)
+
+
+def discard(addr: int, length: int) -> int:
+    """Drop the pages wholly inside [addr, addr + length) (they read as zeros after); the
+    bytes dropped."""
+    lo = (addr + _PAGE - 1) & ~(_PAGE - 1)
+    hi = (addr + length) & ~(_PAGE - 1)
+    if _madvise is None or hi <= lo or _madvise(lo, hi - lo, _MADV_DONTNEED) != 0:
+        return 0
+    return hi - lo
+
+
+def populate(addr: int, length: int) -> bool:
+    """Fault the pages of [addr, addr + length) in, contents untouched; False where the
+    kernel cannot (not Linux, before 5.14)."""
+    lo = (addr + _PAGE - 1) & ~(_PAGE - 1)
+    hi = (addr + length) & ~(_PAGE - 1)
+    if _madvise is None:
+        return False
+    return hi <= lo or _madvise(lo, hi - lo, _MADV_POPULATE_WRITE) == 0
 
 
 class _Prefaulter:
@@ -313,13 +347,8 @@ class _Prefaulter:
     """
 
     def __init__(self, tensors: list, chunks: list[list[Piece]]):
-        if _madvise is not None:
-            for t in tensors:
-                start = t.data_ptr()
-                lo = (start + _HUGE - 1) & ~(_HUGE - 1)
-                hi = (start + t.numel() * t.element_size()) & ~(_HUGE - 1)
-                if hi > lo:
-                    _madvise(lo, hi - lo, _MADV_HUGEPAGE)  # advice only: refused is fine
+        for t in tensors:
+            advise_huge(t)
         self._ranges: list[list[tuple[int, int]]] = []
         for pieces in chunks:
             ranges = []

@@ -100,20 +100,22 @@ def sizes_of(manifest: dict) -> list[int]:
     return out
 
 
-def alloc_tensors(manifest: dict, reuse: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+def alloc_tensors(manifest: dict, reuse: list[torch.Tensor] | None = None, pool: Any = None) -> list[torch.Tensor]:
     """Empty tensors for the manifest: `reuse` itself when its tensors have exactly its
-    shapes and dtypes (contiguous), else new ones."""
+    shapes and dtypes (contiguous), else carved from `pool` (a ReceivePool: memory mapped
+    ahead) where they fit, else new ones."""
     if reuse is not None and len(reuse) == len(manifest["tensors"]) and all(
             t.is_contiguous() and list(t.shape) == list(spec["shape"]) and t.dtype == _DTYPES.get(spec["dtype"])
             for t, spec in zip(reuse, manifest["tensors"])):
         return list(reuse)
-    out = []
+    specs = []
     for spec in manifest["tensors"]:
         dtype = _DTYPES.get(spec["dtype"])
         if dtype is None:
             raise TransferError(f"unsupported dtype {spec['dtype']}")
-        out.append(torch.empty(spec["shape"], dtype=dtype))
-    return out
+        specs.append((dtype, [int(d) for d in spec["shape"]]))
+    carved = pool.carve(specs) if pool is not None else None
+    return carved if carved is not None else [torch.empty(shape, dtype=dtype) for dtype, shape in specs]
 
 
 # ---------------------------------------------------------------- framing helpers

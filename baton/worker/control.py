@@ -72,6 +72,7 @@ class ControlChannel:
         self._responder: Any = None  # baton.net.probe.Responder: answers peers' probes on each path
         self.path_peers: list[dict[str, Any]] = []  # where the generation's other members answer probes
         self._reprobing: dict[str, Any] = {}  # path -> its Reprober, while it is silent
+        self.receive_pool: Any = None  # baton.transfer.pool.ReceivePool: a spare's receive memory, mapped ahead
 
     # ------------------------------------------------------------------ requests
     def _post(self, path: str, body: dict[str, Any], client: httpx.Client | None = None) -> dict[str, Any]:
@@ -100,12 +101,24 @@ class ControlChannel:
                 log.warning("heartbeats go over HTTP: cannot reach %s over UDP (%s)", reg.heartbeat_addr, exc)
         if reg.data_paths and self._links is None:
             self._watch_links(reg.data_paths)
+        if reg.receive_mb:
+            self._prepare_receive(reg.receive_mb)
         if reg.discover_paths:
             from baton.net.discover import discover
 
             found = discover(urlparse(self.reach.url).hostname or "127.0.0.1")
             self.report(m.PathsFound(interfaces=found.names, detail=found.detail[:2000]))
         return reg
+
+    def _prepare_receive(self, receive_mb: float) -> None:
+        """Map receive memory for the state this spare may take over (a larger size: again)."""
+        from baton.transfer.pool import ReceivePool
+
+        nbytes = int(receive_mb * 2**20)
+        if self.receive_pool is None or (not self.receive_pool.used and self.receive_pool.nbytes < nbytes):
+            if self.receive_pool is not None:
+                self.receive_pool.close()
+            self.receive_pool = ReceivePool(nbytes)
 
     def _watch_links(self, names: list[str]) -> None:
         """Report each change of the node's data links as it is seen (a link already down
@@ -207,6 +220,9 @@ class ControlChannel:
         if isinstance(cmd, m.WatchPaths):
             if self._links is None:
                 self._watch_links(cmd.names)
+            return
+        if isinstance(cmd, m.PrepareReceive):
+            self._prepare_receive(cmd.receive_mb)
             return
         if isinstance(cmd, m.Pause):
             target = cmd.at_step

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from baton.control import messages as m
 from baton.transfer import FetchStats, TransferError
 from baton.transfer.bundles import Bundle, Pos, newest
+from baton.transfer.pool import release_unadopted, tensors_in
 from baton.transfer.server import SNAPSHOT, small_id, snapshot_key
 from baton.worker import fence, setup_check, shards, verify
 from baton.worker.bundle import fetch_ward_bundle
@@ -46,6 +47,7 @@ class Joining:
                 state, stats = fetched if fetched is not None else self._fetch_for(cmd)
                 t_fetched = time.perf_counter()
                 self._load_replicated(state)
+                self._release_received(state)
                 sharded_expected = state.get("sharded_digest")
                 if cmd.snapshot:  # check the load against what arrived (its chunks were checked on the way)
                     sharded_expected = verify.combined(shards.digests(state["sharded"]))
@@ -80,6 +82,16 @@ class Joining:
             self.joiner = False
             fence.lift()
             return
+
+    def _release_received(self, state: dict[str, Any]) -> None:
+        """Received into the receive pool: the pages of what the load copied (the parameters)
+        go back to the kernel, those the load kept (an optimizer's moments) stay."""
+        pool = self.ctl.receive_pool
+        if pool is None or not pool.used:
+            return
+        freed = release_unadopted(tensors_in(state["replicated"]), tensors_in(self.tracked.replicated()))
+        self.ctl.receive_pool = None
+        log.info("received into memory mapped ahead; %.1f MB of it the load copied from given back", freed / 2**20)
 
     def _fetch_for(self, cmd: m.Form) -> tuple[dict[str, Any], FetchStats]:
         """The state a joiner's Form says to fetch, from where it says."""

@@ -151,7 +151,7 @@ class Recovery:
                      timeout: float | None = None, kind: bytes = b"F") -> tuple[dict[str, Any], FetchStats]:
         """The state `sources` serve for `generation`, checked to be at `target`."""
         flat, stats = fetch_state([tuple(s) for s in sources], generation, self.token,
-                                  timeout=timeout or self.formation_timeout, kind=kind)
+                                  timeout=timeout or self.formation_timeout, kind=kind, pool=self.ctl.receive_pool)
         state = codec.decode(flat.meta, flat.tensors)
         if tuple(state["pos"]) != tuple(target):
             raise TransferError(f"sources serve position {state['pos']}, expected {list(target)}")

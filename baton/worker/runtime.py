@@ -30,6 +30,7 @@ import os
 import time
 from typing import Any, Callable, Iterator
 
+import torch
 import torch.distributed as dist
 
 from baton import selfcost
@@ -365,6 +366,22 @@ class Runtime(Captures, PlannedHandover, ShardRedundancy, Recovery, Joining, Sta
             hb["busy_time"] = self._busy_s if ema is None else 0.8 * ema + 0.2 * self._busy_s
         if self.metrics:
             hb["metrics"] = dict(self.metrics)
+        if "state_mb" not in hb and not self.tracked.sharded:
+            hb["state_mb"] = self._replicated_mb()
+
+    def _replicated_mb(self) -> float:
+        """The size of the replicated state a joiner receives, once a step has given the
+        optimizers their state: spares map that much receive memory ahead (pool.py)."""
+        def nbytes(obj: Any) -> int:
+            if isinstance(obj, torch.Tensor):
+                return obj.numel() * obj.element_size()
+            if isinstance(obj, dict):
+                return sum(nbytes(v) for v in obj.values())
+            if isinstance(obj, (list, tuple)):
+                return sum(nbytes(v) for v in obj)
+            return 0
+
+        return round(nbytes(self.tracked.replicated()) / 2**20, 1)
 
     def _note_step_end(self) -> None:
         """What the step registered inside compiled code (compile_watch); the orchestrator
