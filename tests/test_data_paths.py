@@ -248,6 +248,41 @@ def test_both_rails_of_a_node_down_lose_its_rank_at_once_and_it_is_rebuilt_on_th
     compare(reference, tmp_path / "baton")
 
 
+def test_two_nodes_left_with_no_rail_in_common_cut_one_off_and_it_is_rebuilt_on_the_spare_node(
+        tmp_path, slurm, reference):
+    """Rank 1's node loses rail2 (the job fails over to rail1), then rank 0's node loses
+    rail1: each node still has a rail, but none in common, so no collective can include
+    both. Rank 0's node, whose loss split them, is tainted and its rank lost at once and
+    rebuilt on the spare node, which has both rails; the job runs on over rail1, bitwise."""
+    job = _job(tmp_path, slurm)
+    downs: list[tuple[str, str]] = []
+    try:
+        st = job.wait_step(20, timeout=180)
+        node0, node1 = _node_of_rank(st, 0), _node_of_rank(st, 1)
+        slurm.rails.set_link(node1, "rail2", False)
+        downs.append((node1, "rail2"))
+        _over(job, ["rail1"], "the job failed over to rail1")
+        slurm.rails.set_link(node0, "rail1", False)
+        downs.append((node0, "rail1"))
+        st = job.wait_until(lambda s: _node_of_rank(s, 0) not in (node0, node1) and not s["operation"], timeout=120,
+                            what="rank 0 rebuilt on the spare node")
+        assert st["data_paths"]["in_use"] == ["rail1"], st["data_paths"]
+        assert job.wait(timeout=240) == 0, job.log()
+        events = job.events()
+    finally:
+        job.kill()
+        for node, rail in downs:
+            slurm.rails.set_link(node, rail, True)
+        if downs:
+            slurm.run("scontrol", "update", f"nodename={downs[-1][0]}", "state=resume", check=False)
+    assert [(e["kind"], e["status"], e["rank"], e["steps_lost"]) for e in events] == [
+        ("path-failover", "resolved", None, 0), ("unplanned", "resolved", 0, 0)], events
+    assert "shares no working data path with" in events[1]["cause"], events
+    tainted = {n["node"]: n for n in st["nodes"]}[node0]
+    assert tainted["state"] == "tainted" and "no data path shared with" in tainted["reason"], tainted
+    compare(reference, tmp_path / "baton")
+
+
 def test_a_flapping_rail_costs_one_failover_and_is_damped(tmp_path, slurm, torchrun_reference):
     """Rank 1's node's rail1 goes down for a second and up for a second, for thirty seconds
     (or until the job is near its end, on a fast machine): the first down fails over; it

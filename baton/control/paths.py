@@ -237,7 +237,13 @@ class PathFailover:
         if not holds_ranks or self.loop is None:
             return  # a spare's node, or the job still starting (its first generation forms over what is left)
         if not self.data_paths.usable({node}, self.data_paths.names, at, float("inf")):
-            self._isolated(node)
+            self._isolated(node, f"every data path down ({', '.join(self.data_paths.names)})",
+                           f"node {node} lost every data path")
+            return
+        apart = self._unreachable_from(node, at)
+        if apart:  # its paths left and its peers' share none: no collective can include both
+            self._isolated(node, f"no data path shared with {', '.join(apart)}",
+                           f"node {node} shares no working data path with {', '.join(apart)}")
             return
         others = [p for p in self.generation_paths if p != rep.interface]
         if not others:
@@ -288,17 +294,23 @@ class PathFailover:
         since = min(self.data_paths.get(node, p).since for p in down)
         return f"network: {', '.join(down)} down for {now - since:.0f}s"
 
-    def _isolated(self, node: str) -> None:
-        """Every data path of `node` is down: its ranks can take part in no collective. Taint
-        it and lose them now (their state is rebuilt on spares elsewhere)."""
+    def _unreachable_from(self, node: str, at: float) -> list[str]:
+        """The other nodes of the generation with which `node` shares no data path up."""
+        mine = set(self.data_paths.usable({node}, self.data_paths.names, at, float("inf")))
+        return sorted(n for n in self._generation_nodes(None) if n != node
+                      and not mine & set(self.data_paths.usable({n}, self.data_paths.names, at, float("inf"))))
+
+    def _isolated(self, node: str, why: str, cause: str) -> None:
+        """`node`'s ranks can take part in no collective (every data path of it down, or none
+        shared with a peer's): taint it and lose them now (their state is rebuilt on spares
+        elsewhere), rather than wait for --op-timeout."""
         known = self.nodes.get(node)
-        reason = f"network: every data path down ({', '.join(self.data_paths.names)})"
         if known is not None and known.state == "healthy":
-            self._taint_node(node, reason, move=False)
+            self._taint_node(node, f"network: {why}", move=False)
             self._network_taints[node] = time.time()
         for w in list(self.workers.values()):
             if w.role == WorkerRole.RANK and node_of(w.slot) == node:
-                self._worker_lost(w, f"node {node} lost every data path")
+                self._worker_lost(w, cause)
 
     def _path_grace(self, now: float) -> None:
         """A node holding ranks with a path down past --path-grace: taint it; its ranks move."""
