@@ -236,6 +236,7 @@ class ScriptRuntime(Runtime):
         """The step loop ended (its iterator ran out, or a break): the region after it begins.
         This rank's own state here, with where the script stands (`section`), goes to the
         buddies: a successor replaying the region starts from it."""
+        failing = sys.exc_info()[1]
         if self.scope == "step" and self.committed:
             self._complete_step()
         # A step begun at the last head, where the iterator then ran out, never ran.
@@ -244,6 +245,12 @@ class ScriptRuntime(Runtime):
         self.region = Region.at_exit(self.pos, self.tracked)
         if self.exit_join is not None:
             self._join_at_exit(self.exit_join)
+            return
+        if failing is not None and self.is_peer_failure(failing):
+            # Left by the exception of a lost generation (a peer lost, or this rank aborted or
+            # being killed: a hung rank's DataLoader workers die first), not a way the script
+            # ends its loop: no record of it goes to the buddies, so a successor takes over from
+            # this rank's last head instead of refusing to leave the loop "the same way".
             return
         state = self._own_state(self.pos)
         state["script"] = section
