@@ -793,12 +793,13 @@ def test_data_paths_auto_with_no_name_on_every_node_runs_over_the_default_device
 
 
 def _fail_over(orch: Orchestrator, wid: str, interface: str) -> None:
-    """`interface` seen down by `wid`'s node: the job re-forms where it stands (step 10)."""
+    """`interface` seen down by `wid`'s node: every rank re-forms where it stands (step 10)."""
     report(orch, wid, {"type": "path", "interface": interface, "up": False})
     gen = orch.op.generation
-    for w in ("w0", "w1"):
+    holders = [i.worker for i in orch.ranks.values()]
+    for w in holders:
         report(orch, w, {"type": "recover", "generation": gen, "pos": [10, 0]})
-    for w in ("w0", "w1"):
+    for w in holders:
         report(orch, w, {"type": "formed", "generation": gen, "pos": [10, 0]})
     assert orch.op is None
 
@@ -842,25 +843,13 @@ def test_a_node_left_with_no_data_path_its_peers_have_is_cut_off_at_once(tmp_pat
     split them is tainted and its ranks lost now (rebuilt on the spares), not left to stall
     until --op-timeout."""
     orch, sched = _on_nodes(tmp_path, data_paths=("rail1", "rail2"))
-    _fail_over_all(orch, "w2", "rail2")
+    _fail_over(orch, "w2", "rail2")
     report(orch, "w0", {"type": "path", "interface": "rail1", "up": False})
     taints = {t["slot"]: t["reason"] for t in orch.status()["jobs"][0]["taints"]}
     assert taints.get("n1/0") == taints.get("n1/1") == "node n1: network: no data path shared with n2", taints
     lost = [e for e in orch.event_list() if e["kind"] == "unplanned"]
     assert sorted(e["rank"] for e in lost) == [0, 1], lost
     assert all("shares no working data path with n2" in e["cause"] for e in lost), lost
-
-
-def _fail_over_all(orch: Orchestrator, wid: str, interface: str) -> None:
-    """`interface` seen down by `wid`'s node: every rank re-forms where it stands."""
-    report(orch, wid, {"type": "path", "interface": interface, "up": False})
-    gen = orch.op.generation
-    holders = [i.worker for i in orch.ranks.values()]
-    for w in holders:
-        report(orch, w, {"type": "recover", "generation": gen, "pos": [10, 0]})
-    for w in holders:
-        report(orch, w, {"type": "formed", "generation": gen, "pos": [10, 0]})
-    assert orch.op is None
 
 
 def test_a_flapping_data_path_is_damped_and_costs_one_failover(tmp_path):

@@ -8,7 +8,8 @@ import time
 
 import torch
 
-from baton.transfer.pool import ReceivePool, release_unadopted, tensors_in
+from baton.transfer.codec import tensors_in
+from baton.transfer.pool import ReceivePool, release_unadopted
 
 
 def _rss_mb() -> float:

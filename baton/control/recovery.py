@@ -262,11 +262,7 @@ class Recovery:
                 # The leaver still holds the rank: the move is given up (taken out of the op, so
                 # the recovery below does not queue it again) and the job goes on where it stands.
                 del op.moves[rank]
-                self._spares_lost_moving.pop(rank)
-                self._emit("note", {"message": f"the move of rank {rank} is given up: {tries} spares in a row were "
-                                               f"lost taking it over (the last: {cause}); the rank stays where it is"})
-                self._close(self.events[move.event_id - 1], "failed",
-                            f"given up: {tries} spares in a row were lost taking the rank over")
+                self._give_up_move(rank, move, tries, cause)
                 self._open_recovery(cause=f"the spare taking over rank {rank} was lost: {cause}")
                 return
         self._emit("note", {"message": f"the spare taking over rank {rank} ({w.id} on {w.slot}) was lost "
@@ -282,21 +278,25 @@ class Recovery:
         self._retry_moves.append(RetryMove(rank, ev.id, move.from_worker))
         self._open_recovery(cause=f"the spare taking over rank {rank} was lost: {cause}")
 
+    def _give_up_move(self, rank: int, move: Move, tries: int, cause: str) -> None:
+        """A planned move whose spares were lost LOSSES_IN_PLACE times in a row: the rank stays."""
+        self._spares_lost_moving.pop(rank)
+        self._emit("note", {"message": f"the move of rank {rank} is given up: {tries} spares in a row were "
+                                       f"lost taking it over (the last: {cause}); the rank stays where it is"})
+        self._close(self.events[move.event_id - 1], "failed",
+                    f"given up: {tries} spares in a row were lost taking the rank over")
+
     def _joiner_lost_preparing(self, op: Operation, rank: int, w: Worker, cause: str, tries: int) -> None:
         """A planned move's joiner lost in the script's setup, before any rank paused: the move
         is called off (its other joiners stopped) and starts again with other spares, or is
         given up after LOSSES_IN_PLACE spares in a row; training never stopped."""
-        if tries >= LOSSES_IN_PLACE:
-            self._spares_lost_moving.pop(rank)
-            self._emit("note", {"message": f"the move of rank {rank} is given up: {tries} spares in a row were "
-                                           f"lost taking it over (the last: {cause}); the rank stays where it is"})
-        else:
+        if tries < LOSSES_IN_PLACE:
             self._emit("note", {"message": f"the spare taking over rank {rank} ({w.id} on {w.slot}) was lost in "
                                            f"its setup ({cause}); another spare takes its place"})
         for r, move in op.moves.items():
             ev = self.events[move.event_id - 1]
             if r == rank and tries >= LOSSES_IN_PLACE:
-                self._close(ev, "failed", f"given up: {tries} spares in a row were lost taking the rank over")
+                self._give_up_move(rank, move, tries, cause)
             else:
                 self._close(ev, "failed", "its joiner was lost before the ranks paused; the move runs again"
                             if r == rank else "another joiner of the move was lost; the move runs again")

@@ -114,6 +114,17 @@ def encode_payloads(state: Any) -> tuple[bytes, Payloads]:
     return _dumps(skeleton), payloads
 
 
+def tensors_in(obj: Any) -> list[torch.Tensor]:
+    """Every tensor in a state's nested dicts, lists and tuples, in order."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in tensors_in(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in tensors_in(v)]
+    return []
+
+
 def decode(meta: bytes, tensors: list[torch.Tensor]) -> Any:
     return _dec(json.loads(meta), tensors)
 

@@ -16,6 +16,7 @@ fetch that finds it still filling, too small, or already used allocates as befor
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -82,41 +83,29 @@ class ReceivePool:
     def carve(self, specs: list[tuple[torch.dtype, list[int]]]) -> list[torch.Tensor] | None:
         """Tensors of these dtypes and shapes, the large ones laid out in the pool (the others
         new), or None when they do not fit or the pool was used. Consumes the pool."""
-        offsets: list[int | None] = []
+        spans: list[tuple[int, int] | None] = []  # each tensor's (offset, bytes) in the pool, or not in it
         end = 0
         for dtype, shape in specs:
-            n = _numel(shape) * torch.empty((), dtype=dtype).element_size()
+            n = math.prod(shape) * dtype.itemsize
             if n < MIN_CARVED:
-                offsets.append(None)
+                spans.append(None)
                 continue
             end = (end + ALIGN - 1) // ALIGN * ALIGN
-            offsets.append(end)
+            spans.append((end, n))
             end += n
         with self._lock:
             if self._used or end > self.nbytes:
                 return None
             self._used = True
         out = []
-        for off, (dtype, shape) in zip(offsets, specs):
-            if off is None:
+        for span, (dtype, shape) in zip(spans, specs):
+            if span is None:
                 out.append(torch.empty(shape, dtype=dtype))
-                continue
-            n = _numel(shape) * torch.empty((), dtype=dtype).element_size()
-            out.append(self._buf[off:off + n].view(dtype).view(shape))
+            else:
+                out.append(self._buf[span[0]:span[0] + span[1]].view(dtype).view(shape))
         log.info("receiving %.1f MB into the pool (%.1f MB of it mapped ahead)", end / 2**20,
                  min(self._mapped, end) / 2**20)
         return out
-
-
-def tensors_in(obj: object) -> list[torch.Tensor]:
-    """Every tensor in a state's nested dicts, lists and tuples."""
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, dict):
-        return [t for v in obj.values() for t in tensors_in(v)]
-    if isinstance(obj, (list, tuple)):
-        return [t for v in obj for t in tensors_in(v)]
-    return []
 
 
 def release_unadopted(received: list[torch.Tensor], live: list[torch.Tensor]) -> int:
@@ -132,10 +121,3 @@ def release_unadopted(received: list[torch.Tensor], live: list[torch.Tensor]) ->
         if t.numel() and t.data_ptr() not in kept and t.untyped_storage().nbytes() > t.numel() * t.element_size():
             freed += discard(t.data_ptr(), t.numel() * t.element_size())
     return freed
-
-
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n

@@ -14,7 +14,8 @@ import torch.distributed as dist
 from baton.control import messages as m
 from baton.transfer import FetchStats, TransferError
 from baton.transfer.bundles import Bundle, Pos, newest
-from baton.transfer.pool import release_unadopted, tensors_in
+from baton.transfer.codec import tensors_in
+from baton.transfer.pool import release_unadopted
 from baton.transfer.server import SNAPSHOT, small_id, snapshot_key
 from baton.worker import fence, setup_check, shards, verify
 from baton.worker.bundle import fetch_ward_bundle

@@ -30,7 +30,6 @@ import os
 import time
 from typing import Any, Callable, Iterator
 
-import torch
 import torch.distributed as dist
 
 from baton import selfcost
@@ -372,16 +371,9 @@ class Runtime(Captures, PlannedHandover, ShardRedundancy, Recovery, Joining, Sta
     def _replicated_mb(self) -> float:
         """The size of the replicated state a joiner receives, once a step has given the
         optimizers their state: spares map that much receive memory ahead (pool.py)."""
-        def nbytes(obj: Any) -> int:
-            if isinstance(obj, torch.Tensor):
-                return obj.numel() * obj.element_size()
-            if isinstance(obj, dict):
-                return sum(nbytes(v) for v in obj.values())
-            if isinstance(obj, (list, tuple)):
-                return sum(nbytes(v) for v in obj)
-            return 0
+        from baton.transfer.codec import tensors_in
 
-        return round(nbytes(self.tracked.replicated()) / 2**20, 1)
+        return round(sum(t.numel() * t.element_size() for t in tensors_in(self.tracked.replicated())) / 2**20, 1)
 
     def _note_step_end(self) -> None:
         """What the step registered inside compiled code (compile_watch); the orchestrator

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from baton.transfer.codec import tensors_in
 from baton.worker import shard_capture, verify
 from baton.worker.tracked import Tracked, UsageError
 
@@ -117,19 +118,8 @@ def prepare(tracked: Tracked) -> None:
         live = _capturer_of(tracked, name, obj).live()
         if isinstance(obj, torch.nn.Module) and live is not None:
             with torch.no_grad():
-                for t in _tensors(live):
+                for t in tensors_in(live):
                     t.zero_()
-
-
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    """The tensors in a learned capture's answer (its DTensors already made local)."""
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, dict):
-        return [t for v in obj.values() for t in _tensors(v)]
-    if isinstance(obj, (list, tuple)):
-        return [t for v in obj for t in _tensors(v)]
-    return []
 
 
 def _adopt(tracked: Tracked, optimizer: torch.optim.Optimizer, incoming: Any) -> bool:
