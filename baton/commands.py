@@ -453,7 +453,9 @@ def format_events(events: list[dict[str, Any]]) -> str:
                      f"{e.get('steps_lost', 0):>4} {e.get('steps_rerun', 0):>6}  {ok:<11} {e['cause']}")
         if e.get("phases"):
             moved = f"{e['state_bytes'] / 1e6:.1f} MB moved; " if e.get("state_bytes") else ""
-            lines.append(f"{'':>5}{moved}" + ", ".join(f"{k} {v:.3f}s" for k, v in e["phases"].items()))
+            after = f"; the next step waited {e['check_after_resume_s']:.3f}s for the state check" \
+                if e.get("check_after_resume_s") is not None else ""
+            lines.append(f"{'':>5}{moved}" + ", ".join(f"{k} {v:.3f}s" for k, v in e["phases"].items()) + after)
         if e.get("note"):
             lines.append(f"{'':>5}note: {e['note']}")
     return "\n".join(lines)

@@ -17,7 +17,9 @@ What is measured:
                       (ledger resumed_at; same host clock)
   unplanned_ledger_s  ledger downtime_s of the recovery: failure detected -> every rank formed
   phases              per kind, the ledger's phases of each move (the slowest joiner's fetch,
-                      load, form, verify; the rest) and its joiner's script setup, medians
+                      load, form, verify; the rest) and its joiner's script setup, medians;
+                      check_after_resume: not downtime, what the first step after the move
+                      waited for the state check's pass over the large tensors (run beside it)
   raw_tcp_s, raw_shm_s  see rawcopy.tcp_copy_s / rawcopy.shm_copy_s
 Each is {"median", "min", "max", "n"} over the repetitions. `fit` is a least-squares line
 downtime_median = slope * raw_tcp_median + intercept_s across the sizes (numpy.polyfit):
@@ -121,6 +123,9 @@ class _Job:
 
         return self.wait("the job to be running with a warm spare", timeout, pred, every=0.2)
 
+    def event(self, event_id: int) -> dict:
+        return self.client.events()["events"][event_id - 1]
+
     def event_count(self) -> int:
         return len(self.client.events()["events"])
 
@@ -181,6 +186,11 @@ class _Job:
 
 
 # ----------------------------------------------------------------------------- one size
+def st_step(job: "_Job") -> int:
+    """The step every rank has passed: a move's first step after it is done one further on."""
+    return min(r["step"] for r in job.status()["ranks"])
+
+
 def _one_size(mb: float, moves: int, tmp: Path, python: str) -> dict:
     params_m = mb * 1e6 / 12 / 1e6  # fp32 params + two fp32 AdamW moments = 12 bytes per param
     tag = f"{mb:g}MB"
@@ -208,7 +218,8 @@ def _one_size(mb: float, moves: int, tmp: Path, python: str) -> dict:
             print(f"  [{tag}] planned move {i + 1}/{moves} (rank {rank}): downtime {ev['downtime_s']:.3f}s "
                   f"({(ev['state_bytes'] or 0) / 1e6:.1f} MB, transfer {ev['transfer_s'] or 0:.3f}s)", flush=True)
 
-            st = job.ready(op_timeout)
+            st = job.ready(op_timeout, min_step=st_step(job) + 1)
+            phases["planned"][-1]["check_after_resume"] = job.event(ev["id"]).get("check_after_resume_s") or 0.0
             victim = (i + 1) % 2
             pid = next(r["pid"] for r in st["ranks"] if r["rank"] == victim)
             n = job.event_count()
@@ -220,8 +231,8 @@ def _one_size(mb: float, moves: int, tmp: Path, python: str) -> dict:
             phases["unplanned"].append({**(ev.get("phases") or {}), "joiner_setup": ev.get("joiner_setup_s") or 0.0})
             print(f"  [{tag}] unplanned recovery {i + 1}/{moves} (kill -9 rank {victim}): kill -> all formed "
                   f"{ev['resumed_at'] - t_kill:.3f}s (ledger downtime {ev['downtime_s']:.3f}s)", flush=True)
-            if i + 1 < moves:
-                job.ready(op_timeout)
+            job.ready(op_timeout, min_step=st_step(job) + 1)
+            phases["unplanned"][-1]["check_after_resume"] = job.event(ev["id"]).get("check_after_resume_s") or 0.0
     finally:
         job.stop()
 

@@ -430,14 +430,20 @@ def move_cost_sentence(result: dict) -> str | None:
 
 def _phases_text(phases: dict) -> str:
     """Where the moves' downtime went, from the ledger's phases: 'planned: fetch 0.48 s, ...'."""
-    out = []
+    out, after = [], []
     for kind, per in phases.items():
         shown = [f"{k.replace('_', ' ')} {_secs(_med(v))}" for k, v in per.items()
-                 if _med(v) is not None and (k != "joiner_setup" or kind == "unplanned")]
+                 if _med(v) is not None and k != "check_after_resume" and (k != "joiner_setup" or kind == "unplanned")]
         if shown:
             out.append(f"{kind}: {', '.join(shown)}")
-    return ("where the time went (ledger phases; an unplanned joiner runs the script's setup after the "
+        if _med(per.get("check_after_resume")) is not None:
+            after.append(f"{kind} {_secs(_med(per['check_after_resume']))}")
+    text = ("where the time went (ledger phases; an unplanned joiner runs the script's setup after the "
             "failure): " + "; ".join(out)) if out else ""
+    if after:  # the state check's pass over the large tensors runs beside the next step, outside the pause
+        text += ("; " if text else "") + "the first step after a move then waited for the state check: " + \
+            ", ".join(after)
+    return text
 
 
 # ----------------------------------------------------------------------------- page sections

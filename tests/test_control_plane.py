@@ -452,6 +452,32 @@ def test_silent_corruption_is_caught_by_verify_every(tmp_path):
         job.kill()
 
 
+def test_a_joiner_loaded_wrong_is_caught_by_the_deferred_state_check_before_its_first_commit(tmp_path):
+    """A move's state check digests the large tensors on a thread while the next step runs
+    (it left the pause), and compares before that step's optimizer step. A joiner whose load
+    changed one ulp of its 512x512 weight (digested on that thread) stops the job there: a
+    divergence at the move's step, and exit non-zero."""
+    env = {"PYTHONPATH": str(Path(__file__).resolve().parent / "inject"), "BATON_TEST_CORRUPT_JOINER": "1",
+           "BATON_LOG": "INFO"}
+    job = Job(tmp_path, nproc=2, spares=1, steps=400, env=env, name="joiner",
+              script_args=["--width", "512", "--step-sleep", "0.02"])
+    try:
+        job.wait_step(3, timeout=120)
+        job.client.migrate(0)
+        code = job.wait(timeout=120)
+        log = job.log(tail=None)
+        events = job.events()
+    finally:
+        job.kill()
+    assert "injected: joiner of rank 0 corrupted one value of a (512, 512) parameter" in log, log[-3000:]
+    assert code != 0 and "state check failed" in log, log[-3000:]
+    planned, divergence = events[0], events[-1]
+    assert planned["kind"] == "planned" and divergence["kind"] == "divergence", events
+    assert divergence["status"] == "failed" and divergence["step"] == planned["step"], events
+    assert "differs on ranks" in divergence["cause"] and ".weight" in divergence["note"], divergence
+    assert "training finished" not in log, log[-3000:]
+
+
 def test_rank_killed_after_the_step_loop_before_finish(tmp_path, gpt_reference):
     """Training is over but the script still runs its closing code: a lost rank is replaced at
     the final position and the replacement runs that code too (saving its state here)."""

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from baton.control.client import ApiError
-from tests.jobs import Job, check_resolved_exact, ended_equal, state_diff
+from tests.jobs import Job, ended_equal, state_diff
 from tests.once import once
 from tests.served import free_port
 
@@ -130,18 +130,21 @@ def test_fsdp_ranks_move_planned_and_preemptive_then_one_is_rebuilt_from_a_copy_
         assert taint["moving_ranks"] == [2], taint
         job.wait_until(lambda s: _resolved(job, 2), timeout=90, what="rank 2's pre-emptive move")
         # A joiner holds no snapshot from before it joined: the first loss after a move is
-        # rebuildable once the buddies hold the boundary the joiner started at. Its copy goes over
-        # TCP behind the steps' own: four boundaries, not two (two were too few on a loaded machine:
-        # the rebuild went one step back, steps_lost 1).
+        # rebuildable once the buddies hold the boundary the joiner started at.
         job.wait_step(job.status()["ranks"][0]["step"] + 4, timeout=60)
         job.signal_rank(1, signal.SIGKILL)
         job.wait_until(lambda s: _resolved(job, 1), timeout=90, what="rank 1 rebuilt")
-        events = check_resolved_exact(job, four_rank_reference, timeout=240)
+        events = ended_equal(job, four_rank_reference, timeout=240)
         log = job.log(tail=None)
     finally:
         job.kill()
-    assert [(e["kind"], e["rank"]) for e in events] == [("planned", 0), ("pre-emptive", 2), ("unplanned", 1)], events
-    assert all(e["steps_rerun"] == 0 for e in events[:2]), events
+    assert [(e["kind"], e["rank"], e["status"]) for e in events] == \
+        [("planned", 0, "resolved"), ("pre-emptive", 2, "resolved"), ("unplanned", 1, "resolved")], events
+    assert all(e["steps_lost"] == e["steps_rerun"] == 0 for e in events[:2]), events
+    # The buddy pulls each boundary's copy over TCP behind the steps: a kill that lands while the
+    # newest is in flight is rebuilt from the one before (CI, a loaded machine: steps_lost 1,
+    # bitwise all the same).
+    assert events[2]["steps_lost"] <= 1, events[2]
     assert "rebuilding rank=1" in log and "mapped from its shared memory" not in log, log[-3000:]
 
 
@@ -284,15 +287,23 @@ def _move_then_kill(tmp_path: Path, script: Path, nproc: int, args: list[str]) -
     the last rank (under FSDP rebuilt from its buddy's copy, under 2x2 HSDP its shards from the
     other replica group and its own state from its buddy): every rank must end bitwise equal."""
     reference = _torchrun_llama(tmp_path, nproc, args, script=script)
+    # The ranks wait two steps before the end until the test is done with its faults: a planned
+    # move's joiner sets up while the ranks train on, and on a loaded machine it took 17 of 24
+    # steps; the kill then came after the last step (CI, exit 0 with no rebuild to see).
+    hold_at, hold = int(args[args.index("--steps") + 1]) - 2, tmp_path / "hold"
+    hold.touch()
     job = Job(tmp_path, nproc=nproc, spares=2, steps=0, script=script, name="baton", script_args=args,
-              run_args=["--redundancy", "1"], env={"BATON_LOG": "INFO"})
+              run_args=["--redundancy", "1"],
+              env={"BATON_LOG": "INFO", "PYTHONPATH": str(Path(__file__).resolve().parent / "inject"),
+                   "BATON_TEST_HOLD_AT_STEP": str(hold_at), "BATON_TEST_HOLD_FILE": str(hold)})
     try:
         job.wait_step(4, timeout=180)
         job.client.migrate(0)
         job.wait_until(lambda s: _resolved(job, 0), timeout=90, what="rank 0's planned move")
-        job.wait_step(job.status()["ranks"][0]["step"] + 2, timeout=60)
+        job.wait_step(min(job.status()["ranks"][0]["step"] + 2, hold_at), timeout=60)
         job.signal_rank(nproc - 1, signal.SIGKILL)
         job.wait_until(lambda s: _resolved(job, nproc - 1), timeout=120, what=f"rank {nproc - 1} rebuilt")
+        hold.unlink()
         events = ended_equal(job, reference, timeout=240)
         log = job.log(tail=None)
     finally:

@@ -194,6 +194,8 @@ class Verified(_Msg):
     ok: bool
     differing: Annotated[list[Annotated[str, Field(max_length=300)]], Field(max_length=200)] = []
     detail: Text = ""
+    # A move's check deferred into the next step (state_check): how long that step waited for it.
+    after_resume_s: float | None = Field(default=None, ge=0)
 
 
 class Finished(_Msg):

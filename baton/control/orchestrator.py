@@ -117,6 +117,7 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing, PathFa
         self.workers: dict[str, Worker] = {}
         self.ranks: dict[int, RankInfo] = {r: RankInfo(rank=r) for r in range(config.world_size)}
         self.events: list[Event] = []
+        self._moved_in: dict[int, list[int]] = {}  # generation -> the ids of the moves that formed it
         self.generation = 0
         self.op: Operation | None = None
         self._op_ids = 0
@@ -532,6 +533,8 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing, PathFa
             self.ranks[w.rank].reached = max(self.ranks[w.rank].reached, rep.pos[0])
 
     def _on_verified(self, w: Worker, rep: m.Verified) -> None:
+        if rep.ok and rep.after_resume_s is not None:
+            self._note_check_after_resume(rep.generation, rep.after_resume_s)
         if rep.ok or w.role == WorkerRole.GONE:
             return  # a lost worker's word on its own state no longer counts: its rank is being rebuilt
         ev = self._new_event(EventKind.DIVERGENCE, f"state check failed: {rep.detail}", w.rank,
@@ -543,6 +546,14 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing, PathFa
         self._emit("divergence", {"rank": w.rank, "detail": rep.detail, "differing": rep.differing[:50]})
         self._fail(f"state check failed at step {rep.pos[0]} on rank {w.rank}: {rep.detail}; differing "
                    f"entries: {', '.join(rep.differing[:20])}")
+
+    def _note_check_after_resume(self, generation: int, seconds: float) -> None:
+        """The part of a move's state check its first step waited for, beside the pause's phases."""
+        for event_id in self._moved_in.get(generation, []):
+            ev = self.events[event_id - 1]
+            if seconds > (ev.check_after_resume_s or -1.0):
+                ev.check_after_resume_s = round(seconds, 4)
+                self._lock.add(fx.WriteEvent(ev.id, ev.to_json()))
 
     def _note_cpu(self, w: Worker, cpu: m.CpuReport | None) -> None:
         if cpu is not None:
@@ -878,6 +889,7 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing, PathFa
             ev.steps_rerun = 1 if op.rerun else 0
             ev.resolved_without_rollback = ev.steps_lost == 0
             ev.status = "resolved"
+            self._moved_in.setdefault(op.generation, []).append(ev.id)
             self._spares_lost_moving.pop(rank, None)
             self._lock.add(fx.WriteEvent(ev.id, ev.to_json()))
             self._emit("resolved", ev.to_json())

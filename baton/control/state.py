@@ -112,6 +112,9 @@ class Event:
     joiner_setup_s: float | None = None  # the joiner's script from its assignment to its step loop
     transfer_wait_s: float | None = None  # the part of transfer_s the joiner waited for after its setup
     phases: dict[str, float] | None = None  # where a move's downtime went: the joiner's fetch, load, form, verify; rest
+    # Not downtime: how long the first step after the move waited for its state check's pass
+    # over the large tensors, which runs beside that step (state_check.verify_state).
+    check_after_resume_s: float | None = None
     step: int | None = None
     status: str = "in-progress"  # in-progress | resolved | failed
     note: str = ""

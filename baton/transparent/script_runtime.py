@@ -85,6 +85,7 @@ class PeerLost(BaseException):
 
 class ScriptRuntime(Runtime):
     script_ran_before_discovery = False
+    defer_checks = False  # its steps are the script's own: no point known to all ranks before a commit
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -636,10 +637,11 @@ class ScriptRuntime(Runtime):
         return state
 
     def verify_state(self, generation: int, expected: int | None, periodic: bool = False,
-                     bundle_state: dict[str, Any] | None = None, sharded_expected: int | None = None) -> None:
+                     bundle_state: dict[str, Any] | None = None, sharded_expected: int | None = None,
+                     defer: bool = False) -> None:
         if not periodic:
             self._agree_on_place(generation)
-        super().verify_state(generation, expected, periodic, bundle_state, sharded_expected)
+        super().verify_state(generation, expected, periodic, bundle_state, sharded_expected, defer)
 
     def _agree_on_place(self, generation: int) -> None:
         """Every rank of a new generation stands at the same place: all at a head, or all in a

@@ -41,7 +41,7 @@ class PlannedHandover:
                 try:
                     self.form(cmd)
                     if cmd.verify:
-                        self.verify_state(cmd.generation, None)
+                        self.verify_state(cmd.generation, None, defer=self.defer_checks)
                 except (CollectiveFailure, dist.DistError, TransferError) as exc:
                     log.warning("forming generation %s failed (%s)", cmd.generation, exc)
                     break

@@ -91,7 +91,7 @@ class Recovery:
                     self.pos = target
                     self.at_pos, self.at_pos_rng = self.capture.bundle, self.capture.rng
                 if cmd.verify:
-                    self.verify_state(cmd.generation, None)
+                    self.verify_state(cmd.generation, None, defer=self.defer_checks)
             except (CollectiveFailure, dist.DistError, TransferError, OSError) as exc:
                 log.warning("recovery into generation %s failed (%s); waiting for the next plan",
                             cmd.generation, exc)

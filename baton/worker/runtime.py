@@ -54,7 +54,7 @@ from baton.worker.prefetch import Prefetch
 from baton.worker.recovery import Recovery
 from baton.worker.redundancy import ShardRedundancy
 from baton.worker.snapshots import Snapshots
-from baton.worker.state_check import StateCheck
+from baton.worker.state_check import PendingCheck, StateCheck
 from baton.worker.tracked import Tracked, UsageError
 
 log = logging.getLogger("baton.worker")
@@ -101,6 +101,8 @@ class Runtime(Captures, PlannedHandover, ShardRedundancy, Recovery, Joining, Sta
     # step loop then looks for such untracked objects (discover). No code change runs the
     # script under baton from its first line: ScriptRuntime sets this False.
     script_ran_before_discovery = True
+    # A move's state check overlaps the next step's forward and backward (state_check).
+    defer_checks = True
 
     def __init__(self, ctl: ControlChannel, server: TransferServer, store: RendezvousClient, rank: int,
                  world_size: int, joiner: bool, config: m.Registered, token: str):
@@ -129,6 +131,7 @@ class Runtime(Captures, PlannedHandover, ShardRedundancy, Recovery, Joining, Sta
         self.small: Any = None  # small state at the current step's start (restored for a re-run)
         self.drawn_with_batch: dict[str, Any] | None = None  # the streams right after the pending batch was drawn
         self.verified_at: Pos | None = None  # where --verify-every last checked
+        self.pending_check: PendingCheck | None = None  # a move's state check still being digested
         self.scope: str | None = None  # "step" | "boundary" | None
         self.committed = False
         # How many steps' updates the replicated state (parameters, optimizer) holds. It must
@@ -184,6 +187,9 @@ class Runtime(Captures, PlannedHandover, ShardRedundancy, Recovery, Joining, Sta
         while True:
             gap = self.pos[0]
             due = self._due(gap)
+            if self.pending_check is not None and (self.pos[1] < len(due) or gap >= total):
+                self._checked(self.finish_pending_check)  # before a boundary function or the end
+                continue
             if self.pos[1] < len(due):
                 self._run_unit(due[self.pos[1]], gap)
                 continue
@@ -253,6 +259,7 @@ class Runtime(Captures, PlannedHandover, ShardRedundancy, Recovery, Joining, Sta
         for opt in self.tracked.optimizers():
             if first_pre_hook is not None:
                 opt.register_step_pre_hook(first_pre_hook)
+            opt.register_step_pre_hook(self._check_before_commit)
             opt.register_step_post_hook(self._on_optimizer_step)
         sharded = self.tracked.sharded_names()
         self.tracked.sharded = set(sharded)
@@ -275,6 +282,8 @@ class Runtime(Captures, PlannedHandover, ShardRedundancy, Recovery, Joining, Sta
             if proceed:
                 ctl.started = self.pos[0]
         if proceed:
+            if self.pending_check is not None and self.pending_check.pos != self.pos:
+                return self._checked(self.finish_pending_check)  # a step with no optimizer step (inf grads)
             if self.verify_every and self.pos[0] > 0 and self.pos[0] % self.verify_every == 0 and \
                     self.pos != self.verified_at:
                 return self._checked(lambda: self.verify_state(self.group.generation, None, periodic=True))
@@ -291,6 +300,11 @@ class Runtime(Captures, PlannedHandover, ShardRedundancy, Recovery, Joining, Sta
             return False
         self._paused(op)
         return False
+
+    def _check_before_commit(self, *_: Any) -> None:
+        """A deferred state check ends before the step's first optimizer step commits it."""
+        if self.pending_check is not None and not self.loading:
+            self.finish_pending_check()
 
     def _checked(self, fn: Callable[[], None]) -> bool:
         try:
@@ -458,6 +472,8 @@ class Runtime(Captures, PlannedHandover, ShardRedundancy, Recovery, Joining, Sta
             if isinstance(cmd, m.Abort):
                 self.finished = False
                 self.recover(in_step=False, error="peer lost after the step loop")
+                while self.pending_check is not None:
+                    self._checked(self.finish_pending_check)
                 self.finished = True
                 self.ctl.report(m.Finished(pos=self.pos, cpu=cpu_report()))
         self.ctl.flush()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from typing import Any
 
@@ -26,6 +27,7 @@ class StateCheck:
 
     def form(self, cmd: m.Form) -> None:
         generation = cmd.generation
+        self.drop_pending_check()
 
         def superseded() -> bool:
             with self.ctl.lock:
@@ -39,11 +41,16 @@ class StateCheck:
         if self._snapshotting():
             self.snapshots.set_wards(self.ward_addrs, light=bool(self.replicas))
 
-    def _replicated_digests(self, replicated: dict[str, Any]) -> dict[str, int]:
-        """Digests of what every replica holds (BatchNorm-style buffers are each rank's own)."""
-        out = verify.entries(replicated)
-        for name in self.tracked.local_buffers():
+    def _replicated_digests(self, replicated: dict[str, Any],
+                            later: list[tuple[str, torch.Tensor]] | None = None) -> dict[str, int]:
+        """Digests of what every replica holds (BatchNorm-style buffers are each rank's own);
+        with `later`, the large tensors are listed there instead (verify.entries)."""
+        out = verify.entries(replicated, later=later)
+        local = self.tracked.local_buffers()
+        for name in local:
             out.pop(name, None)
+        if later is not None:
+            later[:] = [(name, t) for name, t in later if name not in local]
         return out
 
     @staticmethod
@@ -85,13 +92,55 @@ class StateCheck:
         return _shards_digest(flat)
 
     def verify_state(self, generation: int, expected: int | None, periodic: bool = False,
-                     bundle_state: dict[str, Any] | None = None, sharded_expected: int | None = None) -> None:
+                     bundle_state: dict[str, Any] | None = None, sharded_expected: int | None = None,
+                     defer: bool = False) -> None:
         """Replicas agree on replicated state; a joiner holds exactly what it was sent.
         Every rank of a new generation runs it at the same boundary (a joiner as it joins), so
         it stands for the periodic check there: a rank that ran it again alone would wait
-        in a collective the others never enter."""
+        in a collective the others never enter.
+
+        With `defer` (a move's check in a job with no FSDP2 shards), the pass over the whole
+        replicated state runs on a thread while the next step's forward and backward do, and
+        the comparison waits for the step's first optimizer step (or the next boundary
+        function, or the loop's end): the move's pause no longer holds a second pass over
+        the state, and nothing is committed, saved or finished before the check has passed.
+        What the next step changes before its commit (random streams, buffers) is read now."""
         self.verified_at = self.pos
-        digests = self._replicated_digests(self.tracked.replicated())
+        live = self._capture_at(self.pos)[0].state() if expected is not None or bundle_state is not None else None
+        if defer and not self.tracked.sharded and not periodic:
+            later: list[tuple[str, torch.Tensor]] = []
+            now = self._replicated_digests(self.tracked.replicated(), later)
+            self.pending_check = PendingCheck(generation, self.pos, dict(expected=expected, bundle_state=bundle_state,
+                                                                         live=live), now, later)
+            return
+        self._compare(generation, self._replicated_digests(self.tracked.replicated()), periodic, expected,
+                      bundle_state, live, sharded_expected)
+
+    def finish_pending_check(self) -> None:
+        """Compare the digests a deferred check computed (see verify_state): on every rank at
+        the same point, before anything the check covers is committed."""
+        pending, self.pending_check = self.pending_check, None
+        if pending is None:
+            return
+        t0 = time.perf_counter()
+        digests = pending.digests()
+        waited = time.perf_counter() - t0
+        self._compare(pending.generation, digests, False, **pending.args, started=t0)
+        log.info("state check of generation %s at %s, deferred: digests %.3fs on a thread (%.3fs waited for), "
+                 "compared %.3fs", pending.generation, pending.pos, pending.seconds, waited,
+                 time.perf_counter() - t0 - waited)
+
+    def drop_pending_check(self) -> None:
+        """A new generation forms: a deferred check of the old one is moot (it could not run
+        its collective), and every rank of the new one drops it alike."""
+        pending, self.pending_check = self.pending_check, None
+        if pending is not None:
+            pending.digests()  # its thread reads the state: let it finish before the state changes
+
+    def _compare(self, generation: int, digests: dict[str, int], periodic: bool, expected: int | None,
+                 bundle_state: dict[str, Any] | None, live: dict[str, Any] | None,
+                 sharded_expected: int | None = None, started: float | None = None) -> None:
+        """The comparison (`started`: when a deferred check's step began waiting for it)."""
         mine = verify.combined(digests)
         # HSDP: every replica group holds the same shards, so those must agree too (not the
         # sharded models' buffers: each rank's are its own).
@@ -140,8 +189,7 @@ class StateCheck:
             differing += verify.differing(digests, {k: int(v) for k, v in theirs.items()})
             bad = [r for r, v in enumerate(values) if v != majority]
             detail += ("; " if detail else "") + f"replicated state differs on ranks {bad} (compared with rank {ref})"
-        if expected is not None or bundle_state is not None:
-            live = self._capture_at(self.pos)[0].state()
+        if live is not None:
             if expected is not None:
                 if verify.combined({**digests, **self._local_digests(live)}) != expected:
                     detail += ("; " if detail else "") + "the joiner's state differs from what its predecessor sent"
@@ -162,10 +210,42 @@ class StateCheck:
         ok = not differing
         if ok and periodic:
             return
+        after = None if started is None else round(time.perf_counter() - started, 4)
         self.ctl.report_now(m.Verified(generation=generation, pos=self.pos, ok=ok, differing=differing[:200],
-                                       detail=detail))
+                                       detail=detail, after_resume_s=after))
         if not ok:
             raise Divergence(f"state check failed at step {self.pos[0]}: {detail}: {', '.join(differing[:20])}")
+
+
+class PendingCheck:
+    """A move's state check whose pass over the large tensors of the replicated state runs on a
+    thread (xxhash lets go of the GIL) while training goes on. Everything else was digested
+    at the boundary (what a step may change before its commit: random streams, buffers,
+    small values), and the step's first optimizer step waits for the rest."""
+
+    def __init__(self, generation: int, pos: tuple[int, int], args: dict[str, Any], now: dict[str, int],
+                 later: list[tuple[str, torch.Tensor]]):
+        self.generation, self.pos, self.args = generation, pos, args
+        self.seconds = 0.0
+        self._digests = now
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(later,), name="baton-state-check", daemon=True)
+        self._thread.start()
+
+    def _run(self, later: list[tuple[str, torch.Tensor]]) -> None:
+        t0 = time.perf_counter()
+        try:
+            for name, t in later:
+                self._digests[name] = verify.tensor_digest(t)
+        except BaseException as exc:  # noqa: BLE001 - raised again on the training thread
+            self._error = exc
+        self.seconds = time.perf_counter() - t0
+
+    def digests(self) -> dict[str, int]:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._digests
 
 
 def _shards_digest(snapshot: FlatState) -> int:

@@ -21,29 +21,40 @@ class Divergence(RuntimeError):
     """The state check after a move found replicas (or a joiner) that differ."""
 
 
-def entries(state: Any, prefix: str = "") -> dict[str, int]:
-    """Flatten a nested state into {name: digest}."""
+def entries(state: Any, prefix: str = "", later: list[tuple[str, torch.Tensor]] | None = None) -> dict[str, int]:
+    """Flatten a nested state into {name: digest}. With `later`, tensors of 1 MiB or more are
+    not digested but listed there, to be digested elsewhere (`tensor_digest`)."""
     out: dict[str, int] = {}
-    _walk(state, prefix, out)
+    _walk(state, prefix, out, later)
     return out
 
 
-def _walk(obj: Any, name: str, out: dict[str, int]) -> None:
+LATER_BYTES = 1 << 20
+
+
+def tensor_digest(obj: torch.Tensor) -> int:
+    t = obj.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    h = xxhash.xxh3_64()
+    h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+    h.update(byte_view(t) if t.dim() else t.reshape(1).view(torch.uint8).numpy().tobytes())
+    return h.intdigest()
+
+
+def _walk(obj: Any, name: str, out: dict[str, int], later: list[tuple[str, torch.Tensor]] | None) -> None:
     if isinstance(obj, torch.Tensor):
-        t = obj.detach()
-        if t.device.type != "cpu":
-            t = t.cpu()
-        t = t.contiguous()
-        h = xxhash.xxh3_64()
-        h.update(f"{t.dtype}{tuple(t.shape)}".encode())
-        h.update(byte_view(t) if t.dim() else t.reshape(1).view(torch.uint8).numpy().tobytes())
-        out[name] = h.intdigest()
+        if later is not None and obj.numel() * obj.element_size() >= LATER_BYTES:
+            later.append((name, obj))
+        else:
+            out[name] = tensor_digest(obj)
     elif isinstance(obj, dict):
         for k, v in obj.items():
-            _walk(v, f"{name}.{k}" if name else str(k), out)
+            _walk(v, f"{name}.{k}" if name else str(k), out, later)
     elif isinstance(obj, (list, tuple)) and any(isinstance(v, (torch.Tensor, dict, list, tuple)) for v in obj):
         for i, v in enumerate(obj):
-            _walk(v, f"{name}[{i}]", out)
+            _walk(v, f"{name}[{i}]", out, later)
     else:
         try:
             text = json.dumps(obj, sort_keys=True, default=repr)

@@ -78,6 +78,16 @@ BATON_TEST_SIGNAL_AFTER_STEP="rank:step:SIGNAME" (with BATON_TEST_SIGNAL_MARK): 
 after that rank's optimizer step in that step: after its last collective, before the next head
 (the lines after the optimizer step never run).
 
+BATON_TEST_HOLD_AT_STEP="step" (with BATON_TEST_HOLD_FILE, a file path): while that file
+exists, every rank waits at the boundary before that step, still taking the orchestrator's
+commands there (a pause, an abort), so a test's faults land before the job can end however
+fast or slow the machine: the test removes the file to let training finish (at most 600 s).
+
+BATON_TEST_CORRUPT_JOINER=1: a joiner of a planned move, right after it loads the replicated
+state that arrived, changes one float of its largest parameter by one ulp, as a bug in the
+load would. The move's state check (its pass over the large tensors deferred into the next
+step) must stop the job before that step commits.
+
 BATON_TEST_STEP_COUNT_SKEW="rank:step": after that rank's optimizer step at that step, baton's
 count of the steps its parameters hold is one too many, as a bug that applied a step twice
 would leave it. baton's own check must stop the job loudly (never exit 0).
@@ -223,6 +233,76 @@ if _hold:
         return got
 
     Runtime._fetch_state = _fetch_then_hold
+
+def _when_imported(name: str, patch) -> None:  # noqa: ANN001
+    """Run `patch(module)` once `name` is imported, without importing it here: every Python
+    process of the job loads this file, inductor's compile workers included, and importing
+    baton (and torch) in each of those made a compiled job's first steps miss gloo's timeout."""
+    import importlib.abc
+    import importlib.util
+
+    class _Finder(importlib.abc.MetaPathFinder):
+        def find_spec(self, fullname, path, target=None):  # noqa: ANN001, ANN201
+            if fullname != name:
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.util.find_spec(fullname)
+            run = spec.loader.exec_module
+
+            def exec_module(module):  # noqa: ANN001, ANN202
+                run(module)
+                patch(module)
+
+            spec.loader.exec_module = exec_module
+            return spec
+
+    sys.meta_path.insert(0, _Finder())
+
+
+_hold_at = os.environ.get("BATON_TEST_HOLD_AT_STEP")
+if _hold_at:
+    def _patch_hold(runtime) -> None:  # noqa: ANN001
+        import time
+
+        boundary = runtime.Runtime._boundary
+        hold_file = os.environ["BATON_TEST_HOLD_FILE"]
+        until = [0.0]
+
+        def _hold_then_boundary(self):  # noqa: ANN001, ANN202
+            if self.pos[0] == int(_hold_at):
+                if not until[0]:
+                    until[0] = time.time() + 600
+                    if os.path.exists(hold_file):
+                        print(f"injected: rank {self.rank} holds before step {_hold_at} until the test lets go",
+                              file=sys.stderr, flush=True)
+                while os.path.exists(hold_file) and time.time() < until[0] and not self.ctl.attention:
+                    time.sleep(0.05)
+            return boundary(self)
+
+        runtime.Runtime._boundary = _hold_then_boundary
+
+    _when_imported("baton.worker.runtime", _patch_hold)
+
+if os.environ.get("BATON_TEST_CORRUPT_JOINER"):
+    def _patch_joiner_load(recovery) -> None:  # noqa: ANN001
+        load = recovery.Recovery._load_replicated
+
+        def _load_then_flip(self, state):  # noqa: ANN001, ANN202
+            load(self, state)
+            if not self.joiner:
+                return
+            import torch
+
+            p = max((p for d in self.tracked.ddps for p in d.parameters()), key=lambda p: p.numel())
+            with torch.no_grad():
+                flat = p.view(-1)
+                flat[0] = torch.nextafter(flat[0], flat[0] + 1)
+            print(f"injected: joiner of rank {self.rank} corrupted one value of a {tuple(p.shape)} parameter",
+                  file=sys.stderr, flush=True)
+
+        recovery.Recovery._load_replicated = _load_then_flip
+
+    _when_imported("baton.worker.recovery", _patch_joiner_load)
 
 _skew = os.environ.get("BATON_TEST_STEP_COUNT_SKEW")
 if _skew:
