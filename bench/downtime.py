@@ -11,7 +11,13 @@ raw loopback TCP and shared-memory copies of the ledger's `state_bytes` are meas
 
 What is measured:
   planned_s           ledger downtime_s: first rank paused -> every rank formed the next
-                      generation (the orchestrator's clock)
+                      generation (the orchestrator's clock), the whole state moved in the pause
+                      (`baton migrate --no-pre-copy`)
+  pre_copied_s        the same for a pre-copied planned move (the default): the joiner copied the
+                      replicated state and followed the leaver's optimizer steps beforehand
+  pre_copy            what those pre-copies did beside training (the ledger's pre_copy, medians):
+                      the copy's seconds and bytes, optimizer steps followed, and their cost to the
+                      leaver: its copy of the state at one boundary, its capture per step
   transfer_s          ledger transfer_s of the planned moves: the joiner's fetch_state time
   unplanned_s         kill -9 (taken just before os.kill) -> every rank formed again
                       (ledger resumed_at; same host clock)
@@ -201,14 +207,16 @@ def _one_size(mb: float, moves: int, tmp: Path, python: str) -> dict:
     log_path = tmp / f"downtime-{tag}.log"
     print(f"  [{tag}] starting 2 ranks + 1 spare ({params_m:.2f}M params); log {log_path}", flush=True)
     planned, transfer, unplanned, unplanned_ledger, state_bytes = [], [], [], [], []
-    phases: dict[str, list[dict]] = {"planned": [], "unplanned": []}  # each move's ledger phases
+    pre_copied: list[float] = []  # the pause of a pre-copied planned move
+    background: list[dict] = []  # what each pre-copy did beside training (the ledger's pre_copy)
+    phases: dict[str, list[dict]] = {"planned": [], "pre_copied": [], "unplanned": []}  # each move's ledger phases
     job = _Job(python, tmp / f"run-{tag}", log_path, params_m, start_timeout)
     try:
         job.ready(start_timeout)
         for i in range(moves):
             rank = i % 2
             n = job.event_count()
-            job.client.migrate(rank)
+            job.client.migrate(rank, pre_copy=False)
             ev = job.resolved_event(n, "planned", op_timeout)
             planned.append(ev["downtime_s"])
             transfer.append(ev["transfer_s"])
@@ -218,8 +226,24 @@ def _one_size(mb: float, moves: int, tmp: Path, python: str) -> dict:
             print(f"  [{tag}] planned move {i + 1}/{moves} (rank {rank}): downtime {ev['downtime_s']:.3f}s "
                   f"({(ev['state_bytes'] or 0) / 1e6:.1f} MB, transfer {ev['transfer_s'] or 0:.3f}s)", flush=True)
 
-            st = job.ready(op_timeout, min_step=st_step(job) + 1)
+            job.ready(op_timeout, min_step=st_step(job) + 1)
             phases["planned"][-1]["check_after_resume"] = job.event(ev["id"]).get("check_after_resume_s") or 0.0
+
+            n = job.event_count()
+            job.client.migrate(1 - rank, pre_copy=True)
+            ev = job.resolved_event(n, "planned", op_timeout)
+            pc = ev.get("pre_copy") or {}
+            if not pc.get("ok"):
+                raise BenchError(f"the pre-copied move of rank {1 - rank} did not follow its leaver: "
+                                 f"{pc.get('detail') or 'no pre-copy ran'}; see {log_path}")
+            pre_copied.append(ev["downtime_s"])
+            phases["pre_copied"].append(dict(ev.get("phases") or {}))
+            print(f"  [{tag}] pre-copied planned move {i + 1}/{moves} (rank {1 - rank}): pause {ev['downtime_s']:.3f}s "
+                  f"({(ev['state_bytes'] or 0) / 1e6:.2f} MB in it); beside training: {pc['base_bytes'] / 1e6:.1f} MB "
+                  f"in {pc['base_s']:.3f}s, then {pc['steps']} optimizer steps followed", flush=True)
+            st = job.ready(op_timeout, min_step=st_step(job) + 1)
+            phases["pre_copied"][-1]["check_after_resume"] = job.event(ev["id"]).get("check_after_resume_s") or 0.0
+            background.append(job.event(ev["id"])["pre_copy"])
             victim = (i + 1) % 2
             pid = next(r["pid"] for r in st["ranks"] if r["rank"] == victim)
             n = job.event_count()
@@ -254,16 +278,29 @@ def _one_size(mb: float, moves: int, tmp: Path, python: str) -> dict:
 
     out = {"state_mb": mb, "state_bytes": nbytes, "params": nbytes // 12,
            "params_requested": round(params_m * 1e6),
-           "planned_s": median_range(planned), "unplanned_s": median_range(unplanned),
+           "planned_s": median_range(planned), "pre_copied_s": median_range(pre_copied),
+           "unplanned_s": median_range(unplanned),
            "unplanned_ledger_s": median_range(unplanned_ledger), "transfer_s": median_range(transfer),
            "raw_tcp_s": median_range(tcp), "raw_shm_s": median_range(shm)}
     # Where each kind's downtime went, phase by phase (the ledger's), medians over the moves.
     out["phases"] = {kind: {k: median_range([p.get(k, 0.0) for p in runs])
                             for k in dict.fromkeys(k for p in runs for k in p)}
                      for kind, runs in phases.items() if runs}
+    # A pre-copy's work beside training: the joiner's copy of the replicated state, the optimizer
+    # steps it followed, and what feeding it cost the leaver's steps (one copy of the state at a
+    # boundary; each step's gradients captured).
+    out["pre_copy"] = {
+        "base_s": median_range([b["base_s"] for b in background]),
+        "base_bytes": int(statistics.median(b["base_bytes"] for b in background)),
+        "steps_followed": median_range([b["steps"] for b in background]),
+        "leaver_base_s": median_range([b.get("leaver_base_s", 0.0) for b in background]),
+        "leaver_capture_s_per_step": median_range([b.get("leaver_capture_s", 0.0) / max(1, b.get("leaver_steps", 0))
+                                                   for b in background]),
+    }
     out["planned_over_tcp"] = ratio(out["planned_s"]["median"], out["raw_tcp_s"]["median"])
     out["unplanned_over_tcp"] = ratio(out["unplanned_s"]["median"], out["raw_tcp_s"]["median"])
-    print(f"  [{tag}] {nbytes / 1e6:.1f} MB: planned {out['planned_s']['median']:.3f}s, unplanned "
+    print(f"  [{tag}] {nbytes / 1e6:.1f} MB: planned {out['planned_s']['median']:.3f}s (pre-copied: pause "
+          f"{out['pre_copied_s']['median']:.3f}s), unplanned "
           f"{out['unplanned_s']['median']:.3f}s, raw tcp {out['raw_tcp_s']['median']:.4f}s, raw shm "
           f"{out['raw_shm_s']['median']:.4f}s -> planned/tcp {out['planned_over_tcp']:.2f}x, "
           f"unplanned/tcp {out['unplanned_over_tcp']:.2f}x", flush=True)

@@ -382,7 +382,13 @@ def headline_rows(result: dict) -> list[tuple[str, str]]:
             p, u, t = _med(big.get("planned_s")), _med(big.get("unplanned_s")), _med(big.get("raw_tcp_s"))
             if p is not None:
                 val = f"{_secs_pair(p, t)} = {p / t:.1f}×" if t else _secs(p)
-                cands.append((30, f"planned move of {size}: downtime / raw TCP copy", val))
+                cands.append((30, f"planned move of {size}, whole state in the pause: downtime / raw TCP copy", val))
+            if _is_mr(big.get("pre_copied_s")):
+                small = min(sizes, key=lambda s: s["state_bytes"])
+                val = _mr_time(big["pre_copied_s"], _time_unit([_med(big["pre_copied_s"])]))
+                if small is not big and _is_mr(small.get("pre_copied_s")):
+                    val += f" ({_secs(_med(small['pre_copied_s']))} at {_bytes(small['state_bytes'])})"
+                cands.append((29, f"pre-copied planned move of {size} (the default): training paused", val))
             if u is not None:
                 val = _mr_time(big.get("unplanned_s"), _time_unit([u]))
                 if t:
@@ -422,10 +428,27 @@ def move_cost_sentence(result: dict) -> str | None:
     parts = ([f"a planned move took {p / t:.1f}×"] if p is not None else []) + \
         ([f"an unplanned recovery {u / t:.1f}×"] if u is not None else [])
     where = _phases_text(big.get("phases") or {})
-    return (f"Moving large state costs several raw copies of it: at {_bytes(big['state_bytes'])} "
+    text = (f"Moving large state costs several raw copies of it: at {_bytes(big['state_bytes'])} "
             f"{' and '.join(parts)} a raw loopback TCP copy of the same bytes (medians, measured "
             f"{result.get('date', '?')}{'; ' + where if where else ''}); see "
             "[docs/benchmarks.md](docs/benchmarks.md).")
+    pre = pre_copy_sentence(big)
+    return f"{pre} {text}" if pre else text
+
+
+def pre_copy_sentence(size: dict) -> str | None:
+    """What a pre-copied planned move paused, and what it did beside training, at one size."""
+    pc, bg = _med(size.get("pre_copied_s")), size.get("pre_copy") or {}
+    if pc is None or not _is_mr(bg.get("base_s")):
+        return None
+    leaver = ""
+    if _is_mr(bg.get("leaver_base_s")) and _is_mr(bg.get("leaver_capture_s_per_step")):
+        leaver = (f"; feeding it cost the leaver's steps {_secs(_med(bg['leaver_base_s']))} once (its copy of the "
+                  f"state) and {_secs(_med(bg['leaver_capture_s_per_step']))} per step (the gradients it serves)")
+    return (f"A planned move pre-copies by default: at {_bytes(size['state_bytes'])} training paused "
+            f"{_secs(pc)} (median), while the joiner's copy of the replicated state took "
+            f"{_secs(_med(bg['base_s']))} beside training and it then followed "
+            f"{_med(bg.get('steps_followed')) or 0:.0f} of the leaver's optimizer steps{leaver}.")
 
 
 def _phases_text(phases: dict) -> str:
@@ -831,7 +854,8 @@ def _downtime_md(sec: dict, img: str | None) -> list[str]:
     ]
     if not sizes:
         return out + ["No state sizes in the results.", ""]
-    keys = [("planned_s", "planned"), ("unplanned_s", "unplanned"), ("unplanned_ledger_s", "unplanned (ledger)"),
+    keys = [("planned_s", "planned"), ("pre_copied_s", "pre-copied (pause)"), ("unplanned_s", "unplanned"),
+            ("unplanned_ledger_s", "unplanned (ledger)"),
             ("transfer_s", "transfer"), ("raw_tcp_s", "raw TCP"), ("raw_shm_s", "raw shm")]
     keys = [(k, h) for k, h in keys if any(_is_mr(s.get(k)) for s in sizes)]
     note, per_cell = _n_note([s.get(k) for s in sizes for k, _ in keys])
@@ -849,6 +873,7 @@ def _downtime_md(sec: dict, img: str | None) -> list[str]:
     out.append("")
     fit = sec.get("fit") or {}
     bullets = [_fit_sentence("Planned", fit.get("planned")), _fit_sentence("Unplanned", fit.get("unplanned"))]
+    bullets += [b for b in map(pre_copy_sentence, sizes) if b]  # the pause that does not grow with the state
     big = sizes[-1]
     t, shm = _med(big.get("raw_tcp_s")), _med(big.get("raw_shm_s"))
     if t and shm:

@@ -54,20 +54,34 @@ def _check(job: Job, reference, kind: str, rerun_max: int, same_slot_ok: bool = 
     return events
 
 
-def test_planned_migration_is_bitwise_identical(tmp_path, reference):
-    job = Job(tmp_path, nproc=NPROC, spares=1, steps=STEPS, script_args=ARGS)
+@pytest.mark.parametrize("pre_copy", [True, False], ids=["pre-copied", "whole-state"])
+def test_planned_migration_is_bitwise_identical(tmp_path, reference, pre_copy):
+    """A planned move, bitwise. Pre-copied (the default): the joiner takes the replicated
+    state while training goes on and applies the leaver's optimizer steps to their gradients,
+    so the pause moves only the rank's own state; with --no-pre-copy, the whole state."""
+    job = Job(tmp_path, nproc=NPROC, spares=1, steps=STEPS, script_args=ARGS,
+              run_args=[] if pre_copy else ["--no-pre-copy"])
     try:
         job.wait_step(5)
         job.client.migrate(1)
         events = _check(job, reference, "planned", rerun_max=0)
         assert events[0]["rank"] == 1
         phases = events[0]["phases"]  # where the downtime went, summing to it
-        assert list(phases) == ["fetch", "load", "form", "verify", "rest"], phases
+        expected = ["follow", "fetch", "load", "form", "verify", "rest"] if pre_copy else \
+            ["fetch", "load", "form", "verify", "rest"]
+        assert list(phases) == expected, phases
         assert abs(sum(phases.values()) - events[0]["downtime_s"]) < 0.01, (phases, events[0])
         assert phases["fetch"] > 0
+        if pre_copy:  # what went on beside training: the state copied, the optimizer steps followed
+            pc = events[0]["pre_copy"]
+            assert pc["ok"] and pc["base_bytes"] > 0 and pc["steps"] >= 1 and pc["step_bytes"] > 0, pc
+            assert pc["leaver_steps"] >= pc["steps"] and pc["leaver_base_s"] > 0, pc
+            assert events[0]["state_bytes"] < pc["base_bytes"] / 2, events[0]  # the pause moved the rank's own
+        else:
+            assert events[0]["pre_copy"] is None, events[0]
         shown = subprocess.run([sys.executable, "-m", "baton.cli", "events", "--run-dir", str(job.run_dir)],
                                capture_output=True, text=True, timeout=60).stdout
-        assert "MB moved; fetch " in shown and ", rest " in shown, shown
+        assert "MB moved; " in shown and ", rest " in shown, shown
     finally:
         job.kill()
 

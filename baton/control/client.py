@@ -38,8 +38,9 @@ class ApiClient:
     def events(self) -> dict[str, Any]:
         return self._call("GET", "/v1/events")
 
-    def migrate(self, rank: int, to: str | None = None) -> dict[str, Any]:
-        return self._call("POST", "/v1/migrate", {"rank": rank, **({"to": to} if to else {})})
+    def migrate(self, rank: int, to: str | None = None, pre_copy: bool | None = None) -> dict[str, Any]:
+        return self._call("POST", "/v1/migrate", {"rank": rank, **({"to": to} if to else {}),
+                                                  **({"pre_copy": pre_copy} if pre_copy is not None else {})})
 
     def taint(self, slot: str, reason: str) -> dict[str, Any]:
         return self._call("POST", "/v1/taint", {"slot": slot, "reason": reason})

@@ -244,8 +244,36 @@ class PathsFound(_Msg):
     detail: Annotated[str, Field(max_length=2000)] = ""
 
 
+class CaughtUp(_Msg):
+    """A pre-copying joiner (CatchUp): it holds the replicated state and follows the leaver's
+    optimizer steps within a step of it (`ok`), or it cannot (`detail`: then the move takes
+    the whole state in its pause, as without a pre-copy). What the background copy took."""
+
+    type: Literal["caught_up"] = "caught_up"
+    op: NonNegativeInt
+    ok: bool
+    pos: Pos
+    detail: Text = ""
+    base_bytes: NonNegativeInt = 0
+    base_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
+    steps: NonNegativeInt = 0  # optimizer steps followed so far
+    step_bytes: NonNegativeInt = 0
+
+
+class PreCopyCost(_Msg):
+    """A leaver, as it pauses: what feeding a pre-copy cost its steps (the base's copy at one
+    boundary; each step's gradients and small state captured)."""
+
+    type: Literal["pre_copy_cost"] = "pre_copy_cost"
+    op: NonNegativeInt
+    base_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
+    steps: NonNegativeInt = 0
+    capture_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
+
+
 Report = Annotated[Union[Heartbeat, Ready, UnitDone, PauseAck, Paused, Recover, Formed, Verified, Finished,
-                         UserError, Left, PathChanged, PathsReady, PathsFound], Field(discriminator="type")]
+                         UserError, Left, PathChanged, PathsReady, PathsFound, CaughtUp, PreCopyCost],
+                   Field(discriminator="type")]
 REPORT = TypeAdapter(Report)
 
 
@@ -369,6 +397,25 @@ class PrepareReceive(_Msg):
     receive_mb: Annotated[float, Field(gt=0, allow_inf_nan=False)]
 
 
+class PreCopy(_Msg):
+    """To a planned move's leaver: at the next boundary, serve a copy of the replicated state,
+    then each step's gradients as its optimizers take them, for the joiner to follow."""
+
+    type: Literal["pre_copy"] = "pre_copy"
+    op: NonNegativeInt
+    stop: bool = False  # the move was called off: stop serving
+
+
+class CatchUp(_Msg):
+    """To a planned move's joiner at its step loop: take the replicated state from the leaver
+    while training goes on and follow its optimizer steps, so that the pause moves only the
+    rank's own state."""
+
+    type: Literal["catch_up"] = "catch_up"
+    op: NonNegativeInt
+    source: Addr
+
+
 class WatchPaths(_Msg):
     """The job's data paths, once found (`--data-paths auto`): watch them on this node."""
 
@@ -376,7 +423,8 @@ class WatchPaths(_Msg):
     names: list[Iface]
 
 
-Command = Annotated[Union[Assign, Pause, Publish, Form, Abort, Release, Stop, Done, WatchPaths, PrepareReceive],
+Command = Annotated[Union[Assign, Pause, Publish, Form, Abort, Release, Stop, Done, WatchPaths, PrepareReceive, PreCopy,
+                          CatchUp],
                     Field(discriminator="type")]
 COMMAND = TypeAdapter(Command)
 
@@ -393,6 +441,7 @@ class MigrateRequest(_Request):
     type: Literal["migrate"] = "migrate"
     rank: NonNegativeInt
     to: Annotated[str, Field(min_length=1, max_length=200)] | None = None
+    pre_copy: bool | None = None  # this move only: pre-copy or not (None: the job's --no-pre-copy decides)
 
 
 class TaintRequest(_Request):
@@ -579,6 +628,7 @@ class AttachJob(_Msg):
     redundancy: Annotated[int, Field(ge=0, le=64)] = 2
     ranks_per_node: Annotated[int, Field(ge=0)] = 0
     return_home: bool = False
+    pre_copy: bool = True
     straggler_factor: Annotated[float, Field(ge=0)] = 0.0
     straggler_steps: Annotated[int, Field(ge=1)] = 20
     borrow_spares: bool = False

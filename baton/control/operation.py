@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from baton.control.state import EventKind
 
-Phase = Literal["prepare", "agree", "pausing", "collect", "spares", "forming"]
+Phase = Literal["prepare", "pre-copy", "agree", "pausing", "collect", "spares", "forming"]
 
 
 @dataclass
@@ -73,6 +73,10 @@ class Operation:
     path_events: list[int] = field(default_factory=list)  # path-failover events this operation resolves
     agree_tries: int = 0  # pause requests sent again to ranks that had not answered
     ready_joiners: set[str] = field(default_factory=set)  # planned: joiners at their step loop (prepare)
+    # planned, pre-copied: each joiner's CaughtUp (by worker id) and each leaver's cost (by rank)
+    caught_up: dict[str, dict[str, Any]] = field(default_factory=dict)
+    pre_copy: bool | None = None  # this move's own choice (MigrateRequest.pre_copy); None: the job's
+    pre_copy_cost: dict[int, dict[str, Any]] = field(default_factory=dict)
 
     def enter(self, phase: Phase, seconds: float) -> None:
         """Start `phase`, which must be over within `seconds`."""

@@ -86,6 +86,7 @@ class Config:
     redundancy: int = 2  # buddies holding each rank's own state (simultaneous losses survived)
     ranks_per_node: int = 0  # ranks r*k..r*k+k-1 share a node (0: all on one); buddies go to other nodes
     return_home: bool = False  # move ranks back to their first node once it is healthy again
+    pre_copy: bool = True  # a planned move's joiner copies the replicated state while training goes on
     straggler_factor: float = 0.0  # taint a rank's slot when its busy time stays above this x median (0: off)
     straggler_steps: int = 20  # ... for this many consecutive steps
     borrow_spares: bool = False  # with no dedicated spare left, borrow a node from a lower-priority job
@@ -321,7 +322,7 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing, PathFa
     def _expired(self, op: Operation) -> None:
         """The current phase ran out of time: each phase's fallback (see planned.py, recovery.py)."""
         log.warning("op %d: %s phase expired", op.id, op.phase)
-        {"prepare": self._expired_prepare, "agree": self._expired_agree, "pausing": self._expired_pausing, "collect": self._expired_collect,
+        {"prepare": self._expired_prepare, "pre-copy": self._expired_pre_copy, "agree": self._expired_agree, "pausing": self._expired_pausing, "collect": self._expired_collect,
          "spares": self._expired_spares, "forming": self._expired_forming}[op.phase](op)
 
     def _forgive_own_stall(self, now: float) -> None:
@@ -789,6 +790,8 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing, PathFa
         if not self._ready_spares():
             raise RequestError("no spare available: wait for one to start, or untaint a slot", 409)
         op = self._start_planned([req.rank], EventKind.PLANNED, "requested")
+        if req.pre_copy is not None:
+            op.pre_copy = req.pre_copy
         return {"op": op.id, "events": [mv.event_id for mv in op.moves.values()]}
 
     def _on_taint(self, req: m.TaintRequest) -> dict[str, Any]:
@@ -877,6 +880,10 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing, PathFa
             ev.transfer_s = round(op.transfer_s, 4) if op.transfer_s else None
             ev.joiner_setup_s = round(op.joiner_setup_s, 4) if op.joiner_setup_s else None
             ev.transfer_wait_s = round(op.transfer_wait_s, 4) if op.transfer_bytes else None
+            joiner_caught_up = op.caught_up.get(move.to_worker or "")
+            if joiner_caught_up is not None:
+                ev.pre_copy = {**joiner_caught_up, **{f"leaver_{k}": v for k, v in
+                                                       op.pre_copy_cost.get(rank, {}).items()}}
             if op.joiner_phases:  # where the downtime went: the joiner's part, and the rest (agreeing,
                 # pausing, the sources publishing, the survivors forming, messages)
                 ev.phases = {**op.joiner_phases,

@@ -117,7 +117,51 @@ class PlannedMoves:
             return
         op.ready_joiners.add(w.id)
         if all(mv.to_worker in op.ready_joiners for mv in op.moves.values()):
+            if self._pre_copies(op):
+                self._begin_pre_copy(op)
+            else:
+                self._begin_agree(op)
+
+    def _pre_copies(self, op: Operation) -> bool:
+        """Whether a planned move's joiners follow their leavers before the pause: a model-aware
+        job whose replicated state is whole on every rank (DDP), with a replica to check the
+        joiner against after the move; not FSDP2's shards."""
+        wanted = self.config.pre_copy if op.pre_copy is None else op.pre_copy
+        return wanted and self.config.world_size > 1 and self.loop is not None \
+            and self.loop.style != "script" and not self.loop.sharded
+
+    def _begin_pre_copy(self, op: Operation) -> None:
+        """Each leaver serves its replicated state and then its optimizer steps; each joiner
+        takes them while training goes on, and says when it follows within a step (CaughtUp)."""
+        op.enter("pre-copy", self.config.formation_timeout_s)
+        self._emit("pre-copy", {"op": op.id, "ranks": sorted(op.moves)})
+        for move in op.moves.values():
+            leaver = self.workers[move.from_worker or ""]
+            assert move.to_worker and leaver.transfer_addr
+            self._post(leaver.id, m.PreCopy(op=op.id))
+            self._post(move.to_worker, m.CatchUp(op=op.id, source=leaver.transfer_addr))
+
+    def _on_caught_up(self, w: Worker, rep: m.CaughtUp) -> None:
+        op = self.op
+        if op is None or rep.op != op.id or not any(mv.to_worker == w.id for mv in op.moves.values()):
+            return
+        op.caught_up[w.id] = rep.model_dump(exclude={"type", "op"})
+        if not rep.ok:
+            self._emit("note", {"message": f"joiner {w.id} cannot follow its leaver ({rep.detail}): the move takes "
+                                           "the whole state in its pause"})
+        if op.phase == "pre-copy" and all(mv.to_worker in op.caught_up for mv in op.moves.values()):
             self._begin_agree(op)
+
+    def _on_pre_copy_cost(self, w: Worker, rep: m.PreCopyCost) -> None:
+        op = self.op
+        if op is not None and rep.op == op.id and w.rank in op.moves:
+            op.pre_copy_cost[w.rank] = rep.model_dump(exclude={"type", "op"})
+
+    def _expired_pre_copy(self, op: Operation) -> None:
+        behind = sorted(str(mv.to_worker) for mv in op.moves.values() if mv.to_worker not in op.caught_up)
+        self._emit("note", {"message": f"joiner(s) {', '.join(behind)} did not catch up with their leavers in "
+                                       f"{self.config.formation_timeout_s:g}s: the ranks pause for them"})
+        self._begin_agree(op)
 
     def _expired_prepare(self, op: Operation) -> None:
         slow = sorted(mv.to_worker for mv in op.moves.values() if mv.to_worker not in op.ready_joiners)

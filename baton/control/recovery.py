@@ -255,7 +255,7 @@ class Recovery:
                 return
         else:
             tries = self._spares_lost_moving[rank] = self._spares_lost_moving.get(rank, 0) + 1
-            if op.phase == "prepare":  # no rank has paused: nothing to re-form
+            if op.phase in ("prepare", "pre-copy"):  # no rank has paused: nothing to re-form
                 self._joiner_lost_preparing(op, rank, w, cause, tries)
                 return
             if tries >= LOSSES_IN_PLACE:
@@ -295,6 +295,8 @@ class Recovery:
                                            f"its setup ({cause}); another spare takes its place"})
         for r, move in op.moves.items():
             ev = self.events[move.event_id - 1]
+            if op.phase == "pre-copy" and move.from_worker:
+                self._post(move.from_worker, m.PreCopy(op=op.id, stop=True))
             if r == rank and tries >= LOSSES_IN_PLACE:
                 self._give_up_move(rank, move, tries, cause)
             else:

@@ -115,6 +115,9 @@ class Event:
     # Not downtime: how long the first step after the move waited for its state check's pass
     # over the large tensors, which runs beside that step (state_check.verify_state).
     check_after_resume_s: float | None = None
+    # A pre-copied planned move: what went on beside training before its pause (the joiner's
+    # copy of the replicated state, the optimizer steps it followed, what feeding it cost the leaver).
+    pre_copy: dict[str, Any] | None = None
     step: int | None = None
     status: str = "in-progress"  # in-progress | resolved | failed
     note: str = ""

@@ -38,6 +38,8 @@ def main() -> None:
     p.add_argument("--bug-at-step", type=int, default=None, help="raise a user error at this step (rank 1)")
     p.add_argument("--user-allreduce", action="store_true", help="also all_reduce the loss on job.group")
     p.add_argument("--progress-file", default=None, help="rank 0 appends 'step loss' lines here")
+    p.add_argument("--clamp", type=float, default=None,
+                   help="clip every weight to [-C, C] after each optimizer step (as WGAN's critic does)")
     args = p.parse_args()
 
     job = baton.init()
@@ -63,6 +65,10 @@ def main() -> None:
                 loss = total / job.world_size
             opt.step()
             opt.zero_grad()
+            if args.clamp is not None:  # parameters changed outside the optimizer's step
+                with torch.no_grad():
+                    for w in model.parameters():
+                        w.clamp_(-args.clamp, args.clamp)
             if args.bug_at_step is not None and step.index == args.bug_at_step and job.rank == 1:
                 raise ValueError(f"user bug at step {step.index}")
             if args.step_sleep:

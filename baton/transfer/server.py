@@ -63,6 +63,15 @@ def small_id(rank: int) -> int:
     return rank | SMALL
 
 
+PRE_COPY_BASE, PRE_COPY_STEPS = 1 << 21, 1 << 20  # mark the ids of a pre-copy's base and its steps (ranks < 2**20)
+
+
+def pre_copy_ids(rank: int) -> tuple[int, int]:
+    """The snapshot ids under which a planned move's leaver serves its joiner the replicated
+    state at one boundary (key step 0) and then its optimizer steps (key step: their sequence)."""
+    return rank | PRE_COPY_BASE, rank | PRE_COPY_STEPS
+
+
 def snapshot_key(rank: int, step: int) -> int:
     """`rank` is a rank, or the id `small_id` gives."""
     return (rank << 40) | step
@@ -158,8 +167,13 @@ class TransferServer:
 
     def _wait_snapshot(self, key: int, plan: bool = True) -> tuple[FlatState, list[list[Piece]], list[memoryview]] | None:
         rank, step = key >> 40, key & ((1 << 40) - 1)
+
+        def here_or_gone() -> bool:  # gone: a newer one is here and this one never will be
+            return (rank, step) in self._snapshots or self._closed or \
+                any(k[0] == rank and k[1] > step for k in self._snapshots)
+
         with self._cond:
-            self._cond.wait_for(lambda: (rank, step) in self._snapshots or self._closed, timeout=self.publish_wait_s)
+            self._cond.wait_for(here_or_gone, timeout=self.publish_wait_s)
             found = self._snapshots.get((rank, step))
             if found is None:
                 return None

@@ -60,6 +60,7 @@ class ControlChannel:
         self.pause_at: int | None = None
         self.pause_op: int | None = None
         self.abort_generation: int | None = None
+        self.pre_copy_op: int | None = None  # a planned move asked this rank to feed its joiner
         self.newest_abort = -1  # the newest generation any Abort named (never cleared)
         self.attention = False  # hot-path flag: the boundary must look closer
         # What the heartbeat carries: latest boundary, step time, metrics.
@@ -223,6 +224,11 @@ class ControlChannel:
             return
         if isinstance(cmd, m.PrepareReceive):
             self._prepare_receive(cmd.receive_mb)
+            return
+        if isinstance(cmd, m.PreCopy):  # taken at the next boundary (Runtime._boundary)
+            with self.lock:
+                self.pre_copy_op = -1 if cmd.stop else cmd.op
+                self.attention = True
             return
         if isinstance(cmd, m.Pause):
             target = cmd.at_step

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from baton.control import messages as m
 from baton.transfer import TransferError, codec
 from baton.transfer.protocol import FlatState
-from baton.transfer.server import FETCH
+from baton.transfer.server import FETCH, FETCH_OWN
 from baton.worker import shards, verify
 from baton.worker.exit import exit_quietly
 from baton.worker.group import CollectiveFailure
@@ -82,7 +82,10 @@ class PlannedHandover:
                      len(tensors))
 
     def _served_parts(self, state: dict[str, Any]) -> dict[bytes, dict[str, Any]]:
-        """What this rank serves, by request kind, in the order published."""
+        """What this rank serves, by request kind, in the order published (a pre-copied
+        move's joiner takes only the first)."""
+        if self.pre_copy is not None:
+            return {FETCH_OWN: self._feed_parts(state), FETCH: state}
         return {FETCH: state}
 
     def _state(self, full: bool, digest: bool = True, encoded: bool = False) -> dict[str, Any]:

@@ -39,16 +39,27 @@ class Joining:
         if self.prefetch is not None:
             self.prefetch.close()
             self.ctl.watch_forms(None)
+        form: m.Form | None = None
         while True:
-            cmd = self.wait_for(m.Form)
+            cmd = form or self.wait_for(m.Form, m.CatchUp)
+            form = None
+            if isinstance(cmd, m.CatchUp):  # a planned move: follow the leaver until the pause
+                form = self._follow(cmd)
+                continue
             gen, target = cmd.generation, tuple(cmd.pos)
             try:
-                t0 = time.perf_counter()
-                fetched = self.prefetch.take(cmd) if self.prefetch is not None else None
-                state, stats = fetched if fetched is not None else self._fetch_for(cmd)
-                t_fetched = time.perf_counter()
-                self._load_replicated(state)
-                self._release_received(state)
+                t0 = t_followed = time.perf_counter()
+                followed = self._finish_following(cmd) if self.follower is not None else None
+                if followed is not None:
+                    state, stats, t_followed = followed
+                    t_fetched = time.perf_counter()
+                    self._load_followed(state, target)  # type: ignore[arg-type]
+                else:
+                    fetched = self.prefetch.take(cmd) if self.prefetch is not None else None
+                    state, stats = fetched if fetched is not None else self._fetch_for(cmd)
+                    t_fetched = time.perf_counter()
+                    self._load_replicated(state)
+                    self._release_received(state)
                 sharded_expected = state.get("sharded_digest")
                 if cmd.snapshot:  # check the load against what arrived (its chunks were checked on the way)
                     sharded_expected = verify.combined(shards.digests(state["sharded"]))
@@ -71,16 +82,20 @@ class Joining:
                 t_verified = time.perf_counter()
             except (CollectiveFailure, dist.DistError, TransferError, OSError) as exc:
                 log.warning("joining generation %s failed (%s); waiting for the next plan", gen, exc)
+                self._stop_following()
                 self.group.drop()
                 continue
-            log.info("joined generation %s at %s: fetch %.3fs (%d bytes), load %.3fs, form %.3fs, verify %.3fs",
-                     gen, self.pos, t_fetched - t0, stats.bytes, t_loaded - t_fetched, t_formed - t_loaded,
+            log.info("joined generation %s at %s: %sfetch %.3fs (%d bytes), load %.3fs, form %.3fs, verify %.3fs",
+                     gen, self.pos, f"followed the leaver, its last steps {t_followed - t0:.3f}s; " if followed else "",
+                     t_fetched - t_followed, stats.bytes, t_loaded - t_fetched, t_formed - t_loaded,
                      t_verified - t_formed)
+            phases = {"fetch": round(t_fetched - t_followed, 4), "load": round(t_loaded - t_fetched, 4),
+                      "form": round(t_formed - t_loaded, 4), "verify": round(t_verified - t_formed, 4)}
+            if followed is not None:
+                phases = {"follow": round(t_followed - t0, 4), **phases}
             self.ctl.report(m.Formed(generation=gen, pos=self.pos, bytes=stats.bytes, seconds=round(stats.seconds, 4),
                                      setup_s=round(self.setup_s, 4), fetch_wait_s=round(t_fetched - t0, 4),
-                                     phases={"fetch": round(t_fetched - t0, 4), "load": round(t_loaded - t_fetched, 4),
-                                             "form": round(t_formed - t_loaded, 4),
-                                             "verify": round(t_verified - t_formed, 4)}))
+                                     phases=phases))
             self.joiner = False
             fence.lift()
             return

@@ -34,6 +34,7 @@ class Recovery:
         blocked = round(max(0.0, time.time() - issued), 4) if issued else None
         self.scope = self.tracked.scope = None
         self._reset_ddp()
+        self._stop_feed()  # a planned move being fed is called off by the recovery
         in_use = self.group.paths
         self.group.drop()
         if "timed out" in error.lower():  # a path silent with its link up stalls a collective to its timeout:

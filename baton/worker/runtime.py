@@ -50,6 +50,7 @@ from baton.worker.exit import exit_quietly
 from baton.worker.group import CollectiveFailure, LiveGroup, install_as_world
 from baton.worker.handover import PlannedHandover
 from baton.worker.joining import Joining
+from baton.worker.precopy import PreCopying
 from baton.worker.prefetch import Prefetch
 from baton.worker.recovery import Recovery
 from baton.worker.redundancy import ShardRedundancy
@@ -93,7 +94,7 @@ class BoundaryInfo:
         return f"Boundary(step={self.step}, epoch={self.epoch})"
 
 
-class Runtime(Captures, PlannedHandover, ShardRedundancy, Recovery, Joining, StateCheck):
+class Runtime(Captures, PlannedHandover, ShardRedundancy, Recovery, Joining, StateCheck, PreCopying):
     """One rank's runtime: its loop position, tracked state and channels; the protocols it
     speaks are the mixins'."""
 
@@ -271,6 +272,8 @@ class Runtime(Captures, PlannedHandover, ShardRedundancy, Recovery, Joining, Sta
                 opt.register_step_pre_hook(self._before_optimizer_step)
             if not self.joiner:  # a joiner starts pulling when it forms its first generation
                 self.snapshots.set_wards(self.ward_addrs, light=bool(self.replicas))
+        for opt in self.tracked.optimizers():  # last: the step's own checks have passed when it runs
+            opt.register_step_pre_hook(self._feed_before_optimizer_step)
         codec.encode(self.tracked.replicated())
         return sharded
 
@@ -288,6 +291,13 @@ class Runtime(Captures, PlannedHandover, ShardRedundancy, Recovery, Joining, Sta
                     self.pos != self.verified_at:
                 return self._checked(lambda: self.verify_state(self.group.generation, None, periodic=True))
             return True
+        with ctl.lock:
+            abort = ctl.abort_generation
+            feed_op, ctl.pre_copy_op = ctl.pre_copy_op, None
+        if feed_op == -1:
+            self._stop_feed()
+        elif feed_op is not None and abort is None:
+            self._start_feed(feed_op)  # a planned move's joiner takes the state from here on
         with ctl.lock:
             abort = ctl.abort_generation
             if abort is None and (ctl.pause_at is None or self.pos[0] < ctl.pause_at):
@@ -367,6 +377,8 @@ class Runtime(Captures, PlannedHandover, ShardRedundancy, Recovery, Joining, Sta
         self.feed.advance()
         self.pos = (self.pos[0] + 1, 0)
         self.params_step = self.pos[0]  # also when a GradScaler skipped the optimizer's step
+        if self.pre_copy is not None:
+            self.pre_copy.end_step(self.pos[0] - 1)
         self.at_pos, self.at_pos_rng = self.capture.bundle, self.capture.rng
         now = time.perf_counter()
         hb = self.ctl.heartbeat

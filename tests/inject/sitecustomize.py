@@ -88,6 +88,11 @@ state that arrived, changes one float of its largest parameter by one ulp, as a 
 load would. The move's state check (its pass over the large tensors deferred into the next
 step) must stop the job before that step commits.
 
+BATON_TEST_HOLD_FOLLOWING=path (with BATON_TEST_FOLLOWING_MARK, a file path): a planned move's
+joiner, once it holds the leaver's copy of the replicated state and before it follows any
+optimizer step, writes its pid into the mark and waits while `path` exists (at most 120 s): the move stays
+in its pre-copy for as long as the test needs to kill someone there.
+
 BATON_TEST_STEP_COUNT_SKEW="rank:step": after that rank's optimizer step at that step, baton's
 count of the steps its parameters hold is one too many, as a bug that applied a step twice
 would leave it. baton's own check must stop the job loudly (never exit 0).
@@ -303,6 +308,27 @@ if os.environ.get("BATON_TEST_CORRUPT_JOINER"):
         recovery.Recovery._load_replicated = _load_then_flip
 
     _when_imported("baton.worker.recovery", _patch_joiner_load)
+
+if os.environ.get("BATON_TEST_HOLD_FOLLOWING"):
+    def _patch_follower(precopy) -> None:  # noqa: ANN001
+        import time
+
+        fetch_base = precopy.Follower.fetch_base
+
+        def _fetch_then_hold(self):  # noqa: ANN001, ANN202
+            state = fetch_base(self)
+            with open(os.environ["BATON_TEST_FOLLOWING_MARK"], "w") as mark:
+                mark.write(str(os.getpid()))
+            print("injected: the joiner holds the leaver's copy and waits before following", file=sys.stderr,
+                  flush=True)
+            deadline = time.time() + 120
+            while os.path.exists(os.environ["BATON_TEST_HOLD_FOLLOWING"]) and time.time() < deadline:
+                time.sleep(0.05)
+            return state
+
+        precopy.Follower.fetch_base = _fetch_then_hold
+
+    _when_imported("baton.worker.precopy", _patch_follower)
 
 _skew = os.environ.get("BATON_TEST_STEP_COUNT_SKEW")
 if _skew:

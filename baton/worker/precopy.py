@@ -1,0 +1,392 @@
+"""Pre-copied planned moves: the joiner takes the replicated state while training goes on,
+then follows the leaver's optimizer steps, so that the pause moves only the rank's own state.
+
+The leaver (`Feed`), asked at a boundary, copies its replicated state there (one copy, the
+one cost the move puts on a step) and serves it; from then on, at each optimizer step it
+takes, it serves the gradients that step is about to apply and the optimizer's settings,
+and at each step's end the small state the step left (an LR scheduler, a GradScaler, the
+optimizers' settings). The joiner (`Follower`) loads the copy and applies the same optimizer
+steps to the same gradients: on the same device type that is the same arithmetic, so its
+parameters and optimizer state follow the leaver's bit for bit. Gradients are served before
+the leaver's own optimizer step runs, so the joiner's step of the last step before the pause
+runs beside the leaver's, not inside the pause.
+
+What the joiner cannot follow is found, never guessed: the leaver compares the version
+counters of its parameters and optimizer state (torch bumps them at every in-place change)
+between its optimizer steps; anything that changed them elsewhere (an EMA update, a clamp,
+a load) marks the feed `touched`, and the move takes the whole state in its pause instead.
+The state check after the move compares the joiner's replicated state with the others'.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from baton.control import messages as m
+from baton.transfer import codec
+from baton.transfer.client import SnapshotLink
+from baton.transfer.protocol import FlatState, TransferError
+from baton.transfer.server import FETCH_OWN, pre_copy_ids, snapshot_key
+from baton.worker.exit import exit_quietly
+
+if TYPE_CHECKING:
+    from baton.transfer.server import TransferServer
+    from baton.worker.tracked import Tracked
+
+log = logging.getLogger("baton.worker")
+
+# The leaver keeps this many of its latest step records for a joiner that lags (at least
+# the two of the step running), within this many bytes; a joiner further behind gives up.
+KEEP_RECORDS = 64
+KEEP_BYTES = 1 << 30
+
+
+def _settings(opt: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """An optimizer's settings by group (its learning rate as a scheduler left it, ...)."""
+    return [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+
+
+def _params(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for g in opt.param_groups for p in g["params"]]
+
+
+def small_state(tracked: "Tracked") -> dict[str, Any]:
+    """The replicated state outside the models and optimizers' tensors: what a step changes
+    besides its optimizer step (schedulers, scalers, the script's own objects), and every
+    optimizer's settings."""
+    opts = tracked.optimizers()
+    out: dict[str, Any] = {"objects": {}, "settings": [_settings(o) for o in opts]}
+    for name, obj in tracked.objects.items():
+        if name in tracked.sharded or isinstance(obj, torch.nn.Module) or any(obj is o for o in opts):
+            continue
+        out["objects"][name] = obj.state_dict()
+    return out
+
+
+def load_small_state(tracked: "Tracked", state: dict[str, Any]) -> None:
+    for name, sd in state["objects"].items():
+        tracked.objects[name].load_state_dict(sd)
+    for opt, settings in zip(tracked.optimizers(), state["settings"]):
+        for group, values in zip(opt.param_groups, settings):
+            group.update(values)
+
+
+def _versions(tracked: "Tracked") -> list[int]:
+    """The in-place change counters of the parameters and optimizer state."""
+    modules = [o for o in tracked.objects.values() if isinstance(o, torch.nn.Module)]
+    out = [p._version for module in modules for p in module.parameters()]
+    for opt in tracked.optimizers():
+        for st in opt.state.values():
+            out.extend(v._version for v in st.values() if isinstance(v, torch.Tensor))
+    return out
+
+
+def _frozen(state: Any) -> FlatState:
+    """Encoded with its own copies of the tensors: served while the state goes on changing."""
+    meta, tensors = codec.encode(state)
+    return FlatState(meta=meta, tensors=[t.detach().clone() for t in tensors])
+
+
+@dataclass
+class Feed:
+    """A planned move's leaver serving its joiner: the base, then a record per optimizer step
+    and per step end, by sequence number."""
+
+    server: "TransferServer"
+    rank: int
+    tracked: "Tracked"
+    base_s: float = 0.0
+    capture_s: float = 0.0
+    steps: int = 0
+    touched: str = ""  # why the joiner cannot follow (empty: it can)
+    _seq: int = 0
+    _kept: list[tuple[int, int]] = field(default_factory=list)  # (seq, bytes)
+    _versions: list[int] | None = None
+    _step_t0: float = 0.0
+
+    def serve_base(self, state: dict[str, Any], pos: tuple[int, int]) -> None:
+        t0 = time.perf_counter()
+        flat = _frozen({**state, "small": small_state(self.tracked)})
+        base, _ = pre_copy_ids(self.rank)
+        self.server.put_snapshot(base, 0, flat)
+        self._versions = _versions(self.tracked)
+        self.base_s = time.perf_counter() - t0
+        self._step_t0 = time.perf_counter()
+        log.info("pre-copy: serving the replicated state at %s (%.1f MB, copied in %.3fs)", pos,
+                 flat.nbytes / 2**20, self.base_s)
+
+    def before_optimizer_step(self, opt_index: int, opt: torch.optim.Optimizer, step: int, closure: bool) -> None:
+        t0 = time.perf_counter()
+        self._check_versions("between optimizer steps")
+        if closure and not self.touched:
+            self.touched = "an optimizer step with a closure (it evaluates the model again)"
+        grads = [p.grad for p in _params(opt)]
+        self._put({"kind": "optimizer_step", "step": step, "opt": opt_index, "settings": _settings(opt),
+                   "grads": [g.detach() if g is not None else None for g in grads], "touched": self.touched})
+        self.steps += 1
+        self.capture_s += time.perf_counter() - t0
+
+    def after_optimizer_step(self) -> None:
+        self._versions = _versions(self.tracked)
+
+    def end_step(self, step: int) -> None:
+        t0 = time.perf_counter()
+        self._check_versions("after the optimizer step")
+        self._put({"kind": "step_end", "step": step, "small": small_state(self.tracked), "touched": self.touched,
+                   "made_at": time.time(), "step_s": t0 - self._step_t0})
+        self._step_t0 = time.perf_counter()
+        self.capture_s += time.perf_counter() - t0
+
+    def own_part(self) -> dict[str, Any]:
+        """What the pause hands over besides the rank's own state: the small state as the
+        boundary holds it, and whether the joiner could follow."""
+        self._check_versions("before the pause")
+        return {"small": small_state(self.tracked), "touched": self.touched, "records": self._seq}
+
+    def close(self) -> None:
+        base, steps = pre_copy_ids(self.rank)
+        self.server.drop_snapshots(base, set())
+        self.server.drop_snapshots(steps, set())
+
+    def _check_versions(self, where: str) -> None:
+        if self.touched or self._versions is None:
+            return
+        if _versions(self.tracked) != self._versions:
+            self.touched = (f"the parameters or optimizer state were changed {where} by something other than "
+                            "the optimizer (an EMA update, a clamp, a load): a joiner cannot follow that from the "
+                            "gradients")
+
+    def _put(self, record: dict[str, Any]) -> None:
+        flat = _frozen(record)
+        _, steps = pre_copy_ids(self.rank)
+        self.server.put_snapshot(steps, self._seq, flat)
+        self._kept.append((self._seq, flat.nbytes))
+        self._seq += 1
+        total = sum(b for _, b in self._kept)
+        while len(self._kept) > 2 and (len(self._kept) > KEEP_RECORDS or total > KEEP_BYTES):
+            total -= self._kept.pop(0)[1]
+        self.server.drop_snapshots(steps, {s for s, _ in self._kept})
+
+
+@dataclass
+class Follower:
+    """A planned move's joiner following its leaver: records fetched on a thread, applied on
+    the training thread (which is otherwise waiting for its Form)."""
+
+    source: tuple[str, int]
+    token: str
+    rank: int
+    timeout: float
+    op: int = 0
+    pos: tuple[int, int] = (0, 0)
+    steps: int = 0
+    base_bytes: int = 0
+    base_s: float = 0.0
+    step_bytes: int = 0
+    failed: str = ""
+    caught_up: bool = False
+    _records: "queue.Queue[tuple[dict[str, Any] | None, str]]" = field(default_factory=queue.Queue)
+    _link: SnapshotLink | None = None
+    _stop: threading.Event = field(default_factory=threading.Event)
+
+    def fetch_base(self) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        self._link = SnapshotLink(self.source, self.token, self.timeout)
+        base, _ = pre_copy_ids(self.rank)
+        flat, n = self._link.fetch(snapshot_key(base, 0))
+        self.base_bytes, self.base_s = n, time.perf_counter() - t0
+        state = codec.decode(flat.meta, list(flat.tensors))
+        self.pos = tuple(state["pos"])  # type: ignore[assignment]
+        threading.Thread(target=self._fetch_records, name="baton-pre-copy", daemon=True).start()
+        return state
+
+    def _fetch_records(self) -> None:
+        _, steps = pre_copy_ids(self.rank)
+        link = SnapshotLink(self.source, self.token, self.timeout)
+        seq = 0
+        try:
+            while not self._stop.is_set():
+                flat, n = link.fetch(snapshot_key(steps, seq))
+                self.step_bytes += n
+                self._records.put((codec.decode(flat.meta, list(flat.tensors)), ""))
+                seq += 1
+        except Exception as exc:  # noqa: BLE001 - any end of the records is the follower's end
+            if not self._stop.is_set():
+                self._records.put((None, f"the leaver's step records stopped: {type(exc).__name__}: {exc}"))
+        finally:
+            link.close()
+
+    def next_record(self, timeout: float) -> dict[str, Any] | None:
+        """The next record, or None if none came within `timeout`; sets `failed` when none will."""
+        try:
+            record, why = self._records.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        if record is None:
+            self.failed = why
+        elif record.get("touched"):
+            self.failed = str(record["touched"])
+            record = None
+        return record
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._link is not None:
+            self._link.close()
+
+
+class PreCopying:
+    """Mixed into Runtime: both sides of a pre-copied planned move."""
+
+    pre_copy: Feed | None = None  # a leaver's, while its joiner follows it
+    follower: Follower | None = None
+    pre_copy_op = 0  # the move it feeds
+
+    # ---------------------------------------------------------------- the leaver
+    def _start_feed(self, op: int) -> None:
+        if self.pre_copy is not None:
+            self.pre_copy.close()
+        self.pre_copy, self.pre_copy_op = Feed(self.server, self.rank, self.tracked), op
+        self.pre_copy.serve_base(self._state(full=False, digest=False), self.pos)
+
+    def _feed_before_optimizer_step(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """An optimizer pre-hook, the last one: the step's collectives have all succeeded."""
+        if self.pre_copy is None or self.loading or self.scope != "step":
+            return
+        index = next(i for i, o in enumerate(self.tracked.optimizers()) if o is opt)
+        closure = len(args) > 1 or kwargs.get("closure") is not None  # args: (optimizer, *step's own)
+        self.pre_copy.before_optimizer_step(index, opt, self.pos[0], closure=closure)
+
+    def _feed_parts(self, state: dict[str, Any]) -> dict[str, Any]:
+        """The pause's share of a pre-copied move (served apart: FETCH_OWN), and the cost report."""
+        assert self.pre_copy is not None
+        own = {k: state[k] for k in ("pos", "bundle", "loop_start", "ddp", "late_buffers")}
+        own.update(self.pre_copy.own_part())
+        feed = self.pre_copy
+        self.ctl.report(m.PreCopyCost(op=self.pre_copy_op, base_s=round(feed.base_s, 4), steps=feed.steps,
+                                      capture_s=round(feed.capture_s, 4)))
+        return own
+
+    def _stop_feed(self) -> None:
+        if self.pre_copy is not None:
+            self.pre_copy.close()
+            self.pre_copy = None
+
+    # ---------------------------------------------------------------- the joiner
+    def _follow(self, cmd: m.CatchUp) -> m.Form | None:
+        """Take the leaver's replicated state and follow its optimizer steps until this rank's
+        Form comes (returned), or give up (None: the move then takes the whole state)."""
+        f = Follower(tuple(cmd.source), self.token, self.rank, self.op_timeout, op=cmd.op)  # type: ignore[arg-type]
+        self.follower = f
+        try:
+            base = f.fetch_base()
+            self._load_replicated(base)
+            load_small_state(self.tracked, base["small"])
+        except (OSError, TransferError) as exc:
+            f.failed = f"the leaver's replicated state did not arrive: {exc}"
+        self.pos = f.pos
+        log.info("pre-copy: the replicated state at %s arrived (%.1f MB in %.3fs); following the leaver",
+                 f.pos, f.base_bytes / 2**20, f.base_s)
+        reported = False
+        while True:
+            got = self.ctl.wait_command(0)
+            if isinstance(got, m.Form):
+                return got
+            if isinstance(got, m.Stop):
+                exit_quietly(0)
+            record = f.next_record(0.05) if not f.failed else None
+            if f.failed:
+                self.ctl.report(self._caught_up(f))
+                self._stop_following()
+                return None
+            if record is None:
+                continue
+            self._apply_record(record)
+            if not reported and record["kind"] == "step_end" and \
+                    time.time() - float(record["made_at"]) < float(record["step_s"]) + 0.05:
+                f.caught_up = reported = True
+                self.ctl.report(self._caught_up(f))
+
+    def _caught_up(self, f: Follower) -> m.CaughtUp:
+        return m.CaughtUp(op=f.op, ok=not f.failed, pos=f.pos, detail=f.failed[:2000], base_bytes=f.base_bytes,
+                          base_s=round(f.base_s, 4), steps=f.steps, step_bytes=f.step_bytes)
+
+    def _apply_record(self, record: dict[str, Any]) -> None:
+        """One of the leaver's optimizer steps, with its gradients and settings; or a step's end."""
+        f = self.follower
+        assert f is not None
+        if record["kind"] == "optimizer_step":
+            opt = self.tracked.optimizers()[int(record["opt"])]
+            params = _params(opt)
+            for p, g in zip(params, record["grads"]):
+                p.grad = None if g is None else g.to(p.device)
+            for group, values in zip(opt.param_groups, record["settings"]):
+                group.update(values)
+            self.loading = True  # baton's own hooks stand aside: this is not a step of this rank's loop
+            try:
+                opt.step()
+            finally:
+                self.loading = False
+            for p in params:
+                p.grad = None
+            f.steps += 1
+            return
+        load_small_state(self.tracked, record["small"])
+        self.pos = f.pos = (int(record["step"]) + 1, 0)
+        self.params_step = self.pos[0]
+
+    def _finish_following(self, cmd: m.Form) -> tuple[dict[str, Any], Any, float] | None:
+        """At the pause: the last optimizer steps up to its boundary, then only the rank's own
+        state and the small state from the leaver, and when the last step was applied. None:
+        follow no further (the whole state)."""
+        f = self.follower
+        if f is None:
+            return None
+        if not cmd.full_state or cmd.snapshot:  # a recovery's Form (the leaver was lost): its state
+            self._stop_following()
+            return None
+        target = tuple(cmd.pos)
+        deadline = time.monotonic() + (cmd.formation_timeout_s or self.formation_timeout)
+        while self.pos[0] < target[0] and not f.failed and time.monotonic() < deadline:
+            record = f.next_record(0.05)
+            if record is not None:
+                self._apply_record(record)
+        if f.failed or self.pos[0] != target[0]:
+            log.warning("pre-copy: not at the pause's boundary %s (at %s%s): taking the whole state", target,
+                        self.pos, f"; {f.failed}" if f.failed else "")
+            self._stop_following()
+            return None
+        followed_at = time.perf_counter()
+        self.ctl.report(self._caught_up(f))  # its final figures, ahead of its Formed
+        own, stats = self._fetch_state(cmd.fetch_from, cmd.generation, target, cmd.formation_timeout_s,  # type: ignore[arg-type]
+                                       kind=FETCH_OWN)
+        self._stop_following()
+        if own.get("touched"):
+            log.warning("pre-copy: %s; taking the whole state", own["touched"])
+            return None
+        return own, stats, followed_at
+
+    def _load_followed(self, own: dict[str, Any], target: tuple[int, int]) -> None:
+        """The pause's share, over the replicated state the joiner followed to its boundary."""
+        from baton.worker.ddp import adopt_state
+
+        added = self.tracked.adopt_late_buffers(own.get("late_buffers", {}))
+        if added:
+            log.info("registered the buffers the source's forward made, which this rank's model lacked: %s",
+                     ", ".join(added[:10]))
+        load_small_state(self.tracked, own["small"])
+        self.params_step = target[0]
+        for ddp, ddp_state in zip(self.tracked.ddps, own["ddp"]):
+            adopt_state(ddp, ddp_state)
+
+    def _stop_following(self) -> None:
+        if self.follower is not None:
+            self.follower.close()
+            self.follower = None
