@@ -49,9 +49,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--path-grace", type=float, default=60.0, metavar="S",
                    help="a node that has run with a data path down for S seconds is tainted and its ranks move "
                         "to spares elsewhere (--return-home brings them back once its paths are up), default 60")
-    p.add_argument("--no-pre-copy", action="store_true",
-                   help="a planned move's joiner takes the whole state inside the pause, instead of copying it "
-                        "while training goes on and following the leaver's optimizer steps (DDP jobs)")
+    p.add_argument("--pre-copy", action="store_true",
+                   help="a planned move's joiner copies the replicated state while training goes on and follows "
+                        "the leaver's optimizer steps, so the pause moves only the rank's own state (DDP jobs); "
+                        "it runs each optimizer step again beside training: worth it where the spare has its own "
+                        "device, not on shared CPU cores")
     p.add_argument("--return-home", action="store_true",
                    help="move ranks back to the node they started on once it is healthy again (untainted, "
                         "with warm spares), at a planned boundary")
@@ -145,8 +147,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--to", default=None, metavar="SLOT|NODE",
                    help="move it there (a warm spare there is used, or one is started on a free slot)")
-    p.add_argument("--no-pre-copy", action="store_true",
-                   help="this move takes the whole state inside its pause (default: as the job was started)")
+    p.add_argument("--pre-copy", action=argparse.BooleanOptionalAction, default=None,
+                   help="pre-copy this move or not (default: as the job was started, `baton run --pre-copy`)")
     p.set_defaults(func=cmd_migrate)
 
     p = sub.add_parser("taint", help="mark a slot or a whole node bad: move its ranks off (one move), "
@@ -215,7 +217,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                       formation_timeout_s=args.formation_timeout, verify_every=args.verify_every,
                       redundancy=args.redundancy, spare_wait_s=args.spare_wait, job_id=args.job_id, quiet=args.quiet,
                       scheduler=args.scheduler, nodes=args.nodes, spare_nodes=args.spare_nodes,
-                      advertise_addr=args.advertise_addr, return_home=args.return_home, pre_copy=not args.no_pre_copy,
+                      advertise_addr=args.advertise_addr, return_home=args.return_home, pre_copy=args.pre_copy,
                       straggler_factor=args.straggler_factor, straggler_steps=args.straggler_steps,
                       borrow_spares=args.borrow_spares, borrow_partition=args.borrow_partition,
                       data_paths=tuple(p for p in args.data_paths.split(",") if p),
@@ -467,7 +469,7 @@ def format_events(events: list[dict[str, Any]]) -> str:
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:
-    data = _api(args, lambda c: c.migrate(args.rank, args.to, pre_copy=False if args.no_pre_copy else None))
+    data = _api(args, lambda c: c.migrate(args.rank, args.to, pre_copy=args.pre_copy))
     if data.get("queued"):
         print(data["note"])
     else:

@@ -59,7 +59,7 @@ class RunOptions:
     spare_nodes: int | None = None  # nodes that hold only spares (nproc each); replaces --spares
     advertise_addr: str | None = None  # where workers reach the launcher (default: found)
     return_home: bool = False  # move ranks back to their first node once it is healthy again
-    pre_copy: bool = True  # planned moves copy the replicated state while training goes on (precopy.py)
+    pre_copy: bool = False  # planned moves copy the replicated state while training goes on (precopy.py)
     straggler_factor: float = 0.0  # 0: the straggler detector is off
     straggler_steps: int = 20
     borrow_spares: bool = False  # with no dedicated spare left, borrow a node through Slurm preemption

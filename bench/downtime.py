@@ -12,8 +12,8 @@ raw loopback TCP and shared-memory copies of the ledger's `state_bytes` are meas
 What is measured:
   planned_s           ledger downtime_s: first rank paused -> every rank formed the next
                       generation (the orchestrator's clock), the whole state moved in the pause
-                      (`baton migrate --no-pre-copy`)
-  pre_copied_s        the same for a pre-copied planned move (the default): the joiner copied the
+                      (`baton migrate --no-pre-copy`, the default)
+  pre_copied_s        the same for a pre-copied planned move (`--pre-copy`): the joiner copied the
                       replicated state and followed the leaver's optimizer steps beforehand
   pre_copy            what those pre-copies did beside training (the ledger's pre_copy, medians):
                       the copy's seconds and bytes, optimizer steps followed, and their cost to the

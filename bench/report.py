@@ -382,13 +382,13 @@ def headline_rows(result: dict) -> list[tuple[str, str]]:
             p, u, t = _med(big.get("planned_s")), _med(big.get("unplanned_s")), _med(big.get("raw_tcp_s"))
             if p is not None:
                 val = f"{_secs_pair(p, t)} = {p / t:.1f}×" if t else _secs(p)
-                cands.append((30, f"planned move of {size}, whole state in the pause: downtime / raw TCP copy", val))
+                cands.append((30, f"planned move of {size}: downtime / raw TCP copy", val))
             if _is_mr(big.get("pre_copied_s")):
                 small = min(sizes, key=lambda s: s["state_bytes"])
                 val = _mr_time(big["pre_copied_s"], _time_unit([_med(big["pre_copied_s"])]))
                 if small is not big and _is_mr(small.get("pre_copied_s")):
                     val += f" ({_secs(_med(small['pre_copied_s']))} at {_bytes(small['state_bytes'])})"
-                cands.append((29, f"pre-copied planned move of {size} (the default): training paused", val))
+                cands.append((29, f"pre-copied planned move of {size} (`--pre-copy`): training paused", val))
             if u is not None:
                 val = _mr_time(big.get("unplanned_s"), _time_unit([u]))
                 if t:
@@ -445,7 +445,7 @@ def pre_copy_sentence(size: dict) -> str | None:
     if _is_mr(bg.get("leaver_base_s")) and _is_mr(bg.get("leaver_capture_s_per_step")):
         leaver = (f"; feeding it cost the leaver's steps {_secs(_med(bg['leaver_base_s']))} once (its copy of the "
                   f"state) and {_secs(_med(bg['leaver_capture_s_per_step']))} per step (the gradients it serves)")
-    return (f"A planned move pre-copies by default: at {_bytes(size['state_bytes'])} training paused "
+    return (f"A pre-copied planned move (`--pre-copy`): at {_bytes(size['state_bytes'])} training paused "
             f"{_secs(pc)} (median), while the joiner's copy of the replicated state took "
             f"{_secs(_med(bg['base_s']))} beside training and it then followed "
             f"{_med(bg.get('steps_followed')) or 0:.0f} of the leaver's optimizer steps{leaver}.")

@@ -58,9 +58,9 @@ def _check(job: Job, reference, kind: str, rerun_max: int, same_slot_ok: bool = 
 def test_planned_migration_is_bitwise_identical(tmp_path, reference, pre_copy):
     """A planned move, bitwise. Pre-copied (the default): the joiner takes the replicated
     state while training goes on and applies the leaver's optimizer steps to their gradients,
-    so the pause moves only the rank's own state; with --no-pre-copy, the whole state."""
+    so the pause moves only the rank's own state (`--pre-copy`); without, the whole state."""
     job = Job(tmp_path, nproc=NPROC, spares=1, steps=STEPS, script_args=ARGS,
-              run_args=[] if pre_copy else ["--no-pre-copy"])
+              run_args=["--pre-copy"] if pre_copy else [])
     try:
         job.wait_step(5)
         job.client.migrate(1)

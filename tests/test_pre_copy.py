@@ -30,7 +30,7 @@ def test_a_joiner_that_cannot_follow_takes_the_whole_state_bitwise(tmp_path, tra
     says it cannot follow, and the move takes the whole state in its pause, bitwise."""
     args = [*ARGS, "--clamp", "0.05"]
     reference = train_reference(NPROC, STEPS, args)
-    job = Job(tmp_path, nproc=NPROC, spares=1, steps=STEPS, script_args=args, name="clamp")
+    job = Job(tmp_path, nproc=NPROC, spares=1, steps=STEPS, script_args=args, name="clamp", run_args=["--pre-copy"])
     try:
         job.wait_step(5)
         job.wait_spare()
@@ -57,7 +57,8 @@ def test_a_kill_during_a_pre_copy_falls_back_bitwise(tmp_path, train_reference, 
     hold, mark = tmp_path / "hold", tmp_path / "following"
     hold.touch()
     env = {"PYTHONPATH": INJECT, "BATON_TEST_HOLD_FOLLOWING": str(hold), "BATON_TEST_FOLLOWING_MARK": str(mark)}
-    job = Job(tmp_path, nproc=NPROC, spares=2, steps=STEPS, script_args=ARGS, name=victim, env=env)
+    job = Job(tmp_path, nproc=NPROC, spares=2, steps=STEPS, script_args=ARGS, name=victim, env=env,
+              run_args=["--pre-copy"])
     try:
         job.wait_step(5)
         job.wait_until(lambda st: sum(s["state"] == "spare" for s in st["spares"]) == 2, timeout=120,

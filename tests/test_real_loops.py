@@ -52,14 +52,14 @@ def _check(job: Job, reference) -> list[dict]:
 
 
 def test_planned_move_mid_epoch(tmp_path, reference):
-    """Pre-copied: the joiner follows the leaver's SGD steps (bf16 autocast, GradScaler's
+    """Pre-copied (asked for this move): the joiner follows the leaver's SGD steps (bf16 autocast, GradScaler's
     unscaled gradients, StepLR's rate) while it trains, BatchNorm and dropout stay the rank's
     own, and only those move in the pause; bitwise."""
     job = _job(tmp_path, "planned")
     try:
         job.wait_step(5)
         job.wait_spare()
-        job.client.migrate(1)
+        job.client.migrate(1, pre_copy=True)  # this move only (`baton migrate --pre-copy`)
         events = _check(job, reference)
         assert [e["kind"] for e in events] == ["planned"]
         assert events[0]["pre_copy"]["ok"] and events[0]["pre_copy"]["steps"] >= 1, events[0]

@@ -441,7 +441,7 @@ class MigrateRequest(_Request):
     type: Literal["migrate"] = "migrate"
     rank: NonNegativeInt
     to: Annotated[str, Field(min_length=1, max_length=200)] | None = None
-    pre_copy: bool | None = None  # this move only: pre-copy or not (None: the job's --no-pre-copy decides)
+    pre_copy: bool | None = None  # this move only: pre-copy or not (None: the job's --pre-copy decides)
 
 
 class TaintRequest(_Request):
@@ -628,7 +628,7 @@ class AttachJob(_Msg):
     redundancy: Annotated[int, Field(ge=0, le=64)] = 2
     ranks_per_node: Annotated[int, Field(ge=0)] = 0
     return_home: bool = False
-    pre_copy: bool = True
+    pre_copy: bool = False
     straggler_factor: Annotated[float, Field(ge=0)] = 0.0
     straggler_steps: Annotated[int, Field(ge=1)] = 20
     borrow_spares: bool = False

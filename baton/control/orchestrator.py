@@ -86,7 +86,7 @@ class Config:
     redundancy: int = 2  # buddies holding each rank's own state (simultaneous losses survived)
     ranks_per_node: int = 0  # ranks r*k..r*k+k-1 share a node (0: all on one); buddies go to other nodes
     return_home: bool = False  # move ranks back to their first node once it is healthy again
-    pre_copy: bool = True  # a planned move's joiner copies the replicated state while training goes on
+    pre_copy: bool = False  # a planned move's joiner copies the replicated state while training goes on
     straggler_factor: float = 0.0  # taint a rank's slot when its busy time stays above this x median (0: off)
     straggler_steps: int = 20  # ... for this many consecutive steps
     borrow_spares: bool = False  # with no dedicated spare left, borrow a node from a lower-priority job

@@ -46,6 +46,7 @@ log = logging.getLogger("baton.worker")
 # the two of the step running), within this many bytes; a joiner further behind gives up.
 KEEP_RECORDS = 64
 KEEP_BYTES = 1 << 30
+WAKE = "wake"  # a record queue's item that is no record
 
 
 def _settings(opt: torch.optim.Optimizer) -> list[dict[str, Any]]:
@@ -229,12 +230,18 @@ class Follower:
             record, why = self._records.get(timeout=timeout)
         except queue.Empty:
             return None
+        if record is None and why == WAKE:
+            return None
         if record is None:
             self.failed = why
         elif record.get("touched"):
             self.failed = str(record["touched"])
             record = None
         return record
+
+    def wake(self, *_: Any) -> None:
+        """A Form arrived: the training thread stops waiting for a record and reads it."""
+        self._records.put((None, WAKE))
 
     def close(self) -> None:
         self._stop.set()
@@ -292,6 +299,7 @@ class PreCopying:
         except (OSError, TransferError) as exc:
             f.failed = f"the leaver's replicated state did not arrive: {exc}"
         self.pos = f.pos
+        self.ctl.watch_forms(f.wake)  # its Form ends the wait for the next record at once
         log.info("pre-copy: the replicated state at %s arrived (%.1f MB in %.3fs); following the leaver",
                  f.pos, f.base_bytes / 2**20, f.base_s)
         reported = False
@@ -388,5 +396,6 @@ class PreCopying:
 
     def _stop_following(self) -> None:
         if self.follower is not None:
+            self.ctl.watch_forms(None)
             self.follower.close()
             self.follower = None
