@@ -87,3 +87,37 @@ def test_a_kill_during_a_pre_copy_falls_back_bitwise(tmp_path, train_reference, 
         assert shape == [("planned", "failed"), ("unplanned", "resolved"), ("planned", "resolved")], events
         assert events[1]["rank"] == 2 and events[2]["rank"] == 1, events
     assert all(e["steps_lost"] == 0 for e in events if e["status"] == "resolved"), events
+
+
+def test_a_joiner_still_far_behind_when_the_ranks_pause_takes_the_whole_state(tmp_path, train_reference):
+    """The joiner holds the leaver's copy but follows no step until after the pre-copy's
+    deadline (--formation-timeout) has passed and the ranks have paused: replaying the steps
+    it lacks inside the pause would cost about what they cost the ranks, so it takes the
+    whole state instead. Bitwise, exit 0."""
+    reference = train_reference(NPROC, STEPS, ARGS)
+    hold, mark, end = tmp_path / "hold", tmp_path / "following", tmp_path / "end"
+    hold.touch()
+    end.touch()  # the ranks wait two steps before the end until the move is over, however fast they are
+    env = {"PYTHONPATH": INJECT, "BATON_TEST_HOLD_FOLLOWING": str(hold), "BATON_TEST_FOLLOWING_MARK": str(mark),
+           "BATON_TEST_HOLD_AT_STEP": str(STEPS - 2), "BATON_TEST_HOLD_FILE": str(end)}
+    job = Job(tmp_path, nproc=NPROC, spares=1, steps=STEPS, script_args=ARGS, name="behind", env=env,
+              run_args=["--pre-copy", "--formation-timeout", "4"])
+    try:
+        job.wait_step(5)
+        job.wait_spare()
+        job.client.migrate(1)
+        job.wait_until(lambda st: mark.exists(), timeout=120, what="the joiner holding the leaver's copy")
+        job.wait_until(lambda st: all(r["state"] == "paused" for r in st["ranks"]), timeout=120,
+                       what="the ranks paused for a joiner that never caught up")
+        hold.unlink()
+        job.wait_until(lambda st: any(e["status"] == "resolved" for e in job.events()), timeout=120,
+                       what="the move resolved")
+        end.unlink()
+        assert job.wait(timeout=180) == 0, job.log()
+        _equal_to(job, reference)
+        (ev,) = job.events()
+        log = job.log(tail=None)
+    finally:
+        job.kill()
+    assert "did not catch up with their leavers" in log and "steps behind the pause's boundary" in log, log[-3000:]
+    assert ev["kind"] == "planned" and ev["status"] == "resolved" and "follow" not in ev["phases"], ev

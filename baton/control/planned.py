@@ -195,7 +195,10 @@ class PlannedMoves:
             if step_time > 0 and info.step_at:
                 guess += (now - info.step_at + 0.05) / step_time
             best = max(best, guess)
-        return int(math.ceil(best)) + 1
+        target = int(math.ceil(best)) + 1
+        if self.loop is not None and self.loop.total_steps:  # a stalled rank's guess runs on: never past
+            target = min(target, self.loop.total_steps - 1)   # the last boundary a step follows
+        return target
 
     def _advance_agree(self) -> None:
         op = self.op

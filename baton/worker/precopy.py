@@ -47,6 +47,10 @@ log = logging.getLogger("baton.worker")
 KEEP_RECORDS = 64
 KEEP_BYTES = 1 << 30
 WAKE = "wake"  # a record queue's item that is no record
+# A joiner further behind than this many steps when the ranks pause takes the whole state
+# instead: it never caught up (the pre-copy's deadline passed), and each step it replays
+# inside the pause costs about what the step cost the ranks.
+MAX_BEHIND = 2
 
 
 def _settings(opt: torch.optim.Optimizer) -> list[dict[str, Any]]:
@@ -361,6 +365,11 @@ class PreCopying:
             self._stop_following()
             return None
         target = tuple(cmd.pos)
+        if target[0] - self.pos[0] > MAX_BEHIND:  # replaying them would hold the pause longer than a copy
+            log.warning("pre-copy: %d steps behind the pause's boundary %s: taking the whole state",
+                        target[0] - self.pos[0], target)
+            self._stop_following()
+            return None
         deadline = time.monotonic() + (cmd.formation_timeout_s or self.formation_timeout)
         while self.pos[0] < target[0] and not f.failed and time.monotonic() < deadline:
             record = f.next_record(0.05)
