@@ -208,6 +208,7 @@ def _one_size(mb: float, moves: int, tmp: Path, python: str) -> dict:
     print(f"  [{tag}] starting 2 ranks + 1 spare ({params_m:.2f}M params); log {log_path}", flush=True)
     planned, transfer, unplanned, unplanned_ledger, state_bytes = [], [], [], [], []
     pre_copied: list[float] = []  # the pause of a pre-copied planned move
+    fallbacks: list[str] = []  # why a move asked to pre-copy took the whole state instead
     background: list[dict] = []  # what each pre-copy did beside training (the ledger's pre_copy)
     phases: dict[str, list[dict]] = {"planned": [], "pre_copied": [], "unplanned": []}  # each move's ledger phases
     job = _Job(python, tmp / f"run-{tag}", log_path, params_m, start_timeout)
@@ -232,18 +233,22 @@ def _one_size(mb: float, moves: int, tmp: Path, python: str) -> dict:
             n = job.event_count()
             job.client.migrate(1 - rank, pre_copy=True)
             ev = job.resolved_event(n, "planned", op_timeout)
-            pc = ev.get("pre_copy") or {}
-            if not pc.get("ok"):
-                raise BenchError(f"the pre-copied move of rank {1 - rank} did not follow its leaver: "
-                                 f"{pc.get('detail') or 'no pre-copy ran'}; see {log_path}")
-            pre_copied.append(ev["downtime_s"])
-            phases["pre_copied"].append(dict(ev.get("phases") or {}))
-            print(f"  [{tag}] pre-copied planned move {i + 1}/{moves} (rank {1 - rank}): pause {ev['downtime_s']:.3f}s "
-                  f"({(ev['state_bytes'] or 0) / 1e6:.2f} MB in it); beside training: {pc['base_bytes'] / 1e6:.1f} MB "
-                  f"in {pc['base_s']:.3f}s, then {pc['steps']} optimizer steps followed", flush=True)
             st = job.ready(op_timeout, min_step=st_step(job) + 1)
-            phases["pre_copied"][-1]["check_after_resume"] = job.event(ev["id"]).get("check_after_resume_s") or 0.0
-            background.append(job.event(ev["id"])["pre_copy"])
+            ev = job.event(ev["id"])  # with the joiner's final word on its pre-copy
+            pc = ev.get("pre_copy") or {}
+            if pc.get("ok"):
+                pre_copied.append(ev["downtime_s"])
+                phases["pre_copied"].append({**(ev.get("phases") or {}),
+                                             "check_after_resume": ev.get("check_after_resume_s") or 0.0})
+                background.append(pc)
+                print(f"  [{tag}] pre-copied planned move {i + 1}/{moves} (rank {1 - rank}): pause "
+                      f"{ev['downtime_s']:.3f}s ({(ev['state_bytes'] or 0) / 1e6:.2f} MB in it); beside training: "
+                      f"{pc['base_bytes'] / 1e6:.1f} MB in {pc['base_s']:.3f}s, then {pc['steps']} optimizer steps "
+                      "followed", flush=True)
+            else:  # it took the whole state in its pause: counted apart, never as a pre-copied pause
+                fallbacks.append(pc.get("detail") or "no pre-copy ran")
+                print(f"  [{tag}] pre-copied planned move {i + 1}/{moves} (rank {1 - rank}) fell back to the whole "
+                      f"state ({fallbacks[-1]}): downtime {ev['downtime_s']:.3f}s", flush=True)
             victim = (i + 1) % 2
             pid = next(r["pid"] for r in st["ranks"] if r["rank"] == victim)
             n = job.event_count()
@@ -290,8 +295,9 @@ def _one_size(mb: float, moves: int, tmp: Path, python: str) -> dict:
     # steps it followed, and what feeding it cost the leaver's steps (one copy of the state at a
     # boundary; each step's gradients captured).
     out["pre_copy"] = {
+        "fallbacks": fallbacks,
         "base_s": median_range([b["base_s"] for b in background]),
-        "base_bytes": int(statistics.median(b["base_bytes"] for b in background)),
+        "base_bytes": int(statistics.median(b["base_bytes"] for b in background)) if background else None,
         "steps_followed": median_range([b["steps"] for b in background]),
         "leaver_base_s": median_range([b.get("leaver_base_s", 0.0) for b in background]),
         "leaver_capture_s_per_step": median_range([b.get("leaver_capture_s", 0.0) / max(1, b.get("leaver_steps", 0))
@@ -299,8 +305,9 @@ def _one_size(mb: float, moves: int, tmp: Path, python: str) -> dict:
     }
     out["planned_over_tcp"] = ratio(out["planned_s"]["median"], out["raw_tcp_s"]["median"])
     out["unplanned_over_tcp"] = ratio(out["unplanned_s"]["median"], out["raw_tcp_s"]["median"])
+    pc_s = out["pre_copied_s"]["median"]
     print(f"  [{tag}] {nbytes / 1e6:.1f} MB: planned {out['planned_s']['median']:.3f}s (pre-copied: pause "
-          f"{out['pre_copied_s']['median']:.3f}s), unplanned "
+          f"{f'{pc_s:.3f}s' if pc_s is not None else 'none'}, {len(fallbacks)} fell back), unplanned "
           f"{out['unplanned_s']['median']:.3f}s, raw tcp {out['raw_tcp_s']['median']:.4f}s, raw shm "
           f"{out['raw_shm_s']['median']:.4f}s -> planned/tcp {out['planned_over_tcp']:.2f}x, "
           f"unplanned/tcp {out['unplanned_over_tcp']:.2f}x", flush=True)

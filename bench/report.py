@@ -439,8 +439,11 @@ def move_cost_sentence(result: dict) -> str | None:
 def pre_copy_sentence(size: dict) -> str | None:
     """What a pre-copied planned move paused, and what it did beside training, at one size."""
     pc, bg = _med(size.get("pre_copied_s")), size.get("pre_copy") or {}
+    fell = [str(x) for x in bg.get("fallbacks") or []]
+    fell_text = (f" {len(fell)} move(s) asked to pre-copy took the whole state instead ({fell[0]})."
+                 if fell else "")
     if pc is None or not _is_mr(bg.get("base_s")):
-        return None
+        return (f"At {_bytes(size.get('state_bytes'))} no move pre-copied:{fell_text}" if fell else None)
     leaver = ""
     if _is_mr(bg.get("leaver_base_s")) and _is_mr(bg.get("leaver_capture_s_per_step")):
         leaver = (f"; feeding it cost the leaver's steps {_secs(_med(bg['leaver_base_s']))} once (its copy of the "
@@ -448,7 +451,7 @@ def pre_copy_sentence(size: dict) -> str | None:
     return (f"A pre-copied planned move (`--pre-copy`): at {_bytes(size['state_bytes'])} training paused "
             f"{_secs(pc)} (median), while the joiner's copy of the replicated state took "
             f"{_secs(_med(bg['base_s']))} beside training and it then followed "
-            f"{_med(bg.get('steps_followed')) or 0:.0f} of the leaver's optimizer steps{leaver}.")
+            f"{_med(bg.get('steps_followed')) or 0:.0f} of the leaver's optimizer steps{leaver}.{fell_text}")
 
 
 def _phases_text(phases: dict) -> str:
@@ -458,9 +461,9 @@ def _phases_text(phases: dict) -> str:
         shown = [f"{k.replace('_', ' ')} {_secs(_med(v))}" for k, v in per.items()
                  if _med(v) is not None and k != "check_after_resume" and (k != "joiner_setup" or kind == "unplanned")]
         if shown:
-            out.append(f"{kind}: {', '.join(shown)}")
+            out.append(f"{kind.replace('_', '-')}: {', '.join(shown)}")
         if _med(per.get("check_after_resume")) is not None:
-            after.append(f"{kind} {_secs(_med(per['check_after_resume']))}")
+            after.append(f"{kind.replace('_', '-')} {_secs(_med(per['check_after_resume']))}")
     text = ("where the time went (ledger phases; an unplanned joiner runs the script's setup after the "
             "failure): " + "; ".join(out)) if out else ""
     if after:  # the state check's pass over the large tensors runs beside the next step, outside the pause

@@ -38,6 +38,22 @@ def test_taint_during_evaluation(tmp_path, gpt_reference):
         job.kill()
 
 
+def test_a_pre_copied_taint_during_evaluation(tmp_path, gpt_reference):
+    """`--pre-copy`: the joiner follows rank 0's AdamW steps (gradients clipped, accumulated
+    under no_sync, the warm-up/cosine rate the script sets in the optimizer's settings) while
+    the evaluation and the steps go on; the pause moves rank 0's own state only. Bitwise."""
+    job = gpt_job(tmp_path, "pre-copied", run_args=["--pre-copy"])
+    try:
+        in_eval(job)
+        slot = next(r["slot"] for r in job.status()["ranks"] if r["rank"] == 0)
+        job.client.taint(slot, "ecc")
+        events = _check(job, gpt_reference, ["pre-emptive"])
+        pc = events[0]["pre_copy"]
+        assert pc["ok"] and pc["steps"] >= 1 and "follow" in events[0]["phases"], events[0]
+    finally:
+        job.kill()
+
+
 def test_kill_9_rank_0_inside_a_step(tmp_path, gpt_reference):
     job = gpt_job(tmp_path, "kill0")
     try:

@@ -45,13 +45,14 @@ def test_a_joiner_that_cannot_follow_takes_the_whole_state_bitwise(tmp_path, tra
     assert "follow" not in ev["phases"] and ev["state_bytes"] > ev["pre_copy"]["base_bytes"] / 2, ev
 
 
-@pytest.mark.parametrize("victim", ["joiner", "leaver", "survivor"])
+@pytest.mark.parametrize("victim", ["joiner", "leaver", "survivor", "leaver-hung"])
 def test_a_kill_during_a_pre_copy_falls_back_bitwise(tmp_path, train_reference, victim):
     """kill -9 while the joiner holds the leaver's copy and has not followed a step yet:
     - the joiner: the move is called off before any rank paused and runs again with the
       other spare (which follows and moves only the rank's own state);
     - the leaver: its rank is rebuilt from the survivors, the joiner taking it over;
-    - a survivor: its rank is rebuilt, the move waits for the job to re-form and runs again.
+    - a survivor: its rank is rebuilt, the move waits for the job to re-form and runs again;
+    - the leaver hung (SIGSTOP): found by its missing heartbeats, then as killed.
     Each ends bitwise equal to the run without failures, exit 0."""
     reference = train_reference(NPROC, STEPS, ARGS)
     hold, mark = tmp_path / "hold", tmp_path / "following"
@@ -68,6 +69,8 @@ def test_a_kill_during_a_pre_copy_falls_back_bitwise(tmp_path, train_reference, 
                        what="the joiner holding the leaver's copy")
         if victim == "joiner":
             os.kill(int(mark.read_text()), signal.SIGKILL)
+        elif victim == "leaver-hung":
+            job.signal_rank(1, signal.SIGSTOP)
         else:
             job.signal_rank(1 if victim == "leaver" else 2, signal.SIGKILL)
         hold.unlink()
@@ -80,7 +83,7 @@ def test_a_kill_during_a_pre_copy_falls_back_bitwise(tmp_path, train_reference, 
     if victim == "joiner":
         assert shape == [("planned", "failed"), ("planned", "resolved")], events
         assert events[1]["pre_copy"]["ok"] and "follow" in events[1]["phases"], events[1]
-    elif victim == "leaver":
+    elif victim.startswith("leaver"):
         assert shape == [("planned", "failed"), ("unplanned", "resolved")], events
         assert "superseded by the loss of its leaver" in events[0]["note"], events[0]
     else:
@@ -121,3 +124,14 @@ def test_a_joiner_still_far_behind_when_the_ranks_pause_takes_the_whole_state(tm
         job.kill()
     assert "did not catch up with their leavers" in log and "steps behind the pause's boundary" in log, log[-3000:]
     assert ev["kind"] == "planned" and ev["status"] == "resolved" and "follow" not in ev["phases"], ev
+
+
+def test_a_joiner_whose_replay_is_as_slow_as_the_steps_gives_up():
+    """A replay that takes most of a step (a spare sharing the ranks' CPU cores) would still be
+    running when the ranks pause: after three steps the joiner says so and why."""
+    from baton.worker.precopy import _cannot_keep_up
+
+    assert _cannot_keep_up([(0.9, 1.0), (0.95, 1.0)]) == ""  # too early to judge
+    assert _cannot_keep_up([(0.1, 1.0), (0.2, 1.0), (0.15, 0.9)]) == ""
+    why = _cannot_keep_up([(0.1, 1.0), (0.9, 1.0), (0.95, 1.0), (1.2, 1.1)])
+    assert "cannot keep up" in why and "0.950s" in why and "1.000s" in why, why

@@ -51,6 +51,15 @@ WAKE = "wake"  # a record queue's item that is no record
 # instead: it never caught up (the pre-copy's deadline passed), and each step it replays
 # inside the pause costs about what the step cost the ranks.
 MAX_BEHIND = 2
+# The joiner gives up when its replay of a step takes more than this share of the step, over
+# this many steps (medians): it would not be done when the ranks pause.
+KEEP_UP, KEEP_UP_STEPS = 0.8, 3
+
+
+def record_key(op: int, seq: int) -> int:
+    """A step record's snapshot step: the move's id above its sequence number (a newer move's
+    records make an older move's missing ones gone for good, see TransferServer)."""
+    return (op << 24) | seq
 
 
 def _settings(opt: torch.optim.Optimizer) -> list[dict[str, Any]]:
@@ -107,6 +116,7 @@ class Feed:
     server: "TransferServer"
     rank: int
     tracked: "Tracked"
+    op: int = 0  # the move it feeds: its records' keys hold it, so no joiner takes another move's
     base_s: float = 0.0
     capture_s: float = 0.0
     steps: int = 0
@@ -120,7 +130,7 @@ class Feed:
         t0 = time.perf_counter()
         flat = _frozen({**state, "small": small_state(self.tracked)})
         base, _ = pre_copy_ids(self.rank)
-        self.server.put_snapshot(base, 0, flat)
+        self.server.put_snapshot(base, self.op, flat)
         self._versions = _versions(self.tracked)
         self.base_s = time.perf_counter() - t0
         self._step_t0 = time.perf_counter()
@@ -171,8 +181,9 @@ class Feed:
     def _put(self, record: dict[str, Any]) -> None:
         flat = _frozen(record)
         _, steps = pre_copy_ids(self.rank)
-        self.server.put_snapshot(steps, self._seq, flat)
-        self._kept.append((self._seq, flat.nbytes))
+        key = record_key(self.op, self._seq)
+        self.server.put_snapshot(steps, key, flat)
+        self._kept.append((key, flat.nbytes))
         self._seq += 1
         total = sum(b for _, b in self._kept)
         while len(self._kept) > 2 and (len(self._kept) > KEEP_RECORDS or total > KEEP_BYTES):
@@ -205,7 +216,7 @@ class Follower:
         t0 = time.perf_counter()
         self._link = SnapshotLink(self.source, self.token, self.timeout)
         base, _ = pre_copy_ids(self.rank)
-        flat, n = self._link.fetch(snapshot_key(base, 0))
+        flat, n = self._link.fetch(snapshot_key(base, self.op))
         self.base_bytes, self.base_s = n, time.perf_counter() - t0
         state = codec.decode(flat.meta, list(flat.tensors))
         self.pos = tuple(state["pos"])  # type: ignore[assignment]
@@ -218,7 +229,7 @@ class Follower:
         seq = 0
         try:
             while not self._stop.is_set():
-                flat, n = link.fetch(snapshot_key(steps, seq))
+                flat, n = link.fetch(snapshot_key(steps, record_key(self.op, seq)))
                 self.step_bytes += n
                 self._records.put((codec.decode(flat.meta, list(flat.tensors)), ""))
                 seq += 1
@@ -253,6 +264,22 @@ class Follower:
             self._link.close()
 
 
+def _cannot_keep_up(paces: list[tuple[float, float]]) -> str:
+    """Why the joiner would still be replaying when the ranks pause (empty: it keeps up). A
+    replay as slow as the steps themselves (the joiner sharing the ranks' CPU cores, say)
+    would put its last steps inside the pause, making it longer than a copy of the whole
+    state; better to say so and take the whole state."""
+    if len(paces) < KEEP_UP_STEPS:
+        return ""
+    recent = paces[-KEEP_UP_STEPS:]
+    replay = sorted(p for p, _ in recent)[len(recent) // 2]
+    step = sorted(s for _, s in recent)[len(recent) // 2]
+    if replay <= KEEP_UP * step:
+        return ""
+    return (f"it cannot keep up: replaying one of the leaver's steps takes {replay:.3f}s, the steps "
+            f"themselves {step:.3f}s (does the spare share the ranks' devices or CPU cores?)")
+
+
 class PreCopying:
     """Mixed into Runtime: both sides of a pre-copied planned move."""
 
@@ -264,7 +291,7 @@ class PreCopying:
     def _start_feed(self, op: int) -> None:
         if self.pre_copy is not None:
             self.pre_copy.close()
-        self.pre_copy, self.pre_copy_op = Feed(self.server, self.rank, self.tracked), op
+        self.pre_copy, self.pre_copy_op = Feed(self.server, self.rank, self.tracked, op=op), op
         self.pre_copy.serve_base(self._state(full=False, digest=False), self.pos)
 
     def _feed_before_optimizer_step(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -307,6 +334,7 @@ class PreCopying:
         log.info("pre-copy: the replicated state at %s arrived (%.1f MB in %.3fs); following the leaver",
                  f.pos, f.base_bytes / 2**20, f.base_s)
         reported = False
+        busy, paces = 0.0, []  # this step's replay so far; (replay, the leaver's step) per step
         while True:
             got = self.ctl.wait_command(0)
             if isinstance(got, m.Form):
@@ -320,9 +348,18 @@ class PreCopying:
                 return None
             if record is None:
                 continue
+            t0 = time.perf_counter()
             self._apply_record(record)
-            if not reported and record["kind"] == "step_end" and \
-                    time.time() - float(record["made_at"]) < float(record["step_s"]) + 0.05:
+            busy += time.perf_counter() - t0
+            if record["kind"] != "step_end":
+                continue
+            paces.append((busy, float(record["step_s"])))
+            busy = 0.0
+            slow = _cannot_keep_up(paces)
+            if slow:
+                f.failed = slow
+                continue  # reported above, at the next turn
+            if not reported and time.time() - float(record["made_at"]) < float(record["step_s"]) + 0.05:
                 f.caught_up = reported = True
                 self.ctl.report(self._caught_up(f))
 
@@ -334,6 +371,9 @@ class PreCopying:
         """One of the leaver's optimizer steps, with its gradients and settings; or a step's end."""
         f = self.follower
         assert f is not None
+        if int(record["step"]) != self.pos[0]:  # never applied out of order: the whole state instead
+            f.failed = f"the leaver's record of step {record['step']} does not follow step {self.pos[0]}"
+            return
         if record["kind"] == "optimizer_step":
             opt = self.tracked.optimizers()[int(record["opt"])]
             params = _params(opt)
@@ -366,9 +406,7 @@ class PreCopying:
             return None
         target = tuple(cmd.pos)
         if target[0] - self.pos[0] > MAX_BEHIND:  # replaying them would hold the pause longer than a copy
-            log.warning("pre-copy: %d steps behind the pause's boundary %s: taking the whole state",
-                        target[0] - self.pos[0], target)
-            self._stop_following()
+            self._give_up_following(f"{target[0] - self.pos[0]} steps behind the pause's boundary {list(target)}")
             return None
         deadline = time.monotonic() + (cmd.formation_timeout_s or self.formation_timeout)
         while self.pos[0] < target[0] and not f.failed and time.monotonic() < deadline:
@@ -376,9 +414,8 @@ class PreCopying:
             if record is not None:
                 self._apply_record(record)
         if f.failed or self.pos[0] != target[0]:
-            log.warning("pre-copy: not at the pause's boundary %s (at %s%s): taking the whole state", target,
-                        self.pos, f"; {f.failed}" if f.failed else "")
-            self._stop_following()
+            self._give_up_following(f.failed or f"not at the pause's boundary {list(target)} in time "
+                                                f"(at {list(self.pos)})")
             return None
         followed_at = time.perf_counter()
         self.ctl.report(self._caught_up(f))  # its final figures, ahead of its Formed
@@ -386,9 +423,19 @@ class PreCopying:
                                        kind=FETCH_OWN)
         self._stop_following()
         if own.get("touched"):
-            log.warning("pre-copy: %s; taking the whole state", own["touched"])
+            self.follower = f
+            self._give_up_following(str(own["touched"]))
             return None
         return own, stats, followed_at
+
+    def _give_up_following(self, why: str) -> None:
+        """At the pause: take the whole state, and say why in the move's ledger entry."""
+        f = self.follower
+        assert f is not None
+        log.warning("pre-copy: %s: taking the whole state", why)
+        f.failed = f.failed or why
+        self.ctl.report(self._caught_up(f))
+        self._stop_following()
 
     def _load_followed(self, own: dict[str, Any], target: tuple[int, int]) -> None:
         """The pause's share, over the replicated state the joiner followed to its boundary."""
