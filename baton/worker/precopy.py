@@ -359,7 +359,10 @@ class PreCopying:
             if slow:
                 f.failed = slow
                 continue  # reported above, at the next turn
-            if not reported and time.time() - float(record["made_at"]) < float(record["step_s"]) + 0.05:
+            # Caught up: this step applied within a step of the leaver's, and the replay has kept
+            # pace for long enough to judge (else the ranks would pause while it still replays).
+            if not reported and len(paces) >= KEEP_UP_STEPS and \
+                    time.time() - float(record["made_at"]) < float(record["step_s"]) + 0.05:
                 f.caught_up = reported = True
                 self.ctl.report(self._caught_up(f))
 
