@@ -178,6 +178,10 @@ LONG = ["--epochs", "150", "--out-dir", "{d}/out"]  # time for a move away and o
 LONG_STEPS = 150 * 8
 
 
+# Its length is the run's (1,200 steps for a move away and one back, and its torchrun reference):
+# 179 s of the 180 s default on a quiet 2-core machine. Its own waits are bounded by progress;
+# this is only the safety net, sized for a machine twice as slow.
+@pytest.mark.timeout(480)
 def test_a_rail_down_past_the_grace_moves_the_nodes_rank_and_it_returns_once_the_rail_is_back(
         tmp_path, slurm, torchrun_reference):
     """Rank 1's node keeps rail1 down past --path-grace: after the failover, the node is
@@ -283,6 +287,7 @@ def test_two_nodes_left_with_no_rail_in_common_cut_one_off_and_it_is_rebuilt_on_
     compare(reference, tmp_path / "baton")
 
 
+@pytest.mark.timeout(480)  # 100 s on a quiet 2-core machine: the run's length, as above
 def test_a_flapping_rail_costs_one_failover_and_is_damped(tmp_path, slurm, torchrun_reference):
     """Rank 1's node's rail1 goes down for a second and up for a second, for thirty seconds
     (or until the job is near its end, on a fast machine): the first down fails over; it
