@@ -284,16 +284,25 @@ class Runtime(Captures, PlannedHandover, ShardRedundancy, Recovery, Joining, Sta
             proceed = not ctl.attention
             if proceed:
                 ctl.started = self.pos[0]
-        if proceed:
-            if self.pending_check is not None and self.pending_check.pos != self.pos:
-                return self._checked(self.finish_pending_check)  # a step with no optimizer step (inf grads)
-            if self.verify_every and self.pos[0] > 0 and self.pos[0] % self.verify_every == 0 and \
-                    self.pos != self.verified_at:
-                return self._checked(lambda: self.verify_state(self.group.generation, None, periodic=True))
-            return True
+        if not proceed and not self._attend():
+            return False
+        # Every rank runs the checks due here, whether or not a command made it look closer
+        # (a rank that skipped the periodic check for a pause still ahead left the others
+        # waiting in its collective until they timed out).
+        if self.pending_check is not None and self.pending_check.pos != self.pos:
+            return self._checked(self.finish_pending_check)  # a step with no optimizer step (inf grads)
+        if self.verify_every and self.pos[0] > 0 and self.pos[0] % self.verify_every == 0 and \
+                self.pos != self.verified_at:
+            return self._checked(lambda: self.verify_state(self.group.generation, None, periodic=True))
+        return True
+
+    def _attend(self) -> bool:
+        """The boundary's closer look, after a command: whether this rank steps on from here
+        (a pause still ahead) or not (it paused, or recovered from a lost peer)."""
+        ctl = self.ctl
         with ctl.lock:
-            abort = ctl.abort_generation
             feed_op, ctl.pre_copy_op = ctl.pre_copy_op, None
+            abort = ctl.abort_generation
         if feed_op == -1:
             self._stop_feed()
         elif feed_op is not None and abort is None:
