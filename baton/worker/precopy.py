@@ -163,7 +163,7 @@ class Feed:
         """What the pause hands over besides the rank's own state: the small state as the
         boundary holds it, and whether the joiner could follow."""
         self._check_versions("before the pause")
-        return {"small": small_state(self.tracked), "touched": self.touched, "records": self._seq}
+        return {"small": small_state(self.tracked), "touched": self.touched}
 
     def close(self) -> None:
         base, steps = pre_copy_ids(self.rank)
@@ -207,7 +207,6 @@ class Follower:
     base_s: float = 0.0
     step_bytes: int = 0
     failed: str = ""
-    caught_up: bool = False
     _records: "queue.Queue[tuple[dict[str, Any] | None, str]]" = field(default_factory=queue.Queue)
     _link: SnapshotLink | None = None
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -363,7 +362,7 @@ class PreCopying:
             # pace for long enough to judge (else the ranks would pause while it still replays).
             if not reported and len(paces) >= KEEP_UP_STEPS and \
                     time.time() - float(record["made_at"]) < float(record["step_s"]) + 0.05:
-                f.caught_up = reported = True
+                reported = True
                 self.ctl.report(self._caught_up(f))
 
     def _caught_up(self, f: Follower) -> m.CaughtUp:
@@ -424,11 +423,10 @@ class PreCopying:
         self.ctl.report(self._caught_up(f))  # its final figures, ahead of its Formed
         own, stats = self._fetch_state(cmd.fetch_from, cmd.generation, target, cmd.formation_timeout_s,  # type: ignore[arg-type]
                                        kind=FETCH_OWN)
-        self._stop_following()
         if own.get("touched"):
-            self.follower = f
             self._give_up_following(str(own["touched"]))
             return None
+        self._stop_following()
         return own, stats, followed_at
 
     def _give_up_following(self, why: str) -> None:
