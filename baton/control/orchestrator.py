@@ -432,6 +432,8 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing, PathFa
                 info.metrics = dict(rep.metrics)
             if rep.step_time is not None:
                 info.metrics["step_time"] = rep.step_time
+            if rep.step_period is not None:
+                info.metrics["step_period"] = rep.step_period
             if rep.snapshot_mb is not None:
                 info.metrics["snapshot_mb"] = rep.snapshot_mb
             if rep.state_mb is not None:

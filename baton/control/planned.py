@@ -183,17 +183,18 @@ class PlannedMoves:
         """Pick a boundary just ahead of where the fastest rank is now.
 
         Step reports arrive with heartbeats, so each is extrapolated by its age at the
-        rank's step rate, plus ~50 ms for the pause to reach the ranks. Aiming short is
-        safe (a rank already past answers so and the target moves); aiming long only
-        costs steps of waiting for the move to start.
+        rank's step rate (its step period: the step and what the script does between steps),
+        plus ~50 ms for the pause to reach the ranks. Aiming short is safe (a rank already
+        past answers so and the target moves); aiming long only costs steps of waiting for
+        the move to start.
         """
         now = time.time()
         best = 0.0
         for info in self.ranks.values():
-            step_time = info.metrics.get("step_time", 0.0)
+            period = info.metrics.get("step_period") or info.metrics.get("step_time", 0.0)
             guess = float(info.step)
-            if step_time > 0 and info.step_at:
-                guess += (now - info.step_at + 0.05) / step_time
+            if period > 0 and info.step_at:
+                guess += (now - info.step_at + 0.05) / period
             best = max(best, guess)
         target = int(math.ceil(best)) + 1
         if self.loop is not None and self.loop.total_steps:  # a stalled rank's guess runs on: never past

@@ -147,6 +147,7 @@ class Runtime(Captures, PlannedHandover, ShardRedundancy, Recovery, Joining, Sta
         self.loading = False  # loading arrived state (the DCP helpers may step an optimizer)
         self.metrics: dict[str, float] = {}
         self._busy_s: float | None = None  # this step's own work, until its last gradient bucket
+        self._last_step_end = 0.0  # perf_counter at the last step's end: the step period's start
         self.warned_no_capture = False
         self.backward_captured = False  # the syncing backward's start captured this step's bundle
         self.backward_token: object | None = None  # identifies the latest syncing forward
@@ -395,6 +396,10 @@ class Runtime(Captures, PlannedHandover, ShardRedundancy, Recovery, Joining, Sta
         dt = now - self._step_t0
         ema = hb.get("step_time")
         hb["step_time"] = dt if ema is None else 0.8 * ema + 0.2 * dt
+        if self._last_step_end:
+            period, ema = now - self._last_step_end, hb.get("step_period")
+            hb["step_period"] = period if ema is None else 0.8 * ema + 0.2 * period
+        self._last_step_end = now
         if self._busy_s is not None:
             ema = hb.get("busy_time")
             hb["busy_time"] = self._busy_s if ema is None else 0.8 * ema + 0.2 * self._busy_s

@@ -82,6 +82,9 @@ BATON_TEST_HOLD_AT_STEP="step" (with BATON_TEST_HOLD_FILE, a file path): while t
 exists, every rank waits at the boundary before that step, still taking the orchestrator's
 commands there (a pause, an abort), so a test's faults land before the job can end however
 fast or slow the machine: the test removes the file to let training finish (at most 600 s).
+"step+" holds at every boundary from that step on: each command lets the ranks run one step
+(the step a re-formed group needs to show it works) and they hold again, so a test can run
+several operations one after another in a short run.
 
 BATON_TEST_CORRUPT_JOINER=1: a joiner of a planned move, right after it loads the replicated
 state that arrived, changes one float of its largest parameter by one ulp, as a bug in the
@@ -273,8 +276,10 @@ if _hold_at:
         hold_file = os.environ["BATON_TEST_HOLD_FILE"]
         until = [0.0]
 
+        step, onwards = int(_hold_at.rstrip("+")), _hold_at.endswith("+")
+
         def _hold_then_boundary(self):  # noqa: ANN001, ANN202
-            if self.pos[0] == int(_hold_at):
+            if self.pos[0] == step or (onwards and self.pos[0] > step):
                 if not until[0]:
                     until[0] = time.time() + 600
                     if os.path.exists(hold_file):
