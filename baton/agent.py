@@ -65,7 +65,7 @@ def run_attached(opts: RunOptions, server: ServerOptions) -> int:
                            formation_timeout_s=opts.formation_timeout_s, spare_wait_s=opts.spare_wait_s,
                            verify_every=opts.verify_every, redundancy=opts.redundancy,
                            ranks_per_node=opts.nproc if placement.allocation is not None else 0,
-                           return_home=opts.return_home, pre_copy=opts.pre_copy,
+                           return_home=opts.return_home, pre_copy=opts.pre_copy, hot_spares=opts.hot_spares,
                            straggler_factor=opts.straggler_factor,
                            straggler_steps=opts.straggler_steps, borrow_spares=opts.borrow_spares,
                            control_grace_s=server.grace_s, mode=opts.mode,

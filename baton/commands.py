@@ -54,6 +54,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                         "the leaver's optimizer steps, so the pause moves only the rank's own state (DDP jobs); "
                         "it runs each optimizer step again beside training: worth it where the spare has its own "
                         "device, not on shared CPU cores")
+    p.add_argument("--hot-spares", action="store_true",
+                   help="each warm spare keeps a mirror of the replicated state current at every step (one rank "
+                        "feeds it each step's gradients), so that a lost rank's replacement takes only the rank's "
+                        "own state and not the whole model and optimizer (DDP jobs of a model-aware script); "
+                        "costs the feeding rank a copy of its gradients a step, and each spare an optimizer step")
     p.add_argument("--return-home", action="store_true",
                    help="move ranks back to the node they started on once it is healthy again (untainted, "
                         "with warm spares), at a planned boundary")
@@ -211,6 +216,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     mode = _mode(args, script_args)
     if isinstance(mode, int):
         return mode
+    if args.hot_spares and mode != "model-aware":
+        return _fail(f"--hot-spares needs a model-aware script (one that calls baton.init()): {args.script} runs "
+                     "with no code change, whose joiners take their state where the script's own loop is; run "
+                     "it without --hot-spares (its spares are warm, and fetch the state when they take a rank)", 2)
+    if args.hot_spares and args.spares < 1 and not args.spare_nodes:
+        return _fail("--hot-spares needs spares to keep hot (--spares N)", 2)
     opts = RunOptions(mode=mode, tail_copies=not args.no_tail_copies, script=args.script, script_args=script_args, nproc=args.nproc, spares=args.spares,
                       slots=args.slots, run_dir=args.run_dir or default_dir(),
                       op_timeout_s=args.op_timeout, heartbeat_timeout_s=args.heartbeat_timeout,
@@ -218,6 +229,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                       redundancy=args.redundancy, spare_wait_s=args.spare_wait, job_id=args.job_id, quiet=args.quiet,
                       scheduler=args.scheduler, nodes=args.nodes, spare_nodes=args.spare_nodes,
                       advertise_addr=args.advertise_addr, return_home=args.return_home, pre_copy=args.pre_copy,
+                      hot_spares=args.hot_spares,
                       straggler_factor=args.straggler_factor, straggler_steps=args.straggler_steps,
                       borrow_spares=args.borrow_spares, borrow_partition=args.borrow_partition,
                       data_paths=tuple(p for p in args.data_paths.split(",") if p),
@@ -352,7 +364,8 @@ def cmd_status(args: argparse.Namespace) -> int:
             print(f"  {r['rank']:>4}  {r['pid'] or '-':>7}  {r['slot'] or '-':<10} {r['step']:>6}  "
                   f"{r['state']:<18} {metrics}")
         spares = ", ".join(f"{s['slot']} ({s['state']}, pid {s['pid']}"
-                           + (f", borrowed from {s['from']})" if s.get("kind") == "borrowed" else ")")
+                           + (f", borrowed from {s['from']}" if s.get("kind") == "borrowed" else "")
+                           + (f", hot: {_hot_text(s['hot'])})" if s.get("hot") else ")")
                            for s in job["spares"]) or "none"
         for r in job["ranks"]:
             if r.get("unheard_s") is not None:
@@ -447,6 +460,15 @@ def cmd_events(args: argparse.Namespace) -> int:
     return 0
 
 
+def _hot_text(hot: dict[str, Any]) -> str:
+    """A spare's mirror of the replicated state (--hot-spares), in a few words."""
+    if hot["state"] == "ordinary":
+        return f"ordinary ({hot.get('detail', '')})"
+    if hot["state"] in ("current", "following"):
+        return f"{hot['state']} since step {hot['since_step']}, {hot['base_mb']} MB, replay {hot['replay_s']:.3f}s a step"
+    return hot["state"]
+
+
 def format_events(events: list[dict[str, Any]]) -> str:
     head = f"{'id':>3}  {'kind':<12} {'rank':>4}  {'from':<9} {'to':<9} {'step':>5} {'downtime':>9} " \
            f"{'lost':>4} {'re-run':>6}  {'no rollback':<11} cause"
@@ -463,6 +485,10 @@ def format_events(events: list[dict[str, Any]]) -> str:
             after = f"; the next step waited {e['check_after_resume_s']:.3f}s for the state check" \
                 if e.get("check_after_resume_s") is not None else ""
             lines.append(f"{'':>5}{moved}" + ", ".join(f"{k} {v:.3f}s" for k, v in e["phases"].items()) + after)
+        hot = e.get("hot_spare")
+        if hot:
+            lines.append(f"{'':>5}hot spare: " + (f"the replicated state from its mirror ({hot['mirror_steps']} "
+                                                  f"steps followed)" if hot["used"] else f"whole state: {hot['detail']}"))
         if e.get("note"):
             lines.append(f"{'':>5}note: {e['note']}")
     return "\n".join(lines)

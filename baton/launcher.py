@@ -60,6 +60,7 @@ class RunOptions:
     advertise_addr: str | None = None  # where workers reach the launcher (default: found)
     return_home: bool = False  # move ranks back to their first node once it is healthy again
     pre_copy: bool = False  # planned moves copy the replicated state while training goes on (precopy.py)
+    hot_spares: bool = False  # spares mirror the replicated state at every step (worker/hot.py)
     straggler_factor: float = 0.0  # 0: the straggler detector is off
     straggler_steps: int = 20
     borrow_spares: bool = False  # with no dedicated spare left, borrow a node through Slurm preemption
@@ -239,7 +240,8 @@ def run(opts: RunOptions, listeners: list[Callable[[str, dict[str, Any]], None]]
                     formation_timeout_s=opts.formation_timeout_s, verify_every=opts.verify_every,
                     redundancy=opts.redundancy, spare_wait_s=opts.spare_wait_s,
                     ranks_per_node=opts.nproc if placement.allocation is not None else 0,
-                    return_home=opts.return_home, pre_copy=opts.pre_copy, straggler_factor=opts.straggler_factor,
+                    return_home=opts.return_home, pre_copy=opts.pre_copy, hot_spares=opts.hot_spares,
+                    straggler_factor=opts.straggler_factor,
                     straggler_steps=opts.straggler_steps, borrow_spares=opts.borrow_spares,
                     gpu_limits=opts.gpu_limits, mode=opts.mode, data_paths=tuple(opts.data_paths),
                     path_hold_down_s=opts.path_hold_down_s, path_grace_s=opts.path_grace_s)

@@ -168,6 +168,15 @@ class Recover(_Msg):
     replicas: list[int] = []  # HSDP: the ranks holding this rank's very shards (other replica groups)
 
 
+class HotUse(_Msg):
+    """How a hot spare that took over a lost rank came by the replicated state."""
+
+    used: bool  # from its mirror (only the rank's own and small state moved); else fetched whole
+    detail: Text = ""  # why not
+    mirror_steps: NonNegativeInt = 0  # optimizer steps it had applied since its base
+    catch_up_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0  # its last steps, inside the recovery
+
+
 class Formed(_Dated):
     type: Literal["formed"] = "formed"
     generation: int
@@ -186,6 +195,8 @@ class Formed(_Dated):
     # A no-code successor that ran code of its rank again before it formed (the step its
     # predecessor was lost after, or the region after the step loop), and for how long.
     ran_again: Annotated[str, Field(max_length=300)] = ""
+    # A hot spare's recovery: whether its mirror gave the replicated state, or why not.
+    hot_spare: HotUse | None = None
 
 
 class Verified(_Msg):
@@ -274,8 +285,25 @@ class PreCopyCost(_Msg):
     capture_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
 
 
+class HotState(_Msg):
+    """A hot spare (Follow): its mirror of the replicated state keeps pace with the feeding
+    rank (`ok`, at `pos`), or it cannot (`detail`: the spare is an ordinary one until the next
+    feed). What the mirror took: its base, and the step records since."""
+
+    type: Literal["hot_state"] = "hot_state"
+    op: NonNegativeInt
+    ok: bool
+    pos: Pos
+    detail: Text = ""
+    base_bytes: NonNegativeInt = 0
+    base_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
+    steps: NonNegativeInt = 0
+    step_bytes: NonNegativeInt = 0
+    replay_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0  # its replay of a step (median of 3)
+
+
 Report = Annotated[Union[Heartbeat, Ready, UnitDone, PauseAck, Paused, Recover, Formed, Verified, Finished,
-                         UserError, Left, PathChanged, PathsReady, PathsFound, CaughtUp, PreCopyCost],
+                         UserError, Left, PathChanged, PathsReady, PathsFound, CaughtUp, PreCopyCost, HotState],
                    Field(discriminator="type")]
 REPORT = TypeAdapter(Report)
 
@@ -303,6 +331,9 @@ class Registered(_Msg):
     data_paths: list[Iface] = []  # the node's data links to watch (baton run --data-paths)
     discover_paths: bool = False  # --data-paths auto, not decided yet: report the node's (PathsFound)
     receive_mb: float = 0.0  # a spare: map this much receive memory ahead (baton.transfer.pool); 0: not yet known
+    # --hot-spares: spares mirror the replicated state, and ranks that publish for a recovery
+    # also serve the small rest apart (FETCH_OWN), which is all a hot spare takes
+    hot_spares: bool = False
 
 
 # ---------------------------------------------------------------- commands
@@ -419,6 +450,25 @@ class CatchUp(_Msg):
     source: Addr
 
 
+class HotFeed(_Msg):
+    """To one rank (--hot-spares): at the next boundary, serve a copy of the replicated state,
+    then each optimizer step's gradients and each step's small state, for the hot spares."""
+
+    type: Literal["hot_feed"] = "hot_feed"
+    op: NonNegativeInt
+    stop: bool = False
+
+
+class Follow(_Msg):
+    """To a spare (--hot-spares): mirror the replicated state `feeder` serves from `source`
+    and apply its optimizer steps as they come, until the spare takes a rank over."""
+
+    type: Literal["follow"] = "follow"
+    op: NonNegativeInt
+    source: Addr
+    feeder: NonNegativeInt
+
+
 class WatchPaths(_Msg):
     """The job's data paths, once found (`--data-paths auto`): watch them on this node."""
 
@@ -427,7 +477,7 @@ class WatchPaths(_Msg):
 
 
 Command = Annotated[Union[Assign, Pause, Publish, Form, Abort, Release, Stop, Done, WatchPaths, PrepareReceive, PreCopy,
-                          CatchUp],
+                          CatchUp, HotFeed, Follow],
                     Field(discriminator="type")]
 COMMAND = TypeAdapter(Command)
 
@@ -632,6 +682,7 @@ class AttachJob(_Msg):
     ranks_per_node: Annotated[int, Field(ge=0)] = 0
     return_home: bool = False
     pre_copy: bool = False
+    hot_spares: bool = False
     straggler_factor: Annotated[float, Field(ge=0)] = 0.0
     straggler_steps: Annotated[int, Field(ge=1)] = 20
     borrow_spares: bool = False

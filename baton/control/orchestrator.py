@@ -33,6 +33,7 @@ from baton.control import messages as m
 from baton.control.effects import DecisionLock
 from baton.control.errors import RequestError
 from baton.control.homing import Homing
+from baton.control.hot import HotSpareFeeds
 from baton.control.mailbox import Mailboxes
 from baton.control.nodes import Node, NodeHealth
 from baton.control.operation import Operation, RetryMove
@@ -87,6 +88,7 @@ class Config:
     ranks_per_node: int = 0  # ranks r*k..r*k+k-1 share a node (0: all on one); buddies go to other nodes
     return_home: bool = False  # move ranks back to their first node once it is healthy again
     pre_copy: bool = False  # a planned move's joiner copies the replicated state while training goes on
+    hot_spares: bool = False  # spares mirror the replicated state at every step (hot.py)
     straggler_factor: float = 0.0  # taint a rank's slot when its busy time stays above this x median (0: off)
     straggler_steps: int = 20  # ... for this many consecutive steps
     borrow_spares: bool = False  # with no dedicated spare left, borrow a node from a lower-priority job
@@ -98,7 +100,7 @@ class Config:
     path_grace_s: float = 60.0  # a node holding ranks with a data path down this long is tainted (they move)
 
 
-class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing, PathFailover):
+class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing, PathFailover, HotSpareFeeds):
     def __init__(self, config: Config, store: SqliteStore, scheduler: Scheduler | None = None):
         self.config = config
         self.store = store
@@ -145,6 +147,7 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing, PathFa
         self._network_taints: dict[str, float] = {}  # node tainted for its links -> when they were last read
         self._paths_of: tuple[int, list[str]] = (-1, [])  # the generation the paths were chosen for, and them
         self._gen0_posted = False  # the first generation's Assign and Form went out
+        self._init_hot()
         self.receive_mb = 0.0  # the receive memory a spare maps ahead: the replicated state the ranks report, and room
 
     # ------------------------------------------------------------------ lifecycle
@@ -376,7 +379,8 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing, PathFa
                                 control_grace_s=self.config.control_grace_s,
                                 data_paths=list(self.data_paths.names),
                                 discover_paths=self.discover_paths,
-                                receive_mb=self.receive_mb if w.role == WorkerRole.SPARE else 0.0).model_dump()
+                                receive_mb=self.receive_mb if w.role == WorkerRole.SPARE else 0.0,
+                                hot_spares=self.config.hot_spares).model_dump()
 
     def _maybe_start_generation0(self) -> None:
         if self._gen0_posted or not self._paths_decided():
@@ -485,6 +489,8 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing, PathFa
             op.joiner_setup_s = max(op.joiner_setup_s, rep.setup_s)
         if rep.phases and op and sum(rep.phases.values()) >= sum(op.joiner_phases.values()):
             op.joiner_phases = dict(rep.phases)
+        if rep.hot_spare is not None and op and w.rank in op.moves:
+            self.events[op.moves[w.rank].event_id - 1].hot_spare = rep.hot_spare.model_dump()
         if rep.ran_again and op and w.rank in op.moves:
             ev = self.events[op.moves[w.rank].event_id - 1]
             ev.note = "; ".join(n for n in (ev.note, rep.ran_again) if n)
@@ -527,6 +533,7 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing, PathFa
                 return
             self.loop = m.LoopInfo(**loops[0])
             self.training_since = time.time()
+            self._refresh_hot_spares()
 
     def _on_unit_done(self, w: Worker, rep: m.UnitDone) -> None:
         """A boundary function ended on this rank; its state there is now durable here."""
@@ -928,6 +935,7 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing, PathFa
         self._pending_return_home()
         self._release_idle_borrowed()
         self._replenish()
+        self._hot_after_op()
         self._maybe_done()
 
     def _drop_retries_of(self, leaver: Worker) -> None:
@@ -1023,7 +1031,7 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing, PathFa
                               **({"unmovable": info.unmovable} if info.unmovable else {}),
                               **({"unheard_s": round(time.time() - w.last_seen, 1)} if w and w.unheard else {})})
             spares = [{"worker": w.id, "slot": w.slot, "pid": w.pid, "state": w.role.value,
-                       **self._spare_kind(w.slot)}
+                       **self._spare_kind(w.slot), **self._hot_view(w)}
                       for w in self.workers.values()
                       if w.role in (WorkerRole.SPARE, WorkerRole.STARTING) and w.intended_rank is None]
             taints = [{"slot": s.name, "reason": s.taint, "since": s.tainted_at}

@@ -355,7 +355,7 @@ class Recovery:
         # Spares for the dead ranks.
         for rank, move in sorted(op.moves.items()):
             if move.to_worker is None:
-                spares = self._ready_spares()
+                spares = self._hot_first(self._ready_spares())
                 if not spares:
                     self._maybe_borrow()
                     if op.phase != "spares":

@@ -150,7 +150,8 @@ def _config(spec: m.AttachJob) -> Config:
                   formation_timeout_s=spec.formation_timeout_s, spare_wait_s=spec.spare_wait_s,
                   verify_every=spec.verify_every, redundancy=spec.redundancy,
                   ranks_per_node=spec.ranks_per_node,
-                  return_home=spec.return_home, pre_copy=spec.pre_copy, straggler_factor=spec.straggler_factor,
+                  return_home=spec.return_home, pre_copy=spec.pre_copy, hot_spares=spec.hot_spares,
+                  straggler_factor=spec.straggler_factor,
                   straggler_steps=spec.straggler_steps,
                   # a local job borrows idle spares of lower-priority jobs on its host (lending.py)
                   borrow_spares=spec.borrow_spares or "nodes" not in spec.features,

@@ -20,6 +20,7 @@ class SparePool:
         spare.role = WorkerRole.RANK
         spare.rank = rank
         spare.held_rank = True
+        self._hot.pop(spare.id, None)
         self._post(spare.id, m.Assign(rank=rank, generation=op.generation, world_size=self.config.world_size,
                                       joiner=True, loop=self.loop, setup=self.setup_record,
                                       training_since=self.training_since))
@@ -33,6 +34,7 @@ class SparePool:
             self._pending_taint_moves()
             self._pending_targeted()
             self._pending_return_home()
+            self._refresh_hot_spares()
 
     def _replenish(self) -> None:
         """Keep `spares` warm spares, each on a healthy slot nobody else uses."""

@@ -118,6 +118,9 @@ class Event:
     # A pre-copied planned move: what went on beside training before its pause (the joiner's
     # copy of the replicated state, the optimizer steps it followed, what feeding it cost the leaver).
     pre_copy: dict[str, Any] | None = None
+    # An unplanned recovery onto a hot spare: whether its mirror gave the replicated state
+    # (then only the rank's own and the small state moved), or why not.
+    hot_spare: dict[str, Any] | None = None
     step: int | None = None
     status: str = "in-progress"  # in-progress | resolved | failed
     note: str = ""

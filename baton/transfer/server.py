@@ -72,6 +72,16 @@ def pre_copy_ids(rank: int) -> tuple[int, int]:
     return rank | PRE_COPY_BASE, rank | PRE_COPY_STEPS
 
 
+# the same for a rank feeding hot spares (--hot-spares); ids stay below 2**24 (snapshot_key)
+HOT_BASE, HOT_STEPS = 1 << 23 | PRE_COPY_BASE, 1 << 23 | PRE_COPY_STEPS
+
+
+def hot_ids(rank: int) -> tuple[int, int]:
+    """The snapshot ids under which a rank feeds the hot spares: its replicated state at one
+    boundary, then its step records (as pre_copy_ids, apart from any planned move's)."""
+    return rank | HOT_BASE, rank | HOT_STEPS
+
+
 def snapshot_key(rank: int, step: int) -> int:
     """`rank` is a rank, or the id `small_id` gives."""
     return (rank << 40) | step

@@ -250,8 +250,9 @@ class Captures:
         if self.scope == "step":
             self.committed = True
             self.params_step = self.pos[0] + 1
-            if self.pre_copy is not None:
-                self.pre_copy.after_optimizer_step()
+            for feed in (self.pre_copy, self.hot_feed):
+                if feed is not None:
+                    feed.after_optimizer_step()
             return
         raise UsageError(self._stepped_outside_steps())
 

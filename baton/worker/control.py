@@ -63,6 +63,7 @@ class ControlChannel:
         self.pre_copy_op: int | None = None  # a planned move asked this rank to feed its joiner
         self.newest_abort = -1  # the newest generation any Abort named (never cleared)
         self.attention = False  # hot-path flag: the boundary must look closer
+        self.hot_feed_op: int | None = None  # HotFeed: start feeding the hot spares (-1: stop)
         # What the heartbeat carries: latest boundary, step time, metrics.
         self.heartbeat: dict[str, Any] = {}
         self.heartbeat_timeout_s = 3.0  # the orchestrator's, from register()
@@ -228,6 +229,11 @@ class ControlChannel:
         if isinstance(cmd, m.PreCopy):  # taken at the next boundary (Runtime._boundary)
             with self.lock:
                 self.pre_copy_op = -1 if cmd.stop else cmd.op
+                self.attention = True
+            return
+        if isinstance(cmd, m.HotFeed):  # taken at the next boundary (Runtime._attend)
+            with self.lock:
+                self.hot_feed_op = -1 if cmd.stop else cmd.op
                 self.attention = True
             return
         if isinstance(cmd, m.Pause):

@@ -11,6 +11,7 @@ cannot be named reliably; the step loop refuses to start and names them.
 from __future__ import annotations
 
 import gc
+import threading
 import weakref
 from typing import Any, Callable
 
@@ -20,7 +21,7 @@ _CLASSES: list[tuple[type, str]] = []
 _created: list[tuple[str, weakref.ref]] = []
 listeners: list[Callable[[str, Any], None]] = []  # told of each instance as it is noted
 _installed = False
-_paused = [0]
+_paused = threading.local()  # per thread: a hot spare's mirror builds its optimizer while the script may build its own
 
 
 def _kinds() -> list[tuple[type, str]]:
@@ -43,7 +44,7 @@ def install() -> None:
 
         def init(self: Any, *args: Any, __original=original, __kind=kind, **kwargs: Any) -> None:
             __original(self, *args, **kwargs)
-            if _paused[0] == 0 and not any(ref() is self for _, ref in _created):
+            if not getattr(_paused, "depth", 0) and not any(ref() is self for _, ref in _created):
                 _created.append((__kind, weakref.ref(self)))
                 for listener in list(listeners):
                     listener(__kind, self)
@@ -53,13 +54,14 @@ def install() -> None:
 
 
 class paused:
-    """Objects baton creates for itself (the warm-up) are not the script's."""
+    """Objects baton creates for itself (the warm-up, a hot spare's mirror) on this thread are
+    not the script's."""
 
     def __enter__(self) -> None:
-        _paused[0] += 1
+        _paused.depth = getattr(_paused, "depth", 0) + 1
 
     def __exit__(self, *exc: Any) -> None:
-        _paused[0] -= 1
+        _paused.depth -= 1
 
 
 def created() -> list[tuple[str, Any]]:

@@ -86,6 +86,8 @@ class PlannedHandover:
         move's joiner takes only the first)."""
         if self.pre_copy is not None:
             return {FETCH_OWN: self._feed_parts(state), FETCH: state}
+        if self.hot_spares and "bundle" not in state:  # a recovery's: a hot spare takes only the small rest
+            return {FETCH_OWN: self._hot_part(state), FETCH: state}
         return {FETCH: state}
 
     def _state(self, full: bool, digest: bool = True, encoded: bool = False) -> dict[str, Any]:

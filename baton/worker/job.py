@@ -46,6 +46,7 @@ from baton.worker import discover, fence, orphan, whole_saves
 from baton.worker.control import ControlChannel, OrchestratorGone
 from baton.worker.data import DataFeed
 from baton.worker.exit import exit_quietly
+from baton.worker.hot import Mirror
 from baton.worker.runtime import Runtime, Unit
 from baton.worker.script_files import ScriptModules, script_dir_of
 from baton.worker.torchrun_env import torchrun_env
@@ -344,10 +345,15 @@ def join(runtime_class: type[Runtime], script: str) -> Runtime:
     ctl.report_now(m.Heartbeat())
     ctl.start()
     cmd = None
+    mirror: Mirror | None = None  # --hot-spares: the replicated state, kept current while waiting
     while cmd is None:
         got = ctl.wait_command(1.0)
         if isinstance(got, m.Stop):
             exit_quietly(0)
+        if isinstance(got, m.Follow):
+            if mirror is not None:
+                mirror.close()
+            mirror = Mirror(got, token, config.op_timeout_s, ctl.report).start()
         if isinstance(got, m.Assign):
             cmd = got
             log.info("assigned rank %s (joiner=%s)", got.rank, got.joiner)
@@ -364,6 +370,8 @@ def join(runtime_class: type[Runtime], script: str) -> Runtime:
     if cmd.joiner:
         fence.raise_for(ScriptModules(script_dir_of(script)).own, cmd.training_since)
     rt.assignment = cmd
+    if mirror is not None:  # a recovery's state comes from it (hot.py); a planned move's does not
+        rt.mirror = mirror
     _RUNTIME[0] = rt
     sys.exit = _exit_with  # type: ignore[assignment]  # the script's exit code, for _left_early
     atexit.register(_left_early, rt)

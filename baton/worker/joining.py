@@ -20,6 +20,7 @@ from baton.transfer.server import SNAPSHOT, small_id, snapshot_key
 from baton.worker import fence, setup_check, shards, verify
 from baton.worker.bundle import fetch_ward_bundle
 from baton.worker.group import CollectiveFailure
+from baton.worker.precopy import load_small_state
 from baton.worker.verify import Divergence
 
 log = logging.getLogger("baton.worker")
@@ -59,6 +60,8 @@ class Joining:
                     state, stats = fetched if fetched is not None else self._fetch_for(cmd)
                     t_fetched = time.perf_counter()
                     self._load_replicated(state)
+                    if "small" in state:  # a hot spare's: the survivors' schedulers, scalers, settings
+                        load_small_state(self.tracked, state["small"])
                     self._release_received(state)
                 sharded_expected = state.get("sharded_digest")
                 if cmd.snapshot:  # check the load against what arrived (its chunks were checked on the way)
@@ -95,7 +98,10 @@ class Joining:
                 phases = {"follow": round(t_followed - t0, 4), **phases}
             self.ctl.report(m.Formed(generation=gen, pos=self.pos, bytes=stats.bytes, seconds=round(stats.seconds, 4),
                                      setup_s=round(self.setup_s, 4), fetch_wait_s=round(t_fetched - t0, 4),
-                                     phases=phases))
+                                     phases=phases, hot_spare=self.hot_use))
+            if self.mirror is not None:  # a move that did not need it (a planned one)
+                self.mirror.close()
+                self.mirror = None
             self.joiner = False
             fence.lift()
             return
@@ -111,7 +117,12 @@ class Joining:
         log.info("received into memory mapped ahead; %.1f MB of it the load copied from given back", freed / 2**20)
 
     def _fetch_for(self, cmd: m.Form) -> tuple[dict[str, Any], FetchStats]:
-        """The state a joiner's Form says to fetch, from where it says."""
+        """The state a joiner's Form says to fetch, from where it says (a hot spare's mirror
+        holds the replicated part: only the rest moves)."""
+        if self.mirror is not None:
+            hot = self._state_from_mirror(cmd)
+            if hot is not None:
+                return hot
         target = tuple(cmd.pos)
         if cmd.snapshot and cmd.shards_from:  # HSDP: the shards from another replica group
             return self._fetch_from_replica(cmd, target)  # type: ignore[arg-type]

@@ -117,6 +117,7 @@ class Feed:
     rank: int
     tracked: "Tracked"
     op: int = 0  # the move it feeds: its records' keys hold it, so no joiner takes another move's
+    ids: tuple[int, int] = (0, 0)  # the snapshot ids of its base and its records (pre_copy_ids by default)
     base_s: float = 0.0
     capture_s: float = 0.0
     steps: int = 0
@@ -126,11 +127,14 @@ class Feed:
     _versions: list[int] | None = None
     _step_t0: float = 0.0
 
+    def __post_init__(self) -> None:
+        if self.ids == (0, 0):
+            self.ids = pre_copy_ids(self.rank)
+
     def serve_base(self, state: dict[str, Any], pos: tuple[int, int]) -> None:
         t0 = time.perf_counter()
         flat = _frozen({**state, "small": small_state(self.tracked)})
-        base, _ = pre_copy_ids(self.rank)
-        self.server.put_snapshot(base, self.op, flat)
+        self.server.put_snapshot(self.ids[0], self.op, flat)
         self._versions = _versions(self.tracked)
         self.base_s = time.perf_counter() - t0
         self._step_t0 = time.perf_counter()
@@ -166,7 +170,7 @@ class Feed:
         return {"small": small_state(self.tracked), "touched": self.touched}
 
     def close(self) -> None:
-        base, steps = pre_copy_ids(self.rank)
+        base, steps = self.ids
         self.server.drop_snapshots(base, set())
         self.server.drop_snapshots(steps, set())
 
@@ -180,7 +184,7 @@ class Feed:
 
     def _put(self, record: dict[str, Any]) -> None:
         flat = _frozen(record)
-        _, steps = pre_copy_ids(self.rank)
+        steps = self.ids[1]
         key = record_key(self.op, self._seq)
         self.server.put_snapshot(steps, key, flat)
         self._kept.append((key, flat.nbytes))
@@ -201,21 +205,26 @@ class Follower:
     rank: int
     timeout: float
     op: int = 0
+    ids: tuple[int, int] = (0, 0)  # the leaver's (pre_copy_ids by default)
     pos: tuple[int, int] = (0, 0)
     steps: int = 0
     base_bytes: int = 0
     base_s: float = 0.0
     step_bytes: int = 0
     failed: str = ""
+    ended: bool = False  # `failed` because the records stopped coming (what was applied stands)
     _records: "queue.Queue[tuple[dict[str, Any] | None, str]]" = field(default_factory=queue.Queue)
     _link: SnapshotLink | None = None
     _stop: threading.Event = field(default_factory=threading.Event)
 
+    def __post_init__(self) -> None:
+        if self.ids == (0, 0):
+            self.ids = pre_copy_ids(self.rank)
+
     def fetch_base(self) -> dict[str, Any]:
         t0 = time.perf_counter()
         self._link = SnapshotLink(self.source, self.token, self.timeout)
-        base, _ = pre_copy_ids(self.rank)
-        flat, n = self._link.fetch(snapshot_key(base, self.op))
+        flat, n = self._link.fetch(snapshot_key(self.ids[0], self.op))
         self.base_bytes, self.base_s = n, time.perf_counter() - t0
         state = codec.decode(flat.meta, list(flat.tensors))
         self.pos = tuple(state["pos"])  # type: ignore[assignment]
@@ -223,7 +232,7 @@ class Follower:
         return state
 
     def _fetch_records(self) -> None:
-        _, steps = pre_copy_ids(self.rank)
+        steps = self.ids[1]
         link = SnapshotLink(self.source, self.token, self.timeout)
         seq = 0
         try:
@@ -234,7 +243,7 @@ class Follower:
                 seq += 1
         except Exception as exc:  # noqa: BLE001 - any end of the records is the follower's end
             if not self._stop.is_set():
-                self._records.put((None, f"the leaver's step records stopped: {type(exc).__name__}: {exc}"))
+                self._records.put((None, f"the step records stopped: {type(exc).__name__}: {exc}"))
         finally:
             link.close()
 
@@ -247,7 +256,7 @@ class Follower:
         if record is None and why == WAKE:
             return None
         if record is None:
-            self.failed = why
+            self.failed, self.ended = why, True
         elif record.get("touched"):
             self.failed = str(record["touched"])
             record = None
@@ -294,12 +303,15 @@ class PreCopying:
         self.pre_copy.serve_base(self._state(full=False, digest=False), self.pos)
 
     def _feed_before_optimizer_step(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        """An optimizer pre-hook, the last one: the step's collectives have all succeeded."""
-        if self.pre_copy is None or self.loading or self.scope != "step":
+        """An optimizer pre-hook, the last one: the step's collectives have all succeeded. It
+        feeds a planned move's joiner and the hot spares (hot.py)."""
+        feeds = [f for f in (self.pre_copy, self.hot_feed) if f is not None]  # type: ignore[attr-defined]
+        if not feeds or self.loading or self.scope != "step":
             return
         index = next(i for i, o in enumerate(self.tracked.optimizers()) if o is opt)
         closure = len(args) > 1 or kwargs.get("closure") is not None  # args: (optimizer, *step's own)
-        self.pre_copy.before_optimizer_step(index, opt, self.pos[0], closure=closure)
+        for feed in feeds:
+            feed.before_optimizer_step(index, opt, self.pos[0], closure=closure)
 
     def _feed_parts(self, state: dict[str, Any]) -> dict[str, Any]:
         """The pause's share of a pre-copied move (served apart: FETCH_OWN), and the cost report."""

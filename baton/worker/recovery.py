@@ -35,6 +35,7 @@ class Recovery:
         self.scope = self.tracked.scope = None
         self._reset_ddp()
         self._stop_feed()  # a planned move being fed is called off by the recovery
+        self._freeze_hot_feed()  # its records stay for a hot spare taking a lost rank over
         in_use = self.group.paths
         self.group.drop()
         if "timed out" in error.lower():  # a path silent with its link up stalls a collective to its timeout:

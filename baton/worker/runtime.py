@@ -49,6 +49,7 @@ from baton.worker.data import DataFeed
 from baton.worker.exit import exit_quietly
 from baton.worker.group import CollectiveFailure, LiveGroup, install_as_world
 from baton.worker.handover import PlannedHandover
+from baton.worker.hot import HotSpares
 from baton.worker.joining import Joining
 from baton.worker.precopy import PreCopying
 from baton.worker.prefetch import Prefetch
@@ -94,7 +95,7 @@ class BoundaryInfo:
         return f"Boundary(step={self.step}, epoch={self.epoch})"
 
 
-class Runtime(Captures, PlannedHandover, ShardRedundancy, Recovery, Joining, StateCheck, PreCopying):
+class Runtime(Captures, PlannedHandover, ShardRedundancy, Recovery, Joining, StateCheck, PreCopying, HotSpares):
     """One rank's runtime: its loop position, tracked state and channels; the protocols it
     speaks are the mixins'."""
 
@@ -117,6 +118,7 @@ class Runtime(Captures, PlannedHandover, ShardRedundancy, Recovery, Joining, Sta
         self.formation_timeout = float(config.formation_timeout_s)
         self.verify_every = int(config.verify_every)
         self.redundancy = int(config.redundancy)
+        self.hot_spares = bool(config.hot_spares)
         self.group = LiveGroup(rank, world_size)
         self.group.guard = self._guard
         self.tracked = Tracked()
@@ -303,11 +305,16 @@ class Runtime(Captures, PlannedHandover, ShardRedundancy, Recovery, Joining, Sta
         ctl = self.ctl
         with ctl.lock:
             feed_op, ctl.pre_copy_op = ctl.pre_copy_op, None
+            hot_op, ctl.hot_feed_op = ctl.hot_feed_op, None
             abort = ctl.abort_generation
         if feed_op == -1:
             self._stop_feed()
         elif feed_op is not None and abort is None:
             self._start_feed(feed_op)  # a planned move's joiner takes the state from here on
+        if hot_op == -1:
+            self._stop_hot_feed()
+        elif hot_op is not None and abort is None:
+            self._start_hot_feed(hot_op)  # the hot spares mirror the replicated state from here on
         with ctl.lock:
             abort = ctl.abort_generation
             if abort is None and (ctl.pause_at is None or self.pos[0] < ctl.pause_at):
@@ -387,8 +394,9 @@ class Runtime(Captures, PlannedHandover, ShardRedundancy, Recovery, Joining, Sta
         self.feed.advance()
         self.pos = (self.pos[0] + 1, 0)
         self.params_step = self.pos[0]  # also when a GradScaler skipped the optimizer's step
-        if self.pre_copy is not None:
-            self.pre_copy.end_step(self.pos[0] - 1)
+        for feed in (self.pre_copy, self.hot_feed):
+            if feed is not None:
+                feed.end_step(self.pos[0] - 1)
         self.at_pos, self.at_pos_rng = self.capture.bundle, self.capture.rng
         now = time.perf_counter()
         hb = self.ctl.heartbeat
