@@ -76,6 +76,23 @@ def test_kill_9_during_evaluation(tmp_path, gpt_reference):
         job.kill()
 
 
+def test_a_hot_spare_takes_over_a_rank_lost_during_evaluation(tmp_path, gpt_reference):
+    """`--hot-spares`: the spare mirrors rank 0's AdamW steps (two parameter groups, the tied
+    embedding and head as one tensor, clipped gradients accumulated under no_sync, the rate the
+    script sets by hand); rank 1 killed in the evaluation is rebuilt from the mirror and its
+    buddy's copy of its own state. Bitwise."""
+    job = gpt_job(tmp_path, "hot", run_args=["--hot-spares"])
+    try:
+        job.wait_until(lambda s: any(sp.get("hot", {}).get("state") == "current" for sp in s["spares"]),
+                       timeout=120, what="a hot spare keeping pace")
+        in_eval(job)
+        job.signal_rank(1, signal.SIGKILL)
+        events = _check(job, gpt_reference, ["unplanned"])
+        assert events[0]["rank"] == 1 and events[0]["hot_spare"]["used"], events[0]
+    finally:
+        job.kill()
+
+
 def test_sigstop_during_evaluation(tmp_path, gpt_reference):
     job = gpt_job(tmp_path, "stop2eval", run_args=["--op-timeout", "2", "--heartbeat-timeout", "2"])
     try:

@@ -96,6 +96,11 @@ joiner, once it holds the leaver's copy of the replicated state and before it fo
 optimizer step, writes its pid into the mark and waits while `path` exists (at most 120 s): the move stays
 in its pre-copy for as long as the test needs to kill someone there.
 
+BATON_TEST_HOLD_HOT_TAKE=path (with BATON_TEST_HOT_TAKE_MARK, a file path): the first hot spare
+to take a lost rank over (the mark does not exist yet) writes its pid into the mark as it is
+about to take the state from its mirror, and waits while `path` exists (at most 120 s): the
+recovery stays there for as long as the test needs to kill it.
+
 BATON_TEST_STEP_COUNT_SKEW="rank:step": after that rank's optimizer step at that step, baton's
 count of the steps its parameters hold is one too many, as a bug that applied a step twice
 would leave it. baton's own check must stop the job loudly (never exit 0).
@@ -334,6 +339,27 @@ if os.environ.get("BATON_TEST_HOLD_FOLLOWING"):
         precopy.Follower.fetch_base = _fetch_then_hold
 
     _when_imported("baton.worker.precopy", _patch_follower)
+
+if os.environ.get("BATON_TEST_HOLD_HOT_TAKE"):
+    def _patch_hot_take(hot) -> None:  # noqa: ANN001
+        import time
+
+        take = hot.HotSpares._state_from_mirror
+
+        def _hold_then_take(self, cmd):  # noqa: ANN001, ANN202
+            mark = os.environ["BATON_TEST_HOT_TAKE_MARK"]
+            if self.mirror is not None and not os.path.exists(mark):
+                with open(mark, "w") as f:
+                    f.write(str(os.getpid()))
+                print("injected: the hot spare holds before it takes its mirror's state", file=sys.stderr, flush=True)
+                deadline = time.time() + 120
+                while os.path.exists(os.environ["BATON_TEST_HOLD_HOT_TAKE"]) and time.time() < deadline:
+                    time.sleep(0.05)
+            return take(self, cmd)
+
+        hot.HotSpares._state_from_mirror = _hold_then_take
+
+    _when_imported("baton.worker.hot", _patch_hot_take)
 
 _skew = os.environ.get("BATON_TEST_STEP_COUNT_SKEW")
 if _skew:
