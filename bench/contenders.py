@@ -70,6 +70,7 @@ class Contender:
     verify_every: int = 0  # baton: `--verify-every N`, the periodic replica-agreement check
     restarts: int = 0  # ddp (whole job) / torchft (per replica group)
     tail_copies: bool = True  # nocode: `--no-tail-copies` when False
+    hot_spares: bool = False  # baton: `--hot-spares`, its spares mirroring the replicated state every step
 
     @property
     def key(self) -> str:
@@ -77,6 +78,8 @@ class Contender:
             return f"ckpt-k{self.ckpt_every}"
         if self.kind == "baton" and self.verify_every:
             return "baton-verify"
+        if self.kind == "baton" and self.hot_spares:
+            return "baton-hot"
         if self.kind == "nocode" and not self.tail_copies:
             return "nocode-no-tail"
         return self.kind
@@ -135,8 +138,9 @@ def launch(c: Contender, w: Workload, run_dir: Path) -> Launched:
         return Launched([_spawn(cmd, run_dir / "launcher.log")])
     if c.kind == "baton":
         verify = ["--verify-every", str(c.verify_every)] if c.verify_every else []
+        hot = ["--hot-spares"] if c.hot_spares else []
         cmd = [c.python, "-m", "baton.cli", "run", "--nproc", str(w.nproc), "--spares", str(c.spares), "--quiet",
-               *verify, "--run-dir", str(run_dir / "baton"), *script]
+               *verify, *hot, "--run-dir", str(run_dir / "baton"), *script]
         return Launched([_spawn(cmd, run_dir / "launcher.log")])
     if c.kind == "torchft":
         lh_port = free_port()
@@ -362,7 +366,27 @@ def run_job(c: Contender, w: Workload, run_dir: Path, *, kill_at: tuple[int, ...
     out = summarise(seen, kills, w, total_s=(t_done or t_end) - t0, run_dir=run_dir)
     if cpu is not None:
         out.update(cpu_summary(cpu, seen, w, run_dir))
+    if c.hot_spares:
+        out.update(_hot_spare_figures(run_dir / "baton" / "events.jsonl", seen, w))
     return out
+
+
+def _hot_spare_figures(events_log: Path, progress: list[dict], w: Workload) -> dict:
+    """What keeping the spare hot took, as the orchestrator logged it when the spare kept pace
+    (bytes of step records per optimizer step, its replay of a step), and whether that was
+    before the CPU window began (else the window saw part of the spare's start, not its pace)."""
+    hot = []
+    if events_log.exists():
+        for line in events_log.read_text().splitlines():
+            entry = json.loads(line)
+            if entry.get("event") == "hot-spare":
+                hot.append(entry)
+    if not hot:
+        return {"hot_note": "the spare never kept pace with the feeding rank"}
+    first = hot[0]
+    window_start = next((e["t"] for e in progress if e["ev"] == "step" and e["step"] >= w.warmup), None)
+    return {"hot_bytes_per_step": first["data"]["bytes_per_step"], "hot_replay_s": first["data"]["replay_s"],
+            "hot_before_window": window_start is not None and first["t"] <= window_start}
 
 
 def _rank_pids(run_dir: Path, nproc: int) -> set[int]:

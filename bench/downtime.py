@@ -26,6 +26,12 @@ What is measured:
                       load, form, verify; the rest) and its joiner's script setup, medians;
                       check_after_resume: not downtime, what the first step after the move
                       waited for the state check's pass over the large tensors (run beside it)
+  hot                 a second job of the same size run with --hot-spares: `moves` recoveries
+                      of rank 1 (kill -9) once the spare's mirror keeps pace with rank 0, which
+                      feeds it: kill -> all formed (unplanned_s), the ledger's downtime and that
+                      less the joiner's script setup, the bytes the recovery moved, phases; the
+                      feed's bytes per optimizer step and the spare's replay of a step; recoveries
+                      whose mirror was not used are not timed, their reasons listed (fallbacks)
   raw_tcp_s, raw_shm_s  see rawcopy.tcp_copy_s / rawcopy.shm_copy_s
 Each is {"median", "min", "max", "n"} over the repetitions. `fit` is a least-squares line
 downtime_median = slope * raw_tcp_median + intercept_s across the sizes (numpy.polyfit):
@@ -65,12 +71,14 @@ class BenchError(RuntimeError):
 class _Job:
     """One `baton run` of the workload with an API client; stop() always cleans up."""
 
-    def __init__(self, python: str, run_dir: Path, log_path: Path, params_m: float, start_timeout: float):
+    def __init__(self, python: str, run_dir: Path, log_path: Path, params_m: float, start_timeout: float,
+                 hot: bool = False):
         from baton.control.client import ApiClient
         from baton.rundir import RunDir
 
         self.run_dir, self.log_path = run_dir, log_path
         cmd = [python, "-m", "baton.cli", "run", "--nproc", "2", "--spares", "1", "--quiet",
+               *(["--hot-spares"] if hot else []),
                "--run-dir", str(run_dir), str(WORKLOAD), "--mode", "baton", "--params-m", f"{params_m:.6f}",
                "--steps", "100000", "--step-sleep", str(STEP_SLEEP)]
         self._log = open(log_path, "w")
@@ -118,16 +126,18 @@ class _Job:
                 raise BenchError(f"timed out after {timeout:.0f}s waiting for {what}; see {self.log_path}")
             time.sleep(every)
 
-    def ready(self, timeout: float, min_step: int = 3) -> dict:
-        """No operation under way, a warm spare waiting, every rank running at step >= min_step."""
+    def ready(self, timeout: float, min_step: int = 3, hot: bool = False) -> dict:
+        """No operation under way, a warm spare waiting (`hot`: its mirror keeping pace with the
+        feeding rank), every rank running at step >= min_step."""
         def pred() -> dict | None:
             st = self.status()
             ok = (st["operation"] is None and st["state"] == "running"
-                  and any(s["state"] == "spare" for s in st["spares"])
+                  and any(s["state"] == "spare" and (not hot or s.get("hot", {}).get("state") == "current")
+                          for s in st["spares"])
                   and all(r["state"] == "running" and r["step"] >= min_step for r in st["ranks"]))
             return st if ok else None
 
-        return self.wait("the job to be running with a warm spare", timeout, pred, every=0.2)
+        return self.wait(f"the job to be running with a {'hot' if hot else 'warm'} spare", timeout, pred, every=0.2)
 
     def event(self, event_id: int) -> dict:
         return self.client.events()["events"][event_id - 1]
@@ -197,7 +207,7 @@ def st_step(job: "_Job") -> int:
     return min(r["step"] for r in job.status()["ranks"])
 
 
-def _one_size(mb: float, moves: int, tmp: Path, python: str) -> dict:
+def _one_size(mb: float, moves: int, tmp: Path, python: str, hot: bool = True) -> dict:
     params_m = mb * 1e6 / 12 / 1e6  # fp32 params + two fp32 AdamW moments = 12 bytes per param
     tag = f"{mb:g}MB"
     # Bounded waits that grow with the state: building, broadcasting and stepping get slower.
@@ -303,6 +313,9 @@ def _one_size(mb: float, moves: int, tmp: Path, python: str) -> dict:
         "leaver_capture_s_per_step": median_range([b.get("leaver_capture_s", 0.0) / max(1, b.get("leaver_steps", 0))
                                                    for b in background]),
     }
+    out["hot"] = _hot_recoveries(mb, moves, tmp, python) if hot else None
+    if out["hot"]:
+        out["hot_unplanned_s"] = out["hot"]["unplanned_s"]
     out["planned_over_tcp"] = ratio(out["planned_s"]["median"], out["raw_tcp_s"]["median"])
     out["unplanned_over_tcp"] = ratio(out["unplanned_s"]["median"], out["raw_tcp_s"]["median"])
     pc_s = out["pre_copied_s"]["median"]
@@ -312,6 +325,55 @@ def _one_size(mb: float, moves: int, tmp: Path, python: str) -> dict:
           f"{out['raw_shm_s']['median']:.4f}s -> planned/tcp {out['planned_over_tcp']:.2f}x, "
           f"unplanned/tcp {out['unplanned_over_tcp']:.2f}x", flush=True)
     return out
+
+
+def _hot_recoveries(mb: float, moves: int, tmp: Path, python: str) -> dict:
+    """`moves` unplanned recoveries of a job run with --hot-spares: each waits for the spare's
+    mirror to keep pace, then kills rank 1 (rank 0 feeds the spare: its loss is the case where
+    the mirror may lack the last step, counted under `fallbacks` when it happens)."""
+    params_m = mb * 1e6 / 12 / 1e6
+    tag = f"{mb:g}MB-hot"
+    slack = 1.0 + mb / 100.0
+    start_timeout, op_timeout = 120 + 30 * slack, 60 + 20 * slack
+    log_path = tmp / f"downtime-{tag}.log"
+    print(f"  [{tag}] starting 2 ranks + 1 hot spare; log {log_path}", flush=True)
+    kill_to_formed, ledger, moved, fallbacks, phases, setup = [], [], [], [], [], []
+    job = _Job(python, tmp / f"run-{tag}", log_path, params_m, start_timeout, hot=True)
+    try:
+        for i in range(moves):
+            st = job.ready(start_timeout if i == 0 else op_timeout, min_step=st_step(job) + 1, hot=True)
+            pid = next(r["pid"] for r in st["ranks"] if r["rank"] == 1)
+            n = job.event_count()
+            t_kill = time.time()
+            os.kill(pid, signal.SIGKILL)
+            ev = job.resolved_event(n, "unplanned", op_timeout)
+            hot = ev.get("hot_spare") or {}
+            if not hot.get("used"):
+                fallbacks.append(hot.get("detail") or "no hot spare took the rank")
+                print(f"  [{tag}] recovery {i + 1}/{moves}: the spare's mirror was not used ({fallbacks[-1]})",
+                      flush=True)
+                continue
+            kill_to_formed.append(ev["resumed_at"] - t_kill)
+            ledger.append(ev["downtime_s"])
+            moved.append(ev.get("state_bytes") or 0)
+            setup.append(ev.get("joiner_setup_s") or 0.0)
+            phases.append({**(ev.get("phases") or {}), "joiner_setup": ev.get("joiner_setup_s") or 0.0,
+                           "mirror_catch_up": hot.get("catch_up_s", 0.0)})
+            print(f"  [{tag}] recovery {i + 1}/{moves} (kill -9 rank 1) from the hot spare's mirror: kill -> all "
+                  f"formed {kill_to_formed[-1]:.3f}s (ledger downtime {ev['downtime_s']:.3f}s, of it the joiner's "
+                  f"setup {setup[-1]:.3f}s; {moved[-1] / 1e6:.3f} MB moved)", flush=True)
+        st = job.ready(op_timeout, min_step=st_step(job) + 1)
+    finally:
+        job.stop()
+    hot_log = [json.loads(line) for line in (tmp / f"run-{tag}" / "events.jsonl").read_text().splitlines()
+               if '"hot-spare"' in line] if (tmp / f"run-{tag}" / "events.jsonl").exists() else []
+    return {"unplanned_s": median_range(kill_to_formed), "unplanned_ledger_s": median_range(ledger),
+            "ledger_minus_setup_s": median_range([d - s for d, s in zip(ledger, setup)]),
+            "bytes_moved": median_range(moved), "fallbacks": fallbacks,
+            "phases": {k: median_range([p.get(k, 0.0) for p in phases]) for k in dict.fromkeys(k for p in phases for k in p)},
+            "bytes_per_step": median_range([h["data"]["bytes_per_step"] for h in hot_log]),
+            "replay_s": median_range([h["data"]["replay_s"] for h in hot_log]),
+            "base_s": median_range([h["data"]["base_s"] for h in hot_log])}
 
 
 def _fit(sizes: list[dict], key: str) -> dict | None:

@@ -1,7 +1,8 @@
 """Steady-state overhead: the same model, data and world size under plain DDP (torchrun),
 plain DDP again (an A/A comparison: how far two identical runs differ on this machine),
 baton (job.wrap + job.steps, one warm spare waiting), baton with `--verify-every N` (the
-periodic replica-agreement check) and TorchFT (its DDP wrapper, replica groups of one rank,
+periodic replica-agreement check), baton with `--hot-spares` (the spare mirrors the
+replicated state from rank 0's gradients at every step) and TorchFT (its DDP wrapper, replica groups of one rank,
 lighthouse running), interleaved.
 
 Per run, over the same window for every contender (from rank 0 reporting step `warmup` to
@@ -26,13 +27,15 @@ METRICS = {"step_s": "ratio_vs_ddp", "mean_step_s": "mean_ratio_vs_ddp", "cpu_s_
 
 
 def bench_overhead(py: str, peer_py: str | None, *, sizes_m: list[float], steps: int, warmup: int, nproc: int,
-                   rounds: int, tmp: Path, verify_every: int = 10) -> dict:
+                   rounds: int, tmp: Path, verify_every: int = 10, hot_spares: bool = True) -> dict:
     # ddp-again: plain DDP a second time in every round (an A/A comparison): its ratio to plain DDP
     # is the noise floor that baton's ratio must be read against.
     contenders = {"ddp": Contender("ddp", py), "ddp-again": Contender("ddp", py),
                   "baton": Contender("baton", py, spares=1)}
     if verify_every:
         contenders["baton-verify"] = Contender("baton", py, spares=1, verify_every=verify_every)
+    if hot_spares:
+        contenders["baton-hot"] = Contender("baton", py, spares=1, hot_spares=True)
     if peer_py:
         contenders["torchft"] = Contender("torchft", peer_py)
     out = []
@@ -74,6 +77,16 @@ def bench_overhead(py: str, peer_py: str | None, *, sizes_m: list[float], steps:
             row["verify_vs_baton"] = {
                 metric: median_range(ratio(rnd["baton-verify"].get(metric), rnd["baton"].get(metric))
                                      for rnd in results) for metric in METRICS}
+        if "baton-hot" in contenders:
+            # --hot-spares against baton's default mode, round by round, and what the spare took
+            row["hot_vs_baton"] = {
+                metric: median_range(ratio(rnd["baton-hot"].get(metric), rnd["baton"].get(metric))
+                                     for rnd in results) for metric in METRICS}
+            row["hot"] = {"bytes_per_step": median_range(rnd["baton-hot"].get("hot_bytes_per_step") for rnd in results),
+                          "replay_s": median_range(rnd["baton-hot"].get("hot_replay_s") for rnd in results),
+                          "kept_pace_before_window": [rnd["baton-hot"].get("hot_before_window") for rnd in results],
+                          "notes": sorted({rnd["baton-hot"]["hot_note"] for rnd in results
+                                           if rnd["baton-hot"].get("hot_note")})}
         details = [rnd[k].get("cpu_detail") for rnd in results for k in contenders]
         details = [d for d in details if d]
         row["cpu_check"] = {

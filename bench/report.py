@@ -32,9 +32,11 @@ OVERHEAD_GOAL = 1.01  # baton / plain DDP steady-state step time
 DOWNTIME_SLOPE_GOAL = 1.5  # downtime vs raw TCP copy of the same bytes, fit slope
 DASH = "–"  # en dash for ranges
 NONE = "—"  # em dash for "no value"
-LABELS = {"ddp": "plain DDP", "ddp-again": "plain DDP again (A/A)", "baton": "baton", "baton-verify": "baton + check", "torchft": "TorchFT"}
-COLORS = {"ddp": "#7f8c8d", "baton": "#27ae60", "baton-verify": "#1e8449", "torchft": "#2980b9", "ckpt": "#c0392b"}
-OVERHEAD_ORDER = ("ddp", "ddp-again", "baton", "baton-verify", "torchft")
+LABELS = {"ddp": "plain DDP", "ddp-again": "plain DDP again (A/A)", "baton": "baton", "baton-verify": "baton + check",
+          "baton-hot": "baton --hot-spares", "torchft": "TorchFT"}
+COLORS = {"ddp": "#7f8c8d", "baton": "#27ae60", "baton-verify": "#1e8449", "baton-hot": "#f39c12", "torchft": "#2980b9",
+          "ckpt": "#c0392b"}
+OVERHEAD_ORDER = ("ddp", "ddp-again", "baton", "baton-verify", "baton-hot", "torchft")
 SECTIONS = (("overhead", "1. Steady-state overhead"), ("failures", "2. Failures: time lost per failure"),
             ("downtime", "3. Migration downtime vs state size"), ("gpu", "4. GPU state capture"))
 
@@ -335,6 +337,8 @@ def headline_overhead(result: dict) -> list[str]:
             (f"CPU-seconds per step, `{verify}` / baton", "verify_vs_baton", "cpu_s_per_step"),
             (f"wall time per step (mean, includes the checks), `{verify}` / baton", "verify_vs_baton",
              "mean_step_s"),
+            ("step time (median), `--hot-spares` / baton", "hot_vs_baton", "step_s"),
+            ("CPU-seconds per step, whole process tree, `--hot-spares` / baton", "hot_vs_baton", "cpu_s_per_step"),
             ("step time (median), TorchFT / plain DDP", "ratio_vs_ddp", "torchft"),
             ("CPU-seconds per step, whole process tree, TorchFT / plain DDP", "cpu_ratio_vs_ddp", "torchft")]
     # a fraction (baton's own CPU as a share) reads as a percentage, every other row as a ratio
@@ -394,6 +398,13 @@ def headline_rows(result: dict) -> list[tuple[str, str]]:
                 if t:
                     val += f", {u / t:.1f}× raw TCP"
                 cands.append((31, f"unplanned recovery of {size}: kill -9 → all ranks running", val))
+            if _is_mr(big.get("hot_unplanned_s")):
+                hu = _med(big["hot_unplanned_s"])
+                val = _mr_time(big["hot_unplanned_s"], _time_unit([hu]))
+                setup = _med(((big.get("hot") or {}).get("phases") or {}).get("joiner_setup"))
+                if setup is not None:
+                    val += f", of which the new rank's script setup {_secs(setup)}"
+                cands.append((32, f"unplanned recovery of {size} onto a hot spare (`--hot-spares`)", val))
 
     gpu, _ = _section(result, "gpu")
     if gpu and _is_mr(gpu.get("capture_gbs")):
@@ -452,6 +463,54 @@ def pre_copy_sentence(size: dict) -> str | None:
             f"{_secs(pc)} (median), while the joiner's copy of the replicated state took "
             f"{_secs(_med(bg['base_s']))} beside training and it then followed "
             f"{_med(bg.get('steps_followed')) or 0:.0f} of the leaver's optimizer steps{leaver}.{fell_text}")
+
+
+def hot_overhead_sentence(size: dict) -> str | None:
+    """What keeping a spare hot cost in steady state, against baton's default mode, at one model size."""
+    hb, hot = size.get("hot_vs_baton") or {}, size.get("hot") or {}
+    if not any(_is_mr(v) for v in hb.values()):
+        return None
+    parts = [f"{name} {_ratio(hb.get(m), with_n=True)}" for m, name in
+             (("step_s", "step time (median)"), ("cpu_s_per_step", "CPU-seconds per step of the whole tree"))
+             if _is_mr(hb.get(m))]
+    text = "`--hot-spares` / baton within each round: " + ", ".join(parts)
+    bps, replay = _med(hot.get("bytes_per_step")), _med(hot.get("replay_s"))
+    if bps is not None:
+        text += (f"; the feeding rank sent the spare {_bytes(bps)} per optimizer step (its gradients and the "
+                 "small state)")
+    if replay is not None:
+        text += f", which the spare replayed in {_secs(replay)} a step"
+    late = [x for x in hot.get("kept_pace_before_window") or [] if x is False]
+    if late:
+        text += f" ({len(late)} run(s) began the window before the spare kept pace)"
+    notes = hot.get("notes") or []
+    return text + (f". Runs without a hot spare: {'; '.join(notes)}." if notes else ".")
+
+
+def hot_sentence(size: dict) -> str | None:
+    """An unplanned recovery onto a hot spare, at one state size."""
+    hot = size.get("hot") or {}
+    u, led = _med(hot.get("unplanned_s")), _med(hot.get("unplanned_ledger_s"))
+    fell = [str(x) for x in hot.get("fallbacks") or []]
+    fell_text = f" {len(fell)} recovery(ies) took the whole state instead ({fell[0]})." if fell else ""
+    if u is None:
+        return (f"With `--hot-spares` at {_bytes(size.get('state_bytes'))} no recovery used the mirror:{fell_text}"
+                if fell else None)
+    setup = _med((hot.get("phases") or {}).get("joiner_setup"))
+    rest = _med(hot.get("ledger_minus_setup_s"))
+    moved = _med(hot.get("bytes_moved"))
+    text = (f"With `--hot-spares` (the spare mirrors the replicated state every step): at "
+            f"{_bytes(size['state_bytes'])} an unplanned recovery took {_secs(u)} from `kill -9` to every rank "
+            f"running (median; ledger, from detection: {_secs(led)}")
+    if setup is not None and rest is not None:
+        text += f", of which the new rank's script setup {_secs(setup)} and the rest {_secs(rest)}"
+    text += ")"
+    if moved is not None:
+        text += f", moving {_bytes(moved)} instead of the whole state"
+    bps, replay = _med(hot.get("bytes_per_step")), _med(hot.get("replay_s"))
+    if bps is not None and replay is not None:
+        text += f"; the feed sent {_bytes(bps)} per step, replayed in {_secs(replay)}"
+    return text + "." + fell_text
 
 
 def _phases_text(phases: dict) -> str:
@@ -639,7 +698,11 @@ def _overhead_md(sec: dict, img: str | None) -> list[str]:
                       ("step_s", "step time (median)")) if _is_mr(vb.get(m))]
             bullets.append(f"{label}: the periodic check, `{who}` / baton within each round: " + ", ".join(parts)
                            + ". The median step time leaves the checked boundaries out; the other two include them.")
-        for k in ("torchft", *[k for k in rt if k not in ("baton", "baton-verify", "torchft", "ddp-again")]):
+        hot = hot_overhead_sentence(s)
+        if hot:
+            bullets.append(f"{label}: {hot}")
+        for k in ("torchft", *[k for k in rt if k not in ("baton", "baton-verify", "baton-hot", "torchft",
+                                                            "ddp-again")]):
             if k in rt:
                 bullets.append(f"{label}: " + _plain_ratio_sentence(_label(k, sec), rt.get(k)))
             if k in ct:
@@ -858,7 +921,7 @@ def _downtime_md(sec: dict, img: str | None) -> list[str]:
     if not sizes:
         return out + ["No state sizes in the results.", ""]
     keys = [("planned_s", "planned"), ("pre_copied_s", "pre-copied (pause)"), ("unplanned_s", "unplanned"),
-            ("unplanned_ledger_s", "unplanned (ledger)"),
+            ("unplanned_ledger_s", "unplanned (ledger)"), ("hot_unplanned_s", "unplanned, hot spare"),
             ("transfer_s", "transfer"), ("raw_tcp_s", "raw TCP"), ("raw_shm_s", "raw shm")]
     keys = [(k, h) for k, h in keys if any(_is_mr(s.get(k)) for s in sizes)]
     note, per_cell = _n_note([s.get(k) for s in sizes for k, _ in keys])
@@ -877,6 +940,7 @@ def _downtime_md(sec: dict, img: str | None) -> list[str]:
     fit = sec.get("fit") or {}
     bullets = [_fit_sentence("Planned", fit.get("planned")), _fit_sentence("Unplanned", fit.get("unplanned"))]
     bullets += [b for b in map(pre_copy_sentence, sizes) if b]  # the pause that does not grow with the state
+    bullets += [b for b in map(hot_sentence, sizes) if b]  # recoveries that move only the rank's own state
     big = sizes[-1]
     t, shm = _med(big.get("raw_tcp_s")), _med(big.get("raw_shm_s"))
     if t and shm:

@@ -83,6 +83,12 @@ class HotSpareFeeds:
         if rep.op != self._hot_op or w.role != WorkerRole.SPARE:
             return
         self._hot[w.id] = rep
+        if rep.ok and rep.replay_s > 0:  # keeping pace: what it took and takes (bench/overhead.py reads it)
+            self._emit("hot-spare", {"worker": w.id, "feeder_rank": self.workers[self._hot_feeder or ""].rank
+                                     if self._hot_feeder in self.workers else None,
+                                     "since_step": rep.pos[0], "base_mb": round(rep.base_bytes / 2**20, 1),
+                                     "base_s": rep.base_s, "replay_s": rep.replay_s,
+                                     "bytes_per_step": round(rep.step_bytes / max(1, rep.steps))})
         if not rep.ok:
             self._emit("note", {"message": f"spare {w.id} cannot mirror the replicated state ({rep.detail}): an "
                                            "ordinary spare until the next feed"})
