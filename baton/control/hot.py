@@ -111,6 +111,11 @@ class HotSpareFeeds:
         """A spare's mirror, for status."""
         if not self.config.hot_spares:
             return {}
+        if self.loop is not None and self.loop.sharded:
+            return {"hot": {"state": "ordinary", "detail": "an FSDP2 job: each rank's shards are its own (its buddies "
+                                                           "hold their copies), no replicated state to mirror"}}
+        if self.config.world_size < 2:
+            return {"hot": {"state": "ordinary", "detail": "one rank: no survivor to rebuild it from"}}
         rep = self._hot.get(w.id)
         if rep is None:
             told = self._hot_op and self._hot_told.get(w.id) == self._hot_op and not self._hot_stopped

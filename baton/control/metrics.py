@@ -83,6 +83,18 @@ class _JobCollector:
             spares.add_metric([jid, kind, state], n)
         yield spares
 
+        if any("hot" in s for s in job["spares"]):  # --hot-spares: what each spare's mirror is doing
+            hot = GaugeMetricFamily("baton_hot_spares", "Spares by the state of their mirror of the replicated "
+                                    "state (--hot-spares): current, following, taking its base, ordinary",
+                                    labels=["job", "state"])
+            mirrors: dict[str, int] = {}
+            for s in job["spares"]:
+                if "hot" in s:
+                    mirrors[s["hot"]["state"]] = mirrors.get(s["hot"]["state"], 0) + 1
+            for state, n in sorted(mirrors.items()):
+                hot.add_metric([jid, state], n)
+            yield hot
+
         nodes = GaugeMetricFamily("baton_nodes", "Nodes by state", labels=["job", "state"])
         states: dict[str, int] = {}
         for n in job.get("nodes", []):
