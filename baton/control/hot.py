@@ -19,6 +19,10 @@ from baton.control.state import Worker, WorkerRole
 
 log = logging.getLogger("baton.orchestrator")
 
+# A spare told to follow a feed older than this many steps would find the records it needs
+# gone (the feeder keeps 64 records, two a step: worker/precopy.KEEP_RECORDS): a new feed instead.
+HOT_RECORDS_STEPS = 24
+
 
 class HotSpareFeeds:
     """Mixed into the Orchestrator; runs under its decision lock."""
@@ -26,6 +30,8 @@ class HotSpareFeeds:
     _hot_op = 0  # the current feed's id (0: none yet)
     _hot_feeder: str | None = None  # the worker feeding it
     _hot_stopped = False  # every spare gave up on the current feed: none until the next operation
+    _hot_base_dropped = False  # the current feed's base is freed: a spare that comes later needs a new feed
+    _hot_since = 0  # the step the current feed began at
     _hot_told: dict[str, int]  # spare -> the feed it was told to follow
     _hot: dict[str, m.HotState]  # spare -> its latest word on the current feed
 
@@ -49,6 +55,14 @@ class HotSpareFeeds:
             feeder = self.workers[self._hot_feeder or ""]
         if self._hot_stopped:
             return
+        late = [s for s in self._ready_spares() if self._hot_told.get(s.id) != self._hot_op]
+        # A spare that comes later needs the base, and every record since: a new feed (a new base copy)
+        # once the base is freed or the feeder keeps no longer all the records since it.
+        if late and (self._hot_base_dropped or self._steps_now() - self._hot_since > HOT_RECORDS_STEPS):
+            self._post(feeder.id, m.HotFeed(op=self._hot_op, stop=True))
+            if not self._start_hot_feed():
+                return
+            feeder = self.workers[self._hot_feeder or ""]
         for spare in self._ready_spares():
             if self._hot_told.get(spare.id) != self._hot_op:
                 self._hot_told[spare.id] = self._hot_op
@@ -62,7 +76,8 @@ class HotSpareFeeds:
             return False
         self._hot_op += 1
         self._hot_feeder = self.ranks[healthy[0]].worker
-        self._hot, self._hot_stopped = {}, False
+        self._hot, self._hot_stopped, self._hot_base_dropped = {}, False, False
+        self._hot_since = self._steps_now()
         assert self._hot_feeder
         self._post(self._hot_feeder, m.HotFeed(op=self._hot_op))
         self._emit("hot-feed", {"op": self._hot_op, "rank": healthy[0], "worker": self._hot_feeder})
@@ -83,6 +98,13 @@ class HotSpareFeeds:
         if rep.op != self._hot_op or w.role != WorkerRole.SPARE:
             return
         self._hot[w.id] = rep
+        told = [wid for wid, op in self._hot_told.items() if op == self._hot_op and wid in self.workers
+                and self.workers[wid].role == WorkerRole.SPARE]
+        feeder = self.workers.get(self._hot_feeder or "")
+        if not self._hot_base_dropped and all(wid in self._hot for wid in told) and feeder is not None \
+                and feeder.role == WorkerRole.RANK:
+            self._hot_base_dropped = True  # every spare told has it (or gave up): the feeder frees its copy
+            self._post(feeder.id, m.HotFeed(op=self._hot_op, drop_base=True))
         if rep.ok and rep.replay_s > 0:  # keeping pace: what it took and takes (bench/overhead.py reads it)
             self._emit("hot-spare", {"worker": w.id, "feeder_rank": self.workers[self._hot_feeder or ""].rank
                                      if self._hot_feeder in self.workers else None,
@@ -98,6 +120,9 @@ class HotSpareFeeds:
             if not following and feeder is not None and feeder.role == WorkerRole.RANK:
                 self._post(feeder.id, m.HotFeed(op=self._hot_op, stop=True))  # nobody left to feed
                 self._hot_stopped = True
+
+    def _steps_now(self) -> int:
+        return min((info.step for info in self.ranks.values()), default=0)
 
     def _hot_current(self, w: Worker) -> bool:
         rep = self._hot.get(w.id)

@@ -457,6 +457,7 @@ class HotFeed(_Msg):
     type: Literal["hot_feed"] = "hot_feed"
     op: NonNegativeInt
     stop: bool = False
+    drop_base: bool = False  # every spare told to follow has its base: free that copy (the records go on)
 
 
 class Follow(_Msg):

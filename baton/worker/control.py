@@ -64,6 +64,7 @@ class ControlChannel:
         self.newest_abort = -1  # the newest generation any Abort named (never cleared)
         self.attention = False  # hot-path flag: the boundary must look closer
         self.hot_feed_op: int | None = None  # HotFeed: start feeding the hot spares (-1: stop)
+        self.hot_base_drop: int | None = None  # HotFeed(drop_base): that feed's base copy is no longer needed
         # What the heartbeat carries: latest boundary, step time, metrics.
         self.heartbeat: dict[str, Any] = {}
         self.heartbeat_timeout_s = 3.0  # the orchestrator's, from register()
@@ -233,7 +234,10 @@ class ControlChannel:
             return
         if isinstance(cmd, m.HotFeed):  # taken at the next boundary (Runtime._attend)
             with self.lock:
-                self.hot_feed_op = -1 if cmd.stop else cmd.op
+                if cmd.drop_base:
+                    self.hot_base_drop = cmd.op
+                else:
+                    self.hot_feed_op = -1 if cmd.stop else cmd.op
                 self.attention = True
             return
         if isinstance(cmd, m.Pause):

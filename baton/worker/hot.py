@@ -151,7 +151,10 @@ class Mirror:
             with self._cond:
                 if self._taken:
                     return
-                self._apply(record)
+                try:
+                    self._apply(record)
+                except Exception as exc:  # noqa: BLE001 - a record it cannot apply ends the mirror, said why
+                    self.failed = f"a step record could not be applied: {type(exc).__name__}: {exc}"
                 self._cond.notify_all()
             busy += time.perf_counter() - t0
             if record["kind"] != "step_end" or self.failed:

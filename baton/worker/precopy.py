@@ -169,6 +169,10 @@ class Feed:
         self._check_versions("before the pause")
         return {"small": small_state(self.tracked), "touched": self.touched}
 
+    def drop_base(self) -> None:
+        """Its joiners (the hot spares) have the base: free the copy; the records go on."""
+        self.server.drop_snapshots(self.ids[0], set())
+
     def close(self) -> None:
         base, steps = self.ids
         self.server.drop_snapshots(base, set())

@@ -306,11 +306,14 @@ class Runtime(Captures, PlannedHandover, ShardRedundancy, Recovery, Joining, Sta
         with ctl.lock:
             feed_op, ctl.pre_copy_op = ctl.pre_copy_op, None
             hot_op, ctl.hot_feed_op = ctl.hot_feed_op, None
+            drop_base, ctl.hot_base_drop = ctl.hot_base_drop, None
             abort = ctl.abort_generation
         if feed_op == -1:
             self._stop_feed()
         elif feed_op is not None and abort is None:
             self._start_feed(feed_op)  # a planned move's joiner takes the state from here on
+        if drop_base is not None and self.hot_feed is not None and self.hot_feed.op == drop_base:
+            self.hot_feed.drop_base()
         if hot_op == -1:
             self._stop_hot_feed()
         elif hot_op is not None and abort is None:
