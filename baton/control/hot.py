@@ -108,7 +108,7 @@ class HotSpareFeeds:
         if rep.ok and rep.replay_s > 0:  # keeping pace: what it took and takes (bench/overhead.py reads it)
             self._emit("hot-spare", {"worker": w.id, "feeder_rank": self.workers[self._hot_feeder or ""].rank
                                      if self._hot_feeder in self.workers else None,
-                                     "since_step": rep.pos[0], "base_mb": round(rep.base_bytes / 2**20, 1),
+                                     "since_step": rep.pos[0], "base_bytes": rep.base_bytes,
                                      "base_s": rep.base_s, "replay_s": rep.replay_s,
                                      "bytes_per_step": round(rep.step_bytes / max(1, rep.steps))})
         if not rep.ok:
@@ -148,4 +148,4 @@ class HotSpareFeeds:
         if not rep.ok:
             return {"hot": {"state": "ordinary", "detail": rep.detail}}
         return {"hot": {"state": "current" if self._hot_current(w) else "following", "since_step": rep.pos[0],
-                        "base_mb": round(rep.base_bytes / 2**20, 1), "replay_s": rep.replay_s}}
+                        "base_mb": round(rep.base_bytes / 2**20, 2), "replay_s": rep.replay_s}}
