@@ -26,7 +26,7 @@ What is measured:
                       load, form, verify; the rest) and its joiner's script setup, medians;
                       check_after_resume: not downtime, what the first step after the move
                       waited for the state check's pass over the large tensors (run beside it)
-  hot                 a second job of the same size run with --hot-spares: `moves` recoveries
+  hot                 a second job of the same size run with --hot-spares: min(moves, 3) recoveries
                       of rank 1 (kill -9) once the spare's mirror keeps pace with rank 0, which
                       feeds it: kill -> all formed (unplanned_s), the ledger's downtime and that
                       less the joiner's script setup, the bytes the recovery moved, phases; the
@@ -61,6 +61,7 @@ REPO = Path(__file__).resolve().parent.parent
 WORKLOAD = REPO / "bench" / "workload.py"
 
 STEP_SLEEP = 0.02
+HOT_MOVES = 3  # recoveries per size of the --hot-spares job (the quick preset's whole run stays near 25 min)
 
 
 class BenchError(RuntimeError):
@@ -313,7 +314,7 @@ def _one_size(mb: float, moves: int, tmp: Path, python: str, hot: bool = True) -
         "leaver_capture_s_per_step": median_range([b.get("leaver_capture_s", 0.0) / max(1, b.get("leaver_steps", 0))
                                                    for b in background]),
     }
-    out["hot"] = _hot_recoveries(mb, moves, tmp, python) if hot else None
+    out["hot"] = _hot_recoveries(mb, min(moves, HOT_MOVES), tmp, python) if hot else None
     if out["hot"]:
         out["hot_unplanned_s"] = out["hot"]["unplanned_s"]
     out["planned_over_tcp"] = ratio(out["planned_s"]["median"], out["raw_tcp_s"]["median"])
