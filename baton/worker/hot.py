@@ -126,7 +126,10 @@ class Mirror:
         f = self.follower
         try:
             base = f.fetch_base()
-            self._build(base)
+            with self._cond:
+                if self._taken:  # closed while the base was on its way
+                    return
+                self._build(base)
         except Exception as exc:  # noqa: BLE001 - whatever stops the base stops this mirror, said why
             self._fail(f"the feeder's replicated state did not make a mirror: {type(exc).__name__}: {exc}")
             return
@@ -156,8 +159,11 @@ class Mirror:
                 except Exception as exc:  # noqa: BLE001 - a record it cannot apply ends the mirror, said why
                     self.failed = f"a step record could not be applied: {type(exc).__name__}: {exc}"
                 self._cond.notify_all()
+            if self.failed:
+                self._fail(self.failed)
+                return
             busy += time.perf_counter() - t0
-            if record["kind"] != "step_end" or self.failed:
+            if record["kind"] != "step_end":
                 continue
             paces.append((busy, float(record["step_s"])))
             busy = 0.0
@@ -194,7 +200,7 @@ class Mirror:
             groups = [{"params": [self.models[model][key] for model, key in refs]} for refs in spec["groups"]]
             with discover.paused():  # baton's own, never the script's (on this thread only)
                 opt = _optimizer_class(spec["cls"])(groups)
-            _BATON_OWNED.append(opt)
+            _BATON_OWNED.append(opt)  # not the script's (a scan for optimizers made before init); until _release
             opt.load_state_dict(replicated[spec["name"]])
             self.optimizers.append((spec["name"], opt))
         self.pos = tuple(base["pos"])  # type: ignore[assignment]
@@ -263,12 +269,22 @@ class Mirror:
         out: dict[str, Any] = {name: dict(sd) for name, sd in self.models.items()}
         for name, opt in self.optimizers:
             out[name] = opt.state_dict()
+        self._release()
         return out
 
     def close(self) -> None:
         with self._cond:
             self._taken = True
         self.follower.close()
+        self._release()
+
+    def _release(self) -> None:
+        """Nothing of baton's keeps the mirror's tensors alive once it is taken or closed."""
+        with self._cond:
+            for _, opt in self.optimizers:
+                if any(o is opt for o in _BATON_OWNED):
+                    _BATON_OWNED.remove(opt)
+            self.optimizers, self.models, self.objects = [], {}, {}
 
 
 class HotSpares:
