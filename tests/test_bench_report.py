@@ -203,3 +203,28 @@ def test_readme_move_cost_sentence_is_generated_between_its_markers(tmp_path):
     # 1 GB: planned 0.99 s, unplanned 0.97 s, raw TCP 0.69 s (medians)
     assert "at 1 GB a planned move took 1.4× and an unplanned recovery 1.4× a raw loopback TCP copy" in text
     assert f"- {report.README_MOVE_BEGIN}Moving large state" in text and f"{report.README_MOVE_END}\n- next\n" in text
+
+
+def test_hot_spare_figures_reach_the_page_and_the_headline(tmp_path):
+    """--hot-spares: the recovery from the mirror (with the new rank's setup apart) and the steady-state cost."""
+    r = _result()
+    big = r["downtime"]["sizes"][1]
+    big["hot"] = {"unplanned_s": _mr(0.45, 0.41, 0.52), "unplanned_ledger_s": _mr(0.40, 0.37, 0.46),
+                  "ledger_minus_setup_s": _mr(0.05, 0.04, 0.07), "bytes_moved": _mr(1400, 1300, 1500),
+                  "fallbacks": ["the mirror was at [9, 0], short of the recovery's boundary [10, 0]"],
+                  "phases": {"joiner_setup": _mr(0.35, 0.33, 0.39)}, "bytes_per_step": _mr(3.3e8, 3.3e8, 3.3e8),
+                  "replay_s": _mr(0.3, 0.28, 0.33), "base_s": _mr(1.2, 1.1, 1.3)}
+    big["hot_unplanned_s"] = big["hot"]["unplanned_s"]
+    small = r["overhead"]["sizes"][0]
+    small["hot_vs_baton"] = {"step_s": _mr(1.06, 1.02, 1.10), "cpu_s_per_step": _mr(1.30, 1.25, 1.36),
+                             "mean_step_s": _mr(1.05, 1.01, 1.09)}
+    small["hot"] = {"bytes_per_step": _mr(8.7e6, 8.7e6, 8.7e6), "replay_s": _mr(0.004, 0.003, 0.005),
+                    "kept_pace_before_window": [True, True, True], "notes": []}
+    rows = dict(report.headline_rows(r))
+    hot_row = next(v for k, v in rows.items() if "hot spare" in k)
+    assert "450 ms" in hot_row and "setup 350 ms" in hot_row, hot_row
+    assert any("`--hot-spares` / baton" in line and "1.30" in line for line in report.headline_overhead(r))
+    page = "\n".join(report._downtime_md(r["downtime"], None))
+    assert "unplanned, hot spare" in page and "1 recovery(ies) took the whole state instead" in page
+    assert "of which the new rank's script setup 350 ms and the rest 50.0 ms" in page, page
+    assert "8.7 MB per optimizer step" in "\n".join(report._overhead_md(r["overhead"], None))
