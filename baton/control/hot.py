@@ -110,7 +110,7 @@ class HotSpareFeeds:
                                      if self._hot_feeder in self.workers else None,
                                      "since_step": rep.pos[0], "base_bytes": rep.base_bytes,
                                      "base_s": rep.base_s, "replay_s": rep.replay_s,
-                                     "bytes_per_step": round(rep.step_bytes / max(1, rep.steps))})
+                                     "bytes_per_step": rep.bytes_per_step})
         if not rep.ok:
             self._emit("note", {"message": f"spare {w.id} cannot mirror the replicated state ({rep.detail}): an "
                                            "ordinary spare until the next feed"})

@@ -300,6 +300,7 @@ class HotState(_Msg):
     steps: NonNegativeInt = 0
     step_bytes: NonNegativeInt = 0
     replay_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0  # its replay of a step (median of 3)
+    bytes_per_step: NonNegativeInt = 0  # the records of one training step on the wire (median of 3)
 
 
 Report = Annotated[Union[Heartbeat, Ready, UnitDone, PauseAck, Paused, Recover, Formed, Verified, Finished,

@@ -110,6 +110,7 @@ class Mirror:
         self.ended = ""  # no more records will come: the mirror stays at `pos`
         self.steps = 0
         self.replay_s = 0.0
+        self.bytes_per_step = 0
         self.models: dict[str, dict[str, Any]] = {}  # model name -> its state_dict's tensors
         self.objects: dict[str, Any] = {}  # the small objects' state (schedulers, scalers)
         self.optimizers: list[tuple[str, torch.optim.Optimizer]] = []
@@ -136,7 +137,7 @@ class Mirror:
         log.info("hot spare: mirror of rank %d's replicated state at %s (%.1f MB in %.3fs)", self.feeder,
                  self.pos, f.base_bytes / 2**20, f.base_s)
         self._report(self._state())
-        busy, paces, reported = 0.0, [], False
+        busy, wire, paces, sizes, reported = 0.0, 0, [], [], False
         while not self._taken and not self.failed:
             record = f.next_record(0.2)
             if f.failed and f.ended:  # the feeder stopped (lost, or a recovery): the mirror stands where it is
@@ -163,10 +164,12 @@ class Mirror:
                 self._fail(self.failed)
                 return
             busy += time.perf_counter() - t0
+            wire += int(record.get("nbytes", 0))
             if record["kind"] != "step_end":
                 continue
             paces.append((busy, float(record["step_s"])))
-            busy = 0.0
+            sizes.append(wire)
+            busy, wire = 0.0, 0
             slow = _cannot_keep_up(paces)
             if slow:
                 self._fail(slow)
@@ -175,6 +178,7 @@ class Mirror:
                 reported = True
                 recent = sorted(p for p, _ in paces[-KEEP_UP_STEPS:])
                 self.replay_s = recent[len(recent) // 2]
+                self.bytes_per_step = sorted(sizes[-KEEP_UP_STEPS:])[KEEP_UP_STEPS // 2]
                 self._report(self._state())
                 log.info("hot spare: keeping pace with rank %d at %s (replay %.4fs a step)", self.feeder, self.pos,
                          self.replay_s)
@@ -242,7 +246,8 @@ class Mirror:
         f = self.follower
         return m.HotState(op=self.op, ok=not self.failed, pos=self.pos, detail=self.failed[:2000],
                           base_bytes=f.base_bytes, base_s=round(f.base_s, 4), steps=self.steps,
-                          step_bytes=f.step_bytes, replay_s=round(self.replay_s, 4))
+                          step_bytes=f.step_bytes, replay_s=round(self.replay_s, 4),
+                          bytes_per_step=self.bytes_per_step)
 
     # ---------------------------------------------------------------- the recovery's side
     def take(self, target: tuple[int, int], wait_s: float = MIRROR_WAIT_S) -> dict[str, Any] | str:

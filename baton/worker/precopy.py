@@ -243,7 +243,9 @@ class Follower:
             while not self._stop.is_set():
                 flat, n = link.fetch(snapshot_key(steps, record_key(self.op, seq)))
                 self.step_bytes += n
-                self._records.put((codec.decode(flat.meta, list(flat.tensors)), ""))
+                record = codec.decode(flat.meta, list(flat.tensors))
+                record["nbytes"] = n  # what it took on the wire
+                self._records.put((record, ""))
                 seq += 1
         except Exception as exc:  # noqa: BLE001 - any end of the records is the follower's end
             if not self._stop.is_set():
