@@ -229,3 +229,26 @@ def test_an_optimizer_outside_torch_optim_is_refused_with_its_name():
     tracked.add("optimizer", Lion(model.parameters(), lr=0.1))
     plan = mirror_plan(tracked)
     assert "Lion" in plan["refused"] and "torch.optim" in plan["refused"], plan
+
+
+def test_planned_moves_of_the_feeder_and_of_another_rank_then_a_loss_on_a_new_feed(tmp_path, reference):
+    """--hot-spares through planned moves: rank 0 (the feeder) moves, then rank 1 (each move's
+    joiner may be a hot spare, which takes the whole state as any planned joiner); after each
+    the feed starts afresh from the new generation, a new spare mirrors it, and rank 2 lost is
+    rebuilt from that mirror. Bitwise."""
+    job = _job(tmp_path, "planned", spares=1)
+    try:
+        job.wait_step(3)
+        for rank in (0, 1):
+            _hot(job)
+            n = len(job.events())
+            job.client.migrate(rank)
+            job.wait_until(lambda s: len(job.events()) > n and job.events()[-1]["status"] == "resolved",
+                           timeout=120, what=f"rank {rank}'s move resolved")
+        _hot(job)
+        job.signal_rank(2, signal.SIGKILL)
+        events = check_resolved_exact(job, reference, timeout=240)
+    finally:
+        job.kill()
+    assert [(e["kind"], e["rank"]) for e in events] == [("planned", 0), ("planned", 1), ("unplanned", 2)], events
+    assert events[2]["hot_spare"]["used"], events[2]

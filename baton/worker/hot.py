@@ -42,9 +42,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("baton.worker")
 
-# How long a recovery waits for the mirror to reach its boundary before it fetches the whole
-# state instead: the records it lacks were served before the survivors got there, unless
-# their feeder is the rank lost (then they never come).
+# How long a recovery waits for the mirror's next step before it fetches the whole state
+# instead: the records it lacks were served before the survivors got there, unless their
+# feeder is the rank lost or hung (then they never come).
 MIRROR_WAIT_S = 2.0
 
 
@@ -255,17 +255,20 @@ class Mirror:
         why the mirror cannot give it."""
         if target[1] != 0:
             return f"the recovery's boundary {list(target)} follows a boundary function, which the mirror does not run"
-        deadline = time.monotonic() + wait_s
+        deadline = time.monotonic() + wait_s  # moved on each step applied: a busy machine is slow, not stuck
         with self._cond:
+            seen = (self.pos, self.dirty)
             while not self.failed and not self.ended and (self.pos < target or self.dirty) and \
                     time.monotonic() < deadline:
                 self._cond.wait(0.05)
+                if (self.pos, self.dirty) != seen:
+                    seen, deadline = (self.pos, self.dirty), time.monotonic() + wait_s
             if self.failed:
                 return self.failed
             if self.pos != target or self.dirty:
                 if self.pos < target:
                     why = f"its records stopped ({self.ended})" if self.ended else \
-                        f"it did not serve the steps between within {wait_s:g}s"
+                        f"no record of the steps between came for {wait_s:g}s"
                     return (f"the mirror was at {list(self.pos)}, short of the recovery's boundary {list(target)}: "
                             f"the feeder, rank {self.feeder}: {why}")
                 return f"the mirror is past the recovery's boundary {list(target)} (at {list(self.pos)})"
