@@ -26,9 +26,10 @@ What is measured:
                       load, form, verify; the rest) and its joiner's script setup, medians;
                       check_after_resume: not downtime, what the first step after the move
                       waited for the state check's pass over the large tensors (run beside it)
-  hot                 a second job of the same size run with --hot-spares: min(moves, 3) recoveries
-                      of rank 1 (kill -9) once the spare's mirror keeps pace with rank 0, which
-                      feeds it: kill -> all formed (unplanned_s), the ledger's downtime and that
+  hot                 a second job of the same size run with --hot-spares: min(moves, 3) times, a
+                      planned move of rank 1 to the hot spare (its pause: planned_s), then a
+                      recovery of rank 1 (kill -9), each once the spare's mirror keeps pace with
+                      rank 0, which feeds it; for the recoveries: kill -> all formed (unplanned_s), the ledger's downtime and that
                       less the joiner's script setup, the bytes the recovery moved, phases; the
                       feed's bytes per optimizer step and the spare's replay of a step; recoveries
                       whose mirror was not used are not timed, their reasons listed (fallbacks)
@@ -317,6 +318,7 @@ def _one_size(mb: float, moves: int, tmp: Path, python: str, hot: bool = True) -
     out["hot"] = _hot_recoveries(mb, min(moves, HOT_MOVES), tmp, python) if hot else None
     if out["hot"]:
         out["hot_unplanned_s"] = out["hot"]["unplanned_s"]
+        out["hot_planned_s"] = out["hot"]["planned_s"]
     out["planned_over_tcp"] = ratio(out["planned_s"]["median"], out["raw_tcp_s"]["median"])
     out["unplanned_over_tcp"] = ratio(out["unplanned_s"]["median"], out["raw_tcp_s"]["median"])
     pc_s = out["pre_copied_s"]["median"]
@@ -338,11 +340,21 @@ def _hot_recoveries(mb: float, moves: int, tmp: Path, python: str) -> dict:
     start_timeout, op_timeout = 120 + 30 * slack, 60 + 20 * slack
     log_path = tmp / f"downtime-{tag}.log"
     print(f"  [{tag}] starting 2 ranks + 1 hot spare; log {log_path}", flush=True)
-    kill_to_formed, ledger, moved, fallbacks, phases, setup = [], [], [], [], [], []
+    kill_to_formed, ledger, moved, fallbacks, phases, setup, planned = [], [], [], [], [], [], []
     job = _Job(python, tmp / f"run-{tag}", log_path, params_m, start_timeout, hot=True)
     try:
         for i in range(moves):
-            st = job.ready(start_timeout if i == 0 else op_timeout, min_step=st_step(job) + 1, hot=True)
+            job.ready(start_timeout if i == 0 else op_timeout, min_step=st_step(job) + 1, hot=True)
+            n = job.event_count()
+            job.client.migrate(1, pre_copy=False)  # to the hot spare: the pause moves the leaver's own state only
+            ev = job.resolved_event(n, "planned", op_timeout)
+            if (ev.get("hot_spare") or {}).get("used"):
+                planned.append(ev["downtime_s"])
+                print(f"  [{tag}] planned move {i + 1}/{moves} (rank 1) to the hot spare: pause {ev['downtime_s']:.3f}s "
+                      f"({(ev.get('state_bytes') or 0) / 1e6:.3f} MB in it)", flush=True)
+            else:
+                fallbacks.append("planned: " + ((ev.get("hot_spare") or {}).get("detail") or "no hot spare took it"))
+            st = job.ready(op_timeout, min_step=st_step(job) + 1, hot=True)
             pid = next(r["pid"] for r in st["ranks"] if r["rank"] == 1)
             n = job.event_count()
             t_kill = time.time()
@@ -368,7 +380,8 @@ def _hot_recoveries(mb: float, moves: int, tmp: Path, python: str) -> dict:
         job.stop()
     hot_log = [json.loads(line) for line in (tmp / f"run-{tag}" / "events.jsonl").read_text().splitlines()
                if '"hot-spare"' in line] if (tmp / f"run-{tag}" / "events.jsonl").exists() else []
-    return {"unplanned_s": median_range(kill_to_formed), "unplanned_ledger_s": median_range(ledger),
+    return {"planned_s": median_range(planned),
+            "unplanned_s": median_range(kill_to_formed), "unplanned_ledger_s": median_range(ledger),
             "ledger_minus_setup_s": median_range([d - s for d, s in zip(ledger, setup)]),
             "bytes_moved": median_range(moved), "fallbacks": fallbacks,
             "phases": {k: median_range([p.get(k, 0.0) for p in phases]) for k in dict.fromkeys(k for p in phases for k in p)},

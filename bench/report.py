@@ -499,8 +499,11 @@ def hot_sentence(size: dict) -> str | None:
     setup = _med((hot.get("phases") or {}).get("joiner_setup"))
     rest = _med(hot.get("ledger_minus_setup_s"))
     moved = _med(hot.get("bytes_moved"))
+    hp = _med(hot.get("planned_s"))
+    planned = (f"a planned move to the hot spare paused training {_secs(hp)} (its mirror held the replicated "
+               "state; the pause moved the leaver's own and the small state), and " if hp is not None else "")
     text = (f"With `--hot-spares` (the spare mirrors the replicated state every step): at "
-            f"{_bytes(size['state_bytes'])} an unplanned recovery took {_secs(u)} from `kill -9` to every rank "
+            f"{_bytes(size['state_bytes'])} {planned}an unplanned recovery took {_secs(u)} from `kill -9` to every rank "
             f"running (median; ledger, from detection: {_secs(led)}")
     if setup is not None and rest is not None:
         text += f", of which the new rank's script setup {_secs(setup)} and the rest {_secs(rest)}"
@@ -921,7 +924,8 @@ def _downtime_md(sec: dict, img: str | None) -> list[str]:
     if not sizes:
         return out + ["No state sizes in the results.", ""]
     keys = [("planned_s", "planned"), ("pre_copied_s", "pre-copied (pause)"), ("unplanned_s", "unplanned"),
-            ("unplanned_ledger_s", "unplanned (ledger)"), ("hot_unplanned_s", "unplanned, hot spare"),
+            ("unplanned_ledger_s", "unplanned (ledger)"), ("hot_planned_s", "planned, hot spare"),
+            ("hot_unplanned_s", "unplanned, hot spare"),
             ("transfer_s", "transfer"), ("raw_tcp_s", "raw TCP"), ("raw_shm_s", "raw shm")]
     keys = [(k, h) for k, h in keys if any(_is_mr(s.get(k)) for s in sizes)]
     note, per_cell = _n_note([s.get(k) for s in sizes for k, _ in keys])

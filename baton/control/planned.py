@@ -85,7 +85,7 @@ class PlannedMoves:
     def _start_planned(self, ranks: list[int], kind: EventKind, cause: str,
                        joiners: list[Worker] | None = None) -> Operation:
         """Move `ranks` to `joiners` (default: the freshest ready spares), as many as there are."""
-        spares = joiners if joiners is not None else self._ready_spares()
+        spares = joiners if joiners is not None else self._hot_first(self._ready_spares())
         ranks = ranks[: len(spares)]
         self.generation += 1
         self._op_ids += 1

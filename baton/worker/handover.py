@@ -86,7 +86,7 @@ class PlannedHandover:
         move's joiner takes only the first)."""
         if self.pre_copy is not None:
             return {FETCH_OWN: self._feed_parts(state), FETCH: state}
-        if self.hot_spares and "bundle" not in state:  # a recovery's: a hot spare takes only the small rest
+        if self.hot_spares:  # a hot spare takes only the rest: the rank's own state (a move's) and the small
             return {FETCH_OWN: self._hot_part(state), FETCH: state}
         return {FETCH: state}
 

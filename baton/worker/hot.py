@@ -329,15 +329,18 @@ class HotSpares:
             self.hot_feed_frozen, self.hot_feed = self.hot_feed, None
 
     def _hot_part(self, state: dict[str, Any]) -> dict[str, Any]:
-        """A recovery's share for a hot spare: everything but the models' and optimizers' tensors."""
-        return {**{k: state[k] for k in ("pos", "loop_start", "ddp", "late_buffers")},
+        """A hot spare's share of what this rank serves: everything but the models' and
+        optimizers' tensors (a planned move's leaver: with its own state, the bundle)."""
+        return {**{k: state[k] for k in ("pos", "loop_start", "ddp", "late_buffers", "bundle") if k in state},
                 "small": small_state(self.tracked)}
 
     # ---------------------------------------------------------------- the hot spare
     def _state_from_mirror(self, cmd: m.Form) -> tuple[dict[str, Any], FetchStats] | None:
-        """A lost rank's state from the mirror and the survivors' small rest; None: fetch it whole."""
+        """The rank's state from the mirror and the rest from its sources (a planned move's
+        leaver: its own state and the small state; a recovery's survivors: the small state, the
+        rank's own coming from its buddy); None: fetch it whole."""
         mirror = self.mirror
-        if mirror is None or cmd.full_state or cmd.snapshot or cmd.lost is None:
+        if mirror is None or cmd.snapshot or not (cmd.full_state or cmd.lost is not None):
             return None
         target: tuple[int, int] = tuple(cmd.pos)  # type: ignore[assignment]
         t0 = time.perf_counter()
