@@ -235,8 +235,9 @@ def test_planned_moves_of_the_feeder_and_of_another_rank_then_a_loss_on_a_new_fe
     """--hot-spares through planned moves: rank 0 (the feeder) moves, then rank 1, each to the hot
     spare, which takes the replicated state from its mirror and only the leaver's own and the
     small state in the pause; after each the feed starts afresh from the new generation, a new
-    spare mirrors it, and rank 2 lost is rebuilt from that mirror. Bitwise."""
-    job = _job(tmp_path, "planned", spares=1)
+    spare mirrors it, and rank 2 lost is rebuilt from that mirror. With --pre-copy too, a move
+    to a hot spare skips the pre-copy: the mirror is that copy already. Bitwise."""
+    job = _job(tmp_path, "planned", spares=1, run_args=["--pre-copy"])  # a hot joiner needs no pre-copy
     try:
         job.wait_step(3)
         for rank in (0, 1):
@@ -252,3 +253,4 @@ def test_planned_moves_of_the_feeder_and_of_another_rank_then_a_loss_on_a_new_fe
         job.kill()
     assert [(e["kind"], e["rank"]) for e in events] == [("planned", 0), ("planned", 1), ("unplanned", 2)], events
     assert all(e["hot_spare"]["used"] and e["state_bytes"] < 20_000 for e in events), events
+    assert all(e["pre_copy"] is None for e in events[:2]), events

@@ -127,7 +127,8 @@ class PlannedMoves:
         job whose replicated state is whole on every rank (DDP), with a replica to check the
         joiner against after the move; not FSDP2's shards."""
         wanted = self.config.pre_copy if op.pre_copy is None else op.pre_copy
-        return wanted and self.config.world_size > 1 and self.loop is not None \
+        hot = all(mv.to_worker in op.hot_joiners for mv in op.moves.values())  # their mirrors do it already
+        return wanted and not hot and self.config.world_size > 1 and self.loop is not None \
             and self.loop.style != "script" and not self.loop.sharded
 
     def _begin_pre_copy(self, op: Operation) -> None:

@@ -20,6 +20,8 @@ class SparePool:
         spare.role = WorkerRole.RANK
         spare.rank = rank
         spare.held_rank = True
+        if self._hot_current(spare):
+            op.hot_joiners.add(spare.id)
         self._hot.pop(spare.id, None)
         self._post(spare.id, m.Assign(rank=rank, generation=op.generation, world_size=self.config.world_size,
                                       joiner=True, loop=self.loop, setup=self.setup_record,
