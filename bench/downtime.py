@@ -26,7 +26,7 @@ What is measured:
                       load, form, verify; the rest) and its joiner's script setup, medians;
                       check_after_resume: not downtime, what the first step after the move
                       waited for the state check's pass over the large tensors (run beside it)
-  hot                 a second job of the same size run with --hot-spares: min(moves, 3) times, a
+  hot                 a second job of the same size run with --hot-spares: min(moves, 2) times, a
                       planned move of rank 1 to the hot spare (its pause: planned_s), then a
                       recovery of rank 1 (kill -9), each once the spare's mirror keeps pace with
                       rank 0, which feeds it; for the recoveries: kill -> all formed (unplanned_s), the ledger's downtime and that
@@ -62,7 +62,7 @@ REPO = Path(__file__).resolve().parent.parent
 WORKLOAD = REPO / "bench" / "workload.py"
 
 STEP_SLEEP = 0.02
-HOT_MOVES = 3  # recoveries per size of the --hot-spares job (the quick preset's whole run stays near 25 min)
+HOT_MOVES = 2  # planned moves and recoveries per size of the --hot-spares job (the quick preset took 31.9 min with 3)
 
 
 class BenchError(RuntimeError):
