@@ -662,7 +662,7 @@ class ScriptRuntime(Runtime):
             where = ", ".join(f"rank {r}: " + {0: "at a head", 1: f"{n} collectives into the region",
                                                2: f"{n} collectives into a step"}[a] for r, (a, n) in enumerate(places))
             detail = (f"the ranks of generation {generation} stand at different places ({where}): they cannot go "
-                      "on together bit for bit")
+                      "on together bit for bit. The job stops here: restart it from your own checkpoint.")
             self.ctl.report_now(m.Verified(generation=generation, pos=self.pos, ok=False, differing=["place"],
                                            detail=detail))
             raise Divergence(detail)
