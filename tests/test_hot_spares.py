@@ -52,17 +52,23 @@ def _hot(job: Job, timeout: float = 120.0) -> dict:
                           timeout=timeout, what="a hot spare keeping pace")
 
 
-def test_a_rank_lost_mid_step_is_rebuilt_from_the_hot_spares_mirror(tmp_path, reference):
-    """kill -9 of a rank that does not feed: its replacement takes the replicated state from its
-    mirror (only its own and the small state move), bitwise."""
-    job = _job(tmp_path, "hot")
+def _lose(tmp_path, reference, name: str, rank: int, sig: int, run_args: list[str] | None = None) -> list[dict]:
+    """Run the hot job, send `rank` `sig` once a spare keeps pace; the ledger of a run that ended
+    exit 0 with every rank exact."""
+    job = _job(tmp_path, name, run_args=run_args)
     try:
         job.wait_step(4)
         _hot(job)
-        job.signal_rank(2, signal.SIGKILL)
-        events = check_resolved_exact(job, reference, timeout=240)
+        job.signal_rank(rank, sig)
+        return check_resolved_exact(job, reference, timeout=240)
     finally:
         job.kill()
+
+
+def test_a_rank_lost_mid_step_is_rebuilt_from_the_hot_spares_mirror(tmp_path, reference):
+    """kill -9 of a rank that does not feed: its replacement takes the replicated state from its
+    mirror (only its own and the small state move), bitwise."""
+    events = _lose(tmp_path, reference, "hot", 2, signal.SIGKILL)
     assert [(e["kind"], e["rank"]) for e in events] == [("unplanned", 2)], events
     hot = events[0]["hot_spare"]
     assert hot and hot["used"], events[0]
@@ -72,14 +78,7 @@ def test_a_rank_lost_mid_step_is_rebuilt_from_the_hot_spares_mirror(tmp_path, re
 def test_the_feeding_rank_lost_falls_back_or_uses_what_it_served(tmp_path, reference):
     """kill -9 of the rank that feeds the spare (rank 0, the lowest): the mirror holds every step it served;
     if it lacks the last, the replacement fetches the whole state from a survivor. Bitwise."""
-    job = _job(tmp_path, "feeder")
-    try:
-        job.wait_step(4)
-        _hot(job)
-        job.signal_rank(0, signal.SIGKILL)
-        events = check_resolved_exact(job, reference, timeout=240)
-    finally:
-        job.kill()
+    events = _lose(tmp_path, reference, "feeder", 0, signal.SIGKILL)
     assert [(e["kind"], e["rank"]) for e in events] == [("unplanned", 0)], events
     hot = events[0]["hot_spare"]
     assert hot is not None and (hot["used"] or hot["detail"]), events[0]
@@ -106,14 +105,7 @@ def test_a_hot_spare_killed_while_it_follows_is_replaced_and_the_next_loss_is_st
 def test_the_feeding_rank_hung_is_replaced_and_nothing_waits_on_it(tmp_path, reference):
     """SIGSTOP of the feeding rank: the spare's link to it stalls; the recovery takes the mirror
     if it reached the boundary, else the whole state from a survivor after a short wait. Bitwise."""
-    job = _job(tmp_path, "feeder-hung", run_args=FAST)
-    try:
-        job.wait_step(4)
-        _hot(job)
-        job.signal_rank(0, signal.SIGSTOP)
-        events = check_resolved_exact(job, reference, timeout=240)
-    finally:
-        job.kill()
+    events = _lose(tmp_path, reference, "feeder-hung", 0, signal.SIGSTOP, run_args=FAST)
     assert [(e["kind"], e["rank"]) for e in events] == [("unplanned", 0)] and "hung" in events[0]["cause"], events
     assert events[0]["hot_spare"] is not None, events[0]
 

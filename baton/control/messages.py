@@ -258,12 +258,10 @@ class PathsFound(_Msg):
     detail: Annotated[str, Field(max_length=2000)] = ""
 
 
-class CaughtUp(_Msg):
-    """A pre-copying joiner (CatchUp): it holds the replicated state and follows the leaver's
-    optimizer steps within a step of it (`ok`), or it cannot (`detail`: then the move takes
-    the whole state in its pause, as without a pre-copy). What the background copy took."""
+class _Following(_Msg):
+    """A process following a rank's fed optimizer steps (precopy.Feed): whether it can (`ok`,
+    at `pos`) or why not, and what the copy took: its base, and the step records since."""
 
-    type: Literal["caught_up"] = "caught_up"
     op: NonNegativeInt
     ok: bool
     pos: Pos
@@ -272,6 +270,13 @@ class CaughtUp(_Msg):
     base_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
     steps: NonNegativeInt = 0  # optimizer steps followed so far
     step_bytes: NonNegativeInt = 0
+
+
+class CaughtUp(_Following):
+    """A pre-copying joiner (CatchUp): it follows the leaver within a step (`ok`), or it cannot
+    (then the move takes the whole state in its pause, as without a pre-copy)."""
+
+    type: Literal["caught_up"] = "caught_up"
 
 
 class PreCopyCost(_Msg):
@@ -285,20 +290,11 @@ class PreCopyCost(_Msg):
     capture_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
 
 
-class HotState(_Msg):
+class HotState(_Following):
     """A hot spare (Follow): its mirror of the replicated state keeps pace with the feeding
-    rank (`ok`, at `pos`), or it cannot (`detail`: the spare is an ordinary one until the next
-    feed). What the mirror took: its base, and the step records since."""
+    rank (`ok`), or it cannot (the spare is an ordinary one until the next feed)."""
 
     type: Literal["hot_state"] = "hot_state"
-    op: NonNegativeInt
-    ok: bool
-    pos: Pos
-    detail: Text = ""
-    base_bytes: NonNegativeInt = 0
-    base_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
-    steps: NonNegativeInt = 0
-    step_bytes: NonNegativeInt = 0
     replay_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0  # its replay of a step (median of 3)
     bytes_per_step: NonNegativeInt = 0  # the records of one training step on the wire (median of 3)
 

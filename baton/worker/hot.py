@@ -34,7 +34,8 @@ from baton.control import messages as m
 from baton.transfer import FetchStats, TransferError
 from baton.transfer.server import FETCH_OWN, hot_ids
 from baton.worker import discover
-from baton.worker.precopy import KEEP_UP_STEPS, Feed, Follower, _cannot_keep_up, small_state
+from baton.worker.precopy import (KEEP_UP_STEPS, Feed, Follower, _cannot_keep_up, replay_optimizer_step,
+                                  served_apart, small_state)
 from baton.worker.tracked import _BATON_OWNED
 
 if TYPE_CHECKING:
@@ -215,15 +216,7 @@ class Mirror:
             self.failed = f"the feeder's record of step {record['step']} does not follow step {self.pos[0]}"
             return
         if record["kind"] == "optimizer_step":
-            _, opt = self.optimizers[int(record["opt"])]
-            params = [p for g in opt.param_groups for p in g["params"]]
-            for p, g in zip(params, record["grads"]):
-                p.grad = g
-            for group, values in zip(opt.param_groups, record["settings"]):
-                group.update(values)
-            opt.step()
-            for p in params:
-                p.grad = None
+            replay_optimizer_step(self.optimizers[int(record["opt"])][1], record)
             self.steps += 1
             self.dirty = True
             return
@@ -331,8 +324,7 @@ class HotSpares:
     def _hot_part(self, state: dict[str, Any]) -> dict[str, Any]:
         """A hot spare's share of what this rank serves: everything but the models' and
         optimizers' tensors (a planned move's leaver: with its own state, the bundle)."""
-        return {**{k: state[k] for k in ("pos", "loop_start", "ddp", "late_buffers", "bundle") if k in state},
-                "small": small_state(self.tracked)}
+        return {**served_apart(state), "small": small_state(self.tracked)}
 
     # ---------------------------------------------------------------- the hot spare
     def _state_from_mirror(self, cmd: m.Form) -> tuple[dict[str, Any], FetchStats] | None:

@@ -71,6 +71,28 @@ def _params(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for g in opt.param_groups for p in g["params"]]
 
 
+def replay_optimizer_step(opt: torch.optim.Optimizer, record: dict[str, Any]) -> None:
+    """Apply a fed optimizer step: the feeder's gradients and settings, then the same step()
+    (the feeder's arithmetic on the same device type, so the same bits)."""
+    params = _params(opt)
+    for p, g in zip(params, record["grads"]):
+        p.grad = None if g is None else g.to(p.device)
+    for group, values in zip(opt.param_groups, record["settings"]):
+        group.update(values)
+    opt.step()
+    for p in params:
+        p.grad = None
+
+
+# What a rank serves apart from the models' and optimizers' tensors (FETCH_OWN), where present:
+# its position and own state, and what its DDP and late-registered buffers need.
+SERVED_APART = ("pos", "bundle", "loop_start", "ddp", "late_buffers")
+
+
+def served_apart(state: dict[str, Any]) -> dict[str, Any]:
+    return {k: state[k] for k in SERVED_APART if k in state}
+
+
 def small_state(tracked: "Tracked") -> dict[str, Any]:
     """The replicated state outside the models and optimizers' tensors: what a step changes
     besides its optimizer step (schedulers, scalers, the script's own objects), and every
@@ -322,7 +344,7 @@ class PreCopying:
     def _feed_parts(self, state: dict[str, Any]) -> dict[str, Any]:
         """The pause's share of a pre-copied move (served apart: FETCH_OWN), and the cost report."""
         assert self.pre_copy is not None
-        own = {k: state[k] for k in ("pos", "bundle", "loop_start", "ddp", "late_buffers")}
+        own = served_apart(state)
         own.update(self.pre_copy.own_part())
         feed = self.pre_copy
         self.ctl.report(m.PreCopyCost(op=self.pre_copy_op, base_s=round(feed.base_s, 4), steps=feed.steps,
@@ -395,19 +417,11 @@ class PreCopying:
             f.failed = f"the leaver's record of step {record['step']} does not follow step {self.pos[0]}"
             return
         if record["kind"] == "optimizer_step":
-            opt = self.tracked.optimizers()[int(record["opt"])]
-            params = _params(opt)
-            for p, g in zip(params, record["grads"]):
-                p.grad = None if g is None else g.to(p.device)
-            for group, values in zip(opt.param_groups, record["settings"]):
-                group.update(values)
             self.loading = True  # baton's own hooks stand aside: this is not a step of this rank's loop
             try:
-                opt.step()
+                replay_optimizer_step(self.tracked.optimizers()[int(record["opt"])], record)
             finally:
                 self.loading = False
-            for p in params:
-                p.grad = None
             f.steps += 1
             return
         load_small_state(self.tracked, record["small"])
