@@ -312,6 +312,41 @@ def test_a_rank_lost_after_its_optimizer_step_is_replaced_bit_for_bit(tmp_path, 
     assert [(e["kind"], e["status"]) for e in job.events()] == [("unplanned", "resolved")], job.events()
 
 
+
+@pytest.mark.parametrize("name, args", [
+    ("nanogpt_train.py", ["--max_iters=40", "--eval_interval=20", "--out_dir={d}/out"]),
+    ("imagenet_main.py", ["--epochs", "4", "--out-dir", "{d}/out"]),
+])
+def test_a_rank_that_abandoned_a_step_the_others_completed_runs_it_again_from_their_record(
+        tmp_path, torchrun_reference, name, args):
+    """Rank 0's group fails after its last collective of step 15 and before its optimizer
+    step, once rank 1 has completed the step (a data path re-formed under it, or a peer lost
+    at the very end of the all-reduce; seen in CI: the job stopped). Recovery gives rank 0
+    rank 1's result, but what its loop carried after the step (the batch prefetched for the
+    next one, counters, timers) was never shared: it runs step 15 again from its head with
+    rank 1's record of it, and every rank ends equal to torchrun's. No rank was lost."""
+    ref = torchrun_reference(NOCODE / name, [*args, "--export", "{d}/export"])
+    run = tmp_path / "job"
+    (run / "export").mkdir(parents=True)
+    go = tmp_path / "go"
+    job = Job(tmp_path, nproc=2, spares=0, script=NOCODE / name, out_arg=False, name="job",
+              script_args=[a.format(d=run) for a in args] + ["--export", str(run / "export")],
+              env={"PYTHONPATH": str(INJECT), "BATON_TEST_FAIL_AFTER_ALLREDUCE": "0:15",
+                   "BATON_TEST_FAIL_AFTER_ALLREDUCE_GO": str(go), "BATON_LOG": "INFO"})
+    try:
+        job.wait_until(lambda s: any(r["rank"] == 1 and r["step"] >= 16 for r in s["ranks"]), timeout=170,
+                       what="rank 1 past step 15")
+        go.touch()
+        code = job.wait(timeout=170)
+        log, events = job.log(None), job.events()
+    finally:
+        job.kill()
+    assert code == 0, log[-4000:]
+    assert "injected: rank 0 loses step 15" in log and "running it again from its head" in log, log[-4000:]
+    compare(ref, run)
+    assert events == [], events
+
+
 METERS_BY_NAME = """
 import collections, contextlib, os, signal, torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP

@@ -15,9 +15,10 @@ rewritten head; at the step loop it takes the rank's state over and joins the gr
 
 A lost peer inside a step is absorbed at the step loop's head: the runtime recovers (a spare
 rebuilds the lost rank from its buddies' record of its last head) and the same iteration
-runs again with the variables its head had. Where that cannot be exact (a loss outside the
-steps, or after a rank's last collective of a step and before its next head, whose loop
-variables were never shared), the job stops non-zero, saying so.
+runs again with the variables its head had: live with the others, or, where they completed
+the step this rank abandoned, answered from their record of it. Where that cannot be exact
+(a loss outside the steps, a step whose record was not kept), the job stops non-zero,
+saying so.
 """
 
 from __future__ import annotations
@@ -152,6 +153,8 @@ class StepLoopController:
         """The step loop drew an item: it and the streams now, where a re-run of the step,
         handed the same item without drawing it, puts them back (`again`)."""
         if loop.site.id == self.step_site and self.catch_up is None:
+            if self.rt.exit_join is not None:  # ran a step again after which the others' loop ended
+                self.rt.not_at_the_exit()
             loop.drawn.append((loop.item, rng.capture(self.rt.tracked.generators)))
 
     def again(self, loop: ActiveLoop, streams: Any) -> None:

@@ -60,7 +60,8 @@ HEAD_SEQ = 1 << 30
 
 @dataclass
 class _Replay:
-    """A successor running again the step its predecessor was lost after (tail)."""
+    """A successor running again the step its predecessor was lost after (tail), or a
+    survivor the step it abandoned after the others completed it (`formed`)."""
 
     cmd: m.Form
     stats: FetchStats
@@ -73,6 +74,18 @@ class _Replay:
     # The survivors' record of the region after the step loop, where they went on into it
     # from the next head (the step was the loop's last): the successor joins them there.
     region: dict[str, Any] | None = None
+    formed: bool = False  # a survivor: in the generation already, it joins no one
+
+
+@dataclass
+class _Abandoned:
+    """What a survivor fetched with the others' result of the step it abandoned after they
+    completed it: their record of that step, to run it again from its head (`absorb`)."""
+
+    cmd: m.Form
+    tail: dict[str, Any] | None  # their StepRecord of the step, served (None: none kept)
+    replicated: dict[str, Any]  # their state after the step: what its optimizer steps give
+    region: dict[str, Any] | None  # their record of the region, where their step loop ended after that step
 
 
 _FETCHING = "fetching"  # fetch_for_join's state: the replicas' part, still arriving (a prefetch.Fetch)
@@ -104,6 +117,7 @@ class ScriptRuntime(Runtime):
         self.replay: _Replay | None = None  # a successor running again the step its predecessor was lost after
         self.in_tail = False  # recovering in a collective after a step's optimizer step
         self.exit_join: _Replay | None = None  # ran the step again; the survivors stand past the loop's exit
+        self.abandoned: _Abandoned | None = None  # the others completed the step this rank abandoned
         self._frame_at: tuple[Any, int] = ((-1, 0), HEAD_SEQ)  # the latest frame's position and sequence
 
     # ---------------------------------------------------------------- the loop, as the script runs it
@@ -146,7 +160,7 @@ class ScriptRuntime(Runtime):
         """A head of the step loop, before its next item is drawn. Whether a step begins here
         (not where a step accumulating gradients over several iterations goes on)."""
         if self.exit_join is not None:
-            self._not_at_the_exit()
+            self.not_at_the_exit()
         if self.replay is not None:  # a successor running its predecessor's last step again
             if not self.replay.stepped:  # accumulating, or GradScaler skipped the step: it goes on
                 return False
@@ -190,20 +204,73 @@ class ScriptRuntime(Runtime):
                 not self.is_peer_failure(exc):
             return False
         if self.exit_join is not None:
-            self._not_at_the_exit()
+            self.not_at_the_exit()
         if not in_step_loop or self.scope != "step" or self.head_state is None:
             raise Divergence(f"rank {self.rank}: a peer was lost ({type(exc).__name__}: {exc}) outside a step of the "
                              "script's step loop (in its evaluation or checkpoint after the loop, say); this version "
                              "recovers from losses inside steps only. The job stops here: restart it from your own "
                              "checkpoint.")
         head, state = self.pos, self.head_state
+        self.abandoned = None
         self.recover(in_step=True, error=f"{type(exc).__name__}: {exc}")
         if self.pos != head:
-            raise Divergence(f"rank {self.rank}: the others completed step {head[0]}, which this rank abandoned "
-                             "after its last collective; what its loop carried after that step was never shared. "
-                             "The job stops here: restart it from your own checkpoint.")
+            self._run_abandoned_step_again(head, state)
+            return True
         self._start_step(state)
         return True
+
+    def _fetch_completed(self, cmd: m.Form, target: tuple[int, int]) -> dict[str, Any]:
+        """As the model-aware runtime's, with the others' record of that step: what this
+        rank's loop carried after it was never shared, so it runs the step again
+        (`_run_abandoned_step_again`)."""
+        completed = super()._fetch_completed(cmd, target)
+        served = None
+        try:
+            fetched, _ = self._fetch_state(cmd.fetch_from, cmd.generation, target, cmd.formation_timeout_s,
+                                           kind=FETCH_TAIL)
+            served = fetched["tail"]
+        except TransferError as exc:
+            log.info("no record of step %d to run again: %s", target[0] - 1, exc)
+        region = completed.get("region")
+        ended = region is not None and tuple(region["pos"]) == tuple(target)
+        self.abandoned = _Abandoned(cmd, served, completed["replicated"], region if ended else None)
+        return completed
+
+    def _run_abandoned_step_again(self, head: tuple[int, int], state: dict[str, Any]) -> None:
+        """The others completed step N, which this rank abandoned after its last collective
+        (the group failed before its optimizer step): recovery gave it their result, but what
+        its loop carried after the step was never shared. It runs the step again from its
+        head, already in the new generation, as a successor runs its predecessor's last step
+        (`_replay_step`): the collectives answered from the others' record of the step, the
+        optimizer steps replaced by their result. It goes on live at head N+1."""
+        got, self.abandoned = self.abandoned, None
+        served = got.tail if got is not None else None
+        why = ("no other rank kept a record of it" if served is None or served["params"] is None or
+               tuple(served["pos"]) != tuple(head) else
+               f"it ran {served['not_replayable']}, whose result differs by rank" if served["not_replayable"] else "")
+        if why or got is None or served is None:
+            raise Divergence(f"rank {self.rank}: the others completed step {head[0]}, which this rank abandoned "
+                             f"after its last collective, and it cannot run that step again ({why}): what its "
+                             "loop carried after the step was never shared. The job stops here: restart it from "
+                             "your own checkpoint.")
+        rec = StepRecord.from_served(served)
+        tail.load_params(self.tracked, rec.params or {})
+        load_small_state(self.tracked, rec.small or {})
+        for ddp, sync in zip(self.tracked.ddps, rec.forward_sync or []):
+            ddp.require_forward_param_sync = sync
+        self._apply_bundle(state)
+        self.pos = tuple(head)  # type: ignore[assignment]
+        self.params_step = head[0]
+        now = time.perf_counter()
+        self.replay = _Replay(got.cmd, FetchStats(), now, now, got.replicated, region=got.region, formed=True)
+        for opt in self.tracked.optimizers():
+            self.replay.patched.append((opt, opt.__dict__.get("step")))
+            opt.step = self._stepped_instead(opt)  # type: ignore[method-assign]
+        self.step_record = rec  # no join: this rank is in the generation; past the record it runs live
+        self.scope = self.tracked.scope = "step"
+        self.committed, self.current = False, None
+        log.info("rank %d: the others completed step %d, which this rank abandoned after its last collective: "
+                 "running it again from its head with their record of it", self.rank, head[0])
 
     def recover_in_place(self, exc: BaseException) -> None:
         """A survivor whose collective failed where its state cannot go back to a head (in a
@@ -244,9 +311,10 @@ class ScriptRuntime(Runtime):
         self.scope = self.tracked.scope = REGION
         self.current = None
         self.region = Region.at_exit(self.pos, self.tracked)
-        if self.exit_join is not None:
+        if self.exit_join is not None and not self.exit_join.formed:
             self._join_at_exit(self.exit_join)
             return
+        self.exit_join = None  # a survivor that ran its abandoned step again: it goes on as the others did
         if failing is not None and self.is_peer_failure(failing):
             # Left by the exception of a lost generation (a peer lost, or this rank aborted or
             # being killed: a hung rank's DataLoader workers die first), not a way the script
@@ -503,8 +571,8 @@ class ScriptRuntime(Runtime):
             else:
                 opt.step = previous
         if rec.answering() or rec.grads.answering() or not replay.stepped:
-            self.stop(f"rank {self.rank}: running again step {rec.pos[0]}, the step its predecessor was lost "
-                      f"after, the script took another way than the survivors (collectives answered "
+            self.stop(f"rank {self.rank}: running step {rec.pos[0]} again, the script took another way than the "
+                      f"ranks that completed it (collectives answered "
                       f"{len(rec.ops)} of {len(rec.replay)}, gradient buckets {len(rec.grads.ops)} of "
                       f"{len(rec.grads.replay)}, optimizer steps {replay.stepped}). The job stops here: restart "
                       "it from your own checkpoint.")
@@ -517,7 +585,8 @@ class ScriptRuntime(Runtime):
         if replay.region is not None:  # the survivors' loop ended here: this one must too (at_exit)
             self.exit_join = replay
             return
-        self._join_replayed(replay)
+        if not replay.formed:
+            self._join_replayed(replay)
 
     def _join_at_exit(self, replay: _Replay) -> None:
         """The successor that ran its predecessor's last step again left the step loop there,
@@ -537,12 +606,12 @@ class ScriptRuntime(Runtime):
         log.info("ran step %d again and left the step loop as the survivors did: %d collectives of the region "
                  "to answer", self.pos[0] - 1, len(self.region.replay))
 
-    def _not_at_the_exit(self) -> None:
-        """The survivors left the step loop after the step this successor ran again, and this
-        one drew another item: it took another way."""
-        self.stop(f"rank {self.rank}: running again step {self.pos[0] - 1}, the step its predecessor was lost after, "
-                  "the script drew another item from its step loop where the survivors' loop ended. The job stops "
-                  "here: restart it from your own checkpoint.")
+    def not_at_the_exit(self) -> None:
+        """The others left the step loop after the step this rank ran again, and this one
+        drew another item (or came to another head): it took another way."""
+        self.stop(f"rank {self.rank}: having run step {self.pos[0] - 1} again, the script drew another item from "
+                  "its step loop where the others' loop ended after that step. The job stops here: restart it "
+                  "from your own checkpoint.")
 
     def _join_replayed(self, replay: "_Replay | None" = None) -> None:
         """Form the generation with the survivors: at the next head, or where they stood in a
@@ -648,9 +717,12 @@ class ScriptRuntime(Runtime):
         region after the same number of its collectives (a successor replaying a region
         stops answering where its record ends: a survivor elsewhere would pair other
         collectives with its)."""
+        ran_again = self.abandoned
         if self.in_tail or (self.replay is not None and self.replay.stepped):
             assert self.step_record is not None
             here = (2, len(self.step_record.ops))  # after a step's optimizer step, so many collectives in
+        elif ran_again is not None and ran_again.cmd.generation == generation and ran_again.region is not None:
+            here = (1, 0)  # the step it runs again is the loop's last: it goes on into the region from there
         else:
             here = self.region.place() if self.region is not None else (0, 0)
         t = torch.tensor(here, dtype=torch.int64)

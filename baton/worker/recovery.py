@@ -77,8 +77,7 @@ class Recovery:
                     # stays at `pos`, the boundary it reported: if the sources are lost while
                     # forming, the next plan may go back there, and a rank already holding the
                     # step would run it a second time.
-                    completed, _ = self._fetch_state(cmd.fetch_from, cmd.generation, target,
-                                                       cmd.formation_timeout_s)
+                    completed = self._fetch_completed(cmd, target)
                 else:
                     raise RuntimeError(f"cannot reach position {target} from {pos}")
                 if cmd.publish:
@@ -105,6 +104,12 @@ class Recovery:
             self.server.retract()
             ctl.report(m.Formed(generation=cmd.generation, pos=self.pos))
             return
+
+    def _fetch_completed(self, cmd: m.Form, target: Pos) -> dict[str, Any]:
+        """The others' result of the step this rank abandoned, fetched before the group
+        forms (the sources serve it until then)."""
+        completed, _ = self._fetch_state(cmd.fetch_from, cmd.generation, target, cmd.formation_timeout_s)
+        return completed
 
     def _restore_start(self, small: Any) -> None:
         """Undo what an abandoned step attempt changed: small state, streams, buffers."""
