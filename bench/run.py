@@ -44,7 +44,7 @@ PRESETS = {
         "failures": {"params_m": 2, "steps": 48, "nproc": 3, "step_sleep": 0.05, "kill_at": [24], "kill_rank": 1},
         "downtime": {"sizes_mb": [10, 100, 1000]},
         "gpu": {"state_gb": 10},
-        "rounds": 5,
+        "rounds": 4,  # 5 took 31.9 min (bench-20261127-235702.json): over the ~25 min the quick preset may take
     },
     "full": {
         "overhead": {"sizes_m": [2, 10, 50], "steps": 60, "warmup": 10, "nproc": 3, "verify_every": 10},

@@ -761,6 +761,31 @@ def test_a_rank_lost_after_an_epochs_last_step_is_replaced_bit_for_bit(tmp_path,
     assert [(e["kind"], e["status"]) for e in job.events()] == [("unplanned", "resolved")], job.events()
 
 
+
+@pytest.mark.parametrize("name, args", [
+    ("trainer_ddp.py", ["12", "5", "--snapshot-path", "{d}/snapshot.pt"]),
+    ("imagenet_main.py", ["--epochs", "4", "--out-dir", "{d}/out"]),
+])
+def test_a_rank_lost_as_its_step_loop_ends_is_replaced_at_that_head(tmp_path, torchrun_reference, name, args):
+    """The rank dies as its epoch's step loop ends (its iterator ran out), after its record
+    of that last head reached its buddy and before it entered the evaluation, where the
+    survivor waits in its first collective. Its successor takes over at that head, while the
+    survivor stands in the region after it: the new generation's ranks stand at different
+    places, but the successor's loop ends at its next draw as theirs did, so it goes on into
+    the evaluation and runs it with them (it stopped the job before; seen in CI after a kill
+    from outside). Every rank ends equal to torchrun's."""
+    ref = torchrun_reference(NOCODE / name, [*args, "--export", "{d}/export"])
+    run = tmp_path / "job"
+    (run / "export").mkdir(parents=True)
+    code, job = faulted(tmp_path, NOCODE / name, "1:8:SIGKILL", where="AT_EXIT", env={"BATON_LOG": "INFO"},
+                        script_args=[*[a.format(d=run) for a in args], "--export", str(run / "export")])
+    log = job.log(None)
+    assert code == 0 and (tmp_path / "fired").exists(), log[-4000:]
+    assert "at its step loop's exit" in log and "this one ends its loop at its next draw" in log, log[-4000:]
+    compare(ref, run)
+    assert [(e["kind"], e["status"]) for e in job.events()] == [("unplanned", "resolved")], job.events()
+
+
 _SPLIT = """
 import os, random, sys, torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP

@@ -4,6 +4,7 @@ go back to the kernel."""
 
 from __future__ import annotations
 
+import io
 import time
 
 import torch
@@ -34,8 +35,12 @@ def test_a_pool_maps_its_memory_ahead_and_a_fetch_carves_the_states_tensors_from
     tensors = pool.carve(specs)
     assert tensors is not None and pool.used
     assert [(t.dtype, list(t.shape)) for t in tensors] == specs
-    inside = [t.untyped_storage().data_ptr() == pool._buf.data_ptr() for t in tensors]
-    assert inside == [True, False, False, False, True]  # the large ones: small tensors stay their own
+    assert [pool.holds(t) for t in tensors] == [True, False, False, False, True]  # small ones stay their own
+    # each a storage of its own over its span: a torch.save writes its bytes, not the pool's
+    assert all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in tensors)
+    saved = io.BytesIO()
+    torch.save(tensors[4], saved)
+    assert len(saved.getvalue()) < (2 << 20) + 4096, len(saved.getvalue())
     assert tensors[4].data_ptr() % 64 == 0
     tensors[0].fill_(1.5)
     tensors[4].fill_(2.0)
@@ -59,6 +64,47 @@ def test_the_pages_of_what_the_load_copied_go_back_and_what_it_adopted_stays():
     model.copy_(params)  # a module's load copies; an optimizer's keeps the tensor it was given
     state = {"model": {"w": params}, "optimizer": {"state": {0: {"exp_avg": moments}}}}
     before = _rss_mb()
-    freed = release_unadopted(tensors_in(state), [model, moments])
+    freed = release_unadopted(tensors_in(state), [model, moments], pool)
     assert freed >= (32 << 20) - 8192 and before - _rss_mb() > 25
     assert moments.eq(3.0).all() and model.eq(1.0).all()
+
+
+def test_a_joiners_parameters_take_the_memory_their_state_arrived_in():
+    """adopt_parameters: each parameter points at its arrived tensor (no copy), as the same
+    Parameter object the optimizer holds; a parameter tied under two keys takes one; a
+    parameter that is a view into a flat buffer, or an arrived tensor of another dtype, is
+    copied as before; training goes on from the loaded values and a checkpoint of the model
+    writes its own bytes only."""
+    from baton.worker.adopt import adopt_parameters
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 512), torch.nn.Linear(512, 4))
+    model[1].weight = model[0].weight  # tied
+    flat = torch.zeros(512 * 4 + 4)
+    model[2].weight = torch.nn.Parameter(flat[:2048].view(4, 512))  # a view into a flat buffer
+    model[2].bias = torch.nn.Parameter(flat[2048:])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    held = [id(p) for p in model.parameters()]
+    pool = ReceivePool(16 << 20)
+    _filled(pool)
+    source = {k: v.detach().clone() + 1 for k, v in model.state_dict().items()}
+    arrived = dict(zip(source, pool.carve([(v.dtype, list(v.shape)) for v in source.values()])))
+    for k, v in source.items():
+        arrived[k].copy_(v)
+    arrived["1.bias"] = source["1.bias"].double()  # another dtype: load_state_dict casts it into its own
+    adopted = adopt_parameters(model, arrived)
+    model.load_state_dict(arrived)
+    assert adopted == (512 * 512 + 512) * 4, adopted  # 0.weight (and 1.weight, the same), 0.bias
+    assert model[0].weight.data_ptr() == arrived["0.weight"].data_ptr()  # taken, once for both keys
+    assert model[0].bias.data_ptr() == arrived["0.bias"].data_ptr()
+    assert model[1].bias.data_ptr() != arrived["1.bias"].data_ptr()
+    assert model[2].weight.data_ptr() == flat.data_ptr()  # stays in its flat buffer
+    assert [id(p) for p in model.parameters()] == held
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, source[k].to(v.dtype)), k
+    model(torch.randn(8, 512)).sum().backward()
+    opt.step()
+    assert not torch.equal(model[0].weight, source["0.weight"])
+    saved = io.BytesIO()
+    torch.save(model.state_dict(), saved)
+    assert len(saved.getvalue()) < 2 * (512 * 512 + 3 * 512 + 2048 + 4) * 4 + 65536, len(saved.getvalue())

@@ -75,6 +75,11 @@ class ReceivePool:
     def used(self) -> bool:
         return self._used
 
+    def holds(self, t: torch.Tensor) -> bool:
+        """Whether `t` was carved from this pool."""
+        start = self._buf.data_ptr()
+        return start <= t.data_ptr() < start + self.nbytes
+
     def close(self) -> None:
         """Stop mapping (a larger pool replaces this one): its memory goes with the last reference."""
         with self._lock:
@@ -98,26 +103,30 @@ class ReceivePool:
                 return None
             self._used = True
         out = []
+        whole = memoryview(self._buf.numpy())
         for span, (dtype, shape) in zip(spans, specs):
             if span is None:
                 out.append(torch.empty(shape, dtype=dtype))
-            else:
-                out.append(self._buf[span[0]:span[0] + span[1]].view(dtype).view(shape))
+            else:  # a storage of its own over its span (it keeps the pool alive): a torch.save of
+                # the tensor (a script's checkpoint of the optimizer it became) writes its bytes
+                # only, where a view into the pool would write the whole pool
+                out.append(torch.frombuffer(whole[span[0]:span[0] + span[1]], dtype=dtype).view(shape))
         log.info("receiving %.1f MB into the pool (%.1f MB of it mapped ahead)", end / 2**20,
                  min(self._mapped, end) / 2**20)
         return out
 
 
-def release_unadopted(received: list[torch.Tensor], live: list[torch.Tensor]) -> int:
+def release_unadopted(received: list[torch.Tensor], live: list[torch.Tensor], pool: ReceivePool) -> int:
     """Give the kernel back the pages of received tensors the rank did not adopt as they
-    are (a module's load copies into its own parameters; an optimizer's load keeps the
-    tensors it was given): those carved from a pool would otherwise hold a second copy of the
-    parameters for the rank's whole life. Returns the bytes released."""
+    are (a module's load copies into its own parameters where they could not take the
+    arrived memory; an optimizer's load keeps the tensors it was given): those carved from
+    the pool would otherwise hold a second copy for the rank's whole life. Returns the bytes
+    released."""
     from baton.transfer.client import discard
 
     kept = {t.data_ptr() for t in live if t.numel()}
     freed = 0
     for t in received:
-        if t.numel() and t.data_ptr() not in kept and t.untyped_storage().nbytes() > t.numel() * t.element_size():
+        if t.numel() and t.data_ptr() not in kept and pool.holds(t):
             freed += discard(t.data_ptr(), t.numel() * t.element_size())
     return freed

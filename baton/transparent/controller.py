@@ -153,7 +153,7 @@ class StepLoopController:
         """The step loop drew an item: it and the streams now, where a re-run of the step,
         handed the same item without drawing it, puts them back (`again`)."""
         if loop.site.id == self.step_site and self.catch_up is None:
-            if self.rt.exit_join is not None:  # ran a step again after which the others' loop ended
+            if self.rt.expecting_exit():  # the others' loop ended at this head
                 self.rt.not_at_the_exit()
             loop.drawn.append((loop.item, rng.capture(self.rt.tracked.generators)))
 

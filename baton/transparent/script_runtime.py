@@ -118,6 +118,7 @@ class ScriptRuntime(Runtime):
         self.in_tail = False  # recovering in a collective after a step's optimizer step
         self.exit_join: _Replay | None = None  # ran the step again; the survivors stand past the loop's exit
         self.abandoned: _Abandoned | None = None  # the others completed the step this rank abandoned
+        self.exit_expected = False  # a new generation's others stand past the loop's exit at this head
         self._frame_at: tuple[Any, int] = ((-1, 0), HEAD_SEQ)  # the latest frame's position and sequence
 
     # ---------------------------------------------------------------- the loop, as the script runs it
@@ -159,7 +160,7 @@ class ScriptRuntime(Runtime):
     def at_head(self) -> bool:
         """A head of the step loop, before its next item is drawn. Whether a step begins here
         (not where a step accumulating gradients over several iterations goes on)."""
-        if self.exit_join is not None:
+        if self.expecting_exit():
             self.not_at_the_exit()
         if self.replay is not None:  # a successor running its predecessor's last step again
             if not self.replay.stepped:  # accumulating, or GradScaler skipped the step: it goes on
@@ -203,7 +204,7 @@ class ScriptRuntime(Runtime):
         if not self.loop_started or isinstance(exc, (UsageError, KeyboardInterrupt, SystemExit, GeneratorExit)) or \
                 not self.is_peer_failure(exc):
             return False
-        if self.exit_join is not None:
+        if self.expecting_exit():
             self.not_at_the_exit()
         if not in_step_loop or self.scope != "step" or self.head_state is None:
             raise Divergence(f"rank {self.rank}: a peer was lost ({type(exc).__name__}: {exc}) outside a step of the "
@@ -315,6 +316,7 @@ class ScriptRuntime(Runtime):
             self._join_at_exit(self.exit_join)
             return
         self.exit_join = None  # a survivor that ran its abandoned step again: it goes on as the others did
+        self.exit_expected = False
         if failing is not None and self.is_peer_failure(failing):
             # Left by the exception of a lost generation (a peer lost, or this rank aborted or
             # being killed: a hung rank's DataLoader workers die first), not a way the script
@@ -498,7 +500,7 @@ class ScriptRuntime(Runtime):
         gen, target = cmd.generation, tuple(cmd.pos)
         t_fetched = time.perf_counter()
         try:
-            self._load_replicated(state)
+            self._load_replicated(state, adopt=True)  # received for this load alone
             sharded_expected = state.get("sharded_digest")
             if cmd.snapshot:
                 sharded_expected = verify.combined(shards.digests(state["sharded"]))
@@ -606,12 +608,17 @@ class ScriptRuntime(Runtime):
         log.info("ran step %d again and left the step loop as the survivors did: %d collectives of the region "
                  "to answer", self.pos[0] - 1, len(self.region.replay))
 
+    def expecting_exit(self) -> bool:
+        """The others' step loop ended at this head (they stand in the region after it): this
+        rank's must end at its next draw, as theirs did."""
+        return self.exit_join is not None or self.exit_expected
+
     def not_at_the_exit(self) -> None:
         """The others left the step loop after the step this rank ran again, and this one
         drew another item (or came to another head): it took another way."""
-        self.stop(f"rank {self.rank}: having run step {self.pos[0] - 1} again, the script drew another item from "
-                  "its step loop where the others' loop ended after that step. The job stops here: restart it "
-                  "from your own checkpoint.")
+        self.stop(f"rank {self.rank}: the script went on in its step loop at step {self.pos[0]}, where the "
+                  "others' loop ended (they stand in the region after it): it took another way. The job stops "
+                  "here: restart it from your own checkpoint.")
 
     def _join_replayed(self, replay: "_Replay | None" = None) -> None:
         """Form the generation with the survivors: at the next head, or where they stood in a
@@ -730,6 +737,17 @@ class ScriptRuntime(Runtime):
         with self.group.internal():
             self._wait_internal(self.group.allgather([out], [t]), "the place check")
         places = [tuple(x.tolist()) for x in out]
+        self.exit_expected = False
+        if set(places) == {(0, 0), (1, 0)} and not self.tracked.sharded:
+            # Some stand at a head of the step loop, the others in the region after it before any
+            # of its collectives (a rank lost between its head's record and its loop's exit: its
+            # successor takes over at that head). A rank at the head goes on: its loop ends at
+            # its next draw, as theirs did, and it runs the region with them; where it runs a
+            # step instead, it stops the job (`not_at_the_exit`).
+            self.exit_expected = here == (0, 0)
+            log.info("generation %s: ranks at the step loop's head and in the region after it (%s): this one %s",
+                     generation, places, "ends its loop at its next draw" if self.exit_expected else "goes on")
+            return
         if len(set(places)) > 1:
             where = ", ".join(f"rank {r}: " + {0: "at a head", 1: f"{n} collectives into the region",
                                                2: f"{n} collectives into a step"}[a] for r, (a, n) in enumerate(places))
@@ -758,6 +776,8 @@ class ScriptRuntime(Runtime):
             return super()._guard(op)  # its setup's: recorded, or answered in a joiner
         if self.scope != "step":
             return None
+        if self.expecting_exit():
+            self.not_at_the_exit()
         rec = self.step_record
         if self.replay is not None:
             assert rec is not None
@@ -802,6 +822,8 @@ class ScriptRuntime(Runtime):
             dist._broadcast_coalesced(self.group, tensors, buffer_size, authoritative_rank)
             return
         rec = self.step_record if self.scope == "step" else None
+        if rec is not None and self.expecting_exit():
+            self.not_at_the_exit()
         if self.replay is not None and rec is not None:
             rec.answer(self, "buffers", tensors)
             return
@@ -817,6 +839,8 @@ class ScriptRuntime(Runtime):
         rec = self.step_record if self.scope == "step" else None
         if rec is None:
             return super().average_bucket(buffer, into)
+        if self.expecting_exit():
+            self.not_at_the_exit()
         if self.replay is not None:
             rec.grads.answer(self, "bucket", [buffer])
             done: torch.futures.Future[torch.Tensor] = torch.futures.Future()

@@ -59,7 +59,8 @@ class Joining:
                     fetched = self.prefetch.take(cmd) if self.prefetch is not None else None
                     state, stats = fetched if fetched is not None else self._fetch_for(cmd)
                     t_fetched = time.perf_counter()
-                    self._load_replicated(state)
+                    # Received for this load alone (not a hot spare's mirror): the parameters take it.
+                    self._load_replicated(state, adopt=not state.get("from_mirror"))
                     if "small" in state:  # a hot spare's: the survivors' schedulers, scalers, settings
                         load_small_state(self.tracked, state["small"])
                     self._release_received(state)
@@ -112,7 +113,7 @@ class Joining:
         pool = self.ctl.receive_pool
         if pool is None or not pool.used:
             return
-        freed = release_unadopted(tensors_in(state["replicated"]), tensors_in(self.tracked.replicated()))
+        freed = release_unadopted(tensors_in(state["replicated"]), tensors_in(self.tracked.replicated()), pool)
         self.ctl.receive_pool = None
         log.info("received into memory mapped ahead; %.1f MB of it the load copied from given back", freed / 2**20)
 

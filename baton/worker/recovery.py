@@ -164,7 +164,7 @@ class Recovery:
             raise TransferError(f"sources serve position {state['pos']}, expected {list(target)}")
         return state, stats
 
-    def _load_replicated(self, state: dict[str, Any]) -> None:
+    def _load_replicated(self, state: dict[str, Any], adopt: bool = False) -> None:
         late = state.get("late_buffers", {})
         added = self.tracked.adopt_late_buffers(late)
         if added:
@@ -176,7 +176,7 @@ class Recovery:
             self.ctl.report_now(m.Verified(generation=self.group.generation, pos=self.pos, ok=False,
                                            differing=sorted(broke)[:200], detail=detail))
             raise Divergence(detail)
-        self.tracked.load_replicated(state["replicated"])
+        self.tracked.load_replicated(state["replicated"], adopt=adopt)
         self.params_step = int(state["pos"][0])
         # DDP's "broadcast buffers before the next forward" flag as the step left it on the
         # sources: this rank restored the value from the start of the step it abandoned

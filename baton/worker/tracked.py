@@ -27,6 +27,7 @@ import torch
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
 from baton.worker import discover, registrations, rng
+from baton.worker.adopt import adopt_parameters
 from baton.worker.compile_watch import CompileWatch
 from baton.worker.module_state import ModuleState
 
@@ -202,13 +203,19 @@ class Tracked:
         starts) are each rank's own and are left out."""
         return {name: obj.state_dict() for name, obj in self.objects.items() if name not in self.sharded}
 
-    def load_replicated(self, state: dict[str, Any]) -> None:
+    def load_replicated(self, state: dict[str, Any], adopt: bool = False) -> None:
+        """Load the replicated state; with `adopt`, models' parameters take the arrived
+        tensors' memory instead of a copy (`adopt.adopt_parameters`: the caller never uses
+        `state` again)."""
         mine = set(self.objects) - self.sharded
         if set(state) != mine:
             raise UsageError(f"tracked state differs between ranks: arrived {sorted(state)}, this rank "
                              f"tracks {sorted(mine)} (besides its shards); every rank must track the same objects")
         for name, sd in state.items():
-            self.objects[name].load_state_dict(sd)
+            obj = self.objects[name]
+            if adopt and isinstance(obj, torch.nn.Module):
+                adopt_parameters(obj, sd)
+            obj.load_state_dict(sd)
 
     # ---------------------------------------------------------------- rank-local per step
     def local_buffers(self) -> dict[str, torch.Tensor]:

@@ -74,6 +74,11 @@ BATON_TEST_SIGNAL_IN_SAVE="rank:step:SIGNAME" (with BATON_TEST_SIGNAL_MARK): the
 script's first torch.save in the region after its step loop once that rank is past that step
 (rank 0 writing its checkpoint).
 
+BATON_TEST_SIGNAL_AT_EXIT="rank:step:SIGNAME" (with BATON_TEST_SIGNAL_MARK): the same, as that
+rank's step loop ends (its iterator ran out) past that step, once its record of the head it
+left from has gone to its buddies: its successor takes over at that head while the others
+stand in the region after the loop.
+
 BATON_TEST_SIGNAL_AFTER_STEP="rank:step:SIGNAME" (with BATON_TEST_SIGNAL_MARK): the same, right
 after that rank's optimizer step in that step: after its last collective, before the next head
 (the lines after the optimizer step never run).
@@ -519,6 +524,24 @@ if _signal_in_save:
         return _save(*args, **kwargs)
 
     _torch.save = _signal_in_torch_save
+
+_signal_at_exit = os.environ.get("BATON_TEST_SIGNAL_AT_EXIT")
+if _signal_at_exit:
+    from baton.transparent import script_runtime as _script_runtime
+
+    _at_exit = _script_runtime.ScriptRuntime.at_exit
+
+    def _signal_at_loop_exit(self, section):  # noqa: ANN001, ANN202
+        if self.rank == int(_signal_at_exit.split(":")[0]) and self.pos[0] >= int(_signal_at_exit.split(":")[1]):
+            import time
+
+            deadline = time.time() + 30  # the head's record handed to the kernel (it delivers it after a kill)
+            while any(p._backlog or p._busy for p in list(self.pusher._pushers.values())) and time.time() < deadline:
+                time.sleep(0.01)
+            _signal_once_in(_signal_at_exit, "step", "at its step loop's exit at step")
+        return _at_exit(self, section)
+
+    _script_runtime.ScriptRuntime.at_exit = _signal_at_loop_exit
 
 _signal_after_step = os.environ.get("BATON_TEST_SIGNAL_AFTER_STEP")
 if _signal_after_step:
