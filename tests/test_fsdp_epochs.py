@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+
 import torch
 
 from tests.jobs import Job, assert_ranks_equal, state_diff
