@@ -16,7 +16,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-
 import torch
 
 from tests.jobs import Job, assert_ranks_equal, state_diff
