@@ -1,6 +1,6 @@
 """baton's benchmarks, side by side with what users would run instead, in one run.
 
-    make bench                          # quick preset (about 21 minutes on 2 cores)
+    make bench                          # quick preset (19.5 min on 2 cores, bench-20261128-025501.json)
     .venv/bin/python bench/run.py --full
     .venv/bin/python bench/run.py --only overhead,failures --rounds 3
     .venv/bin/python bench/run.py --preset tiny --only overhead   # does it work? (a minute or two;
@@ -44,7 +44,7 @@ PRESETS = {
         "failures": {"params_m": 2, "steps": 48, "nproc": 3, "step_sleep": 0.05, "kill_at": [24], "kill_rank": 1},
         "downtime": {"sizes_mb": [10, 100, 1000]},
         "gpu": {"state_gb": 10},
-        "rounds": 4,  # 5 took 31.9 min (bench-20261127-235702.json): over the ~25 min the quick preset may take
+        "rounds": 4,  # 5 took 31.9 min (bench-20261127-235702.json) in a slow hour; 4: 19.5 min in a faster one
     },
     "full": {
         "overhead": {"sizes_m": [2, 10, 50], "steps": 60, "warmup": 10, "nproc": 3, "verify_every": 10},

@@ -349,7 +349,7 @@ class HotSpares:
         log.info("hot spare: the replicated state at %s from the mirror (%d steps followed, %.3fs to reach it); "
                  "%d bytes from the survivors", target, mirror.steps, waited, stats.bytes)
         self.mirror = None
-        return {**own, "replicated": {**got, **own["small"]["objects"]}, "from_mirror": True}, stats
+        return {**own, "replicated": {**got, **own["small"]["objects"]}}, stats
 
     def _mirror_unused(self, why: str) -> None:
         log.warning("hot spare: %s: fetching the whole state", why)

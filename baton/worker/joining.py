@@ -59,8 +59,8 @@ class Joining:
                     fetched = self.prefetch.take(cmd) if self.prefetch is not None else None
                     state, stats = fetched if fetched is not None else self._fetch_for(cmd)
                     t_fetched = time.perf_counter()
-                    # Received for this load alone (not a hot spare's mirror): the parameters take it.
-                    self._load_replicated(state, adopt=not state.get("from_mirror"))
+                    # Received for this load alone (or a hot spare's mirror, stopped): the parameters take it.
+                    self._load_replicated(state, adopt=True)
                     if "small" in state:  # a hot spare's: the survivors' schedulers, scalers, settings
                         load_small_state(self.tracked, state["small"])
                     self._release_received(state)
