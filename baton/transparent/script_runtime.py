@@ -99,6 +99,7 @@ class PeerLost(BaseException):
 class ScriptRuntime(Runtime):
     script_ran_before_discovery = False
     defer_checks = False  # its steps are the script's own: no point known to all ranks before a commit
+    prefetch_replicated = False  # its joiner fetches as it walks to its rank's place
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)

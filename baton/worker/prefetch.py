@@ -1,10 +1,13 @@
 """A joiner's state, pulled while its script is still building the model.
 
 At a failure the orchestrator sends a joiner its Form right after its Assign, so the Form
-names where the lost (sharded) rank's state is while the script is still constructing and sharding
+names where the lost rank's state is while the script is still constructing (and sharding)
 its model (half a second and more for a real one, and it grows with the model). Fetching
 then, on a thread, takes the transfer off the recovery's critical path: the step loop
-finds the bytes in memory, checked chunk by chunk as always, and only loads them.
+finds the bytes in memory, checked chunk by chunk as always, and only loads them. A
+sharded rank's sources (a buddy's copy, another replica group's snapshot) hold its state
+already; DDP survivors publish theirs as their own Form arrives, sent with the joiner's
+(the server holds a fetch that comes first until they do).
 """
 
 from __future__ import annotations
@@ -55,18 +58,18 @@ class Fetch:
 class Prefetch:
     """Starts a joiner's fetch when its Form arrives, until the step loop takes over."""
 
-    def __init__(self, fetch: Callable[[m.Form], Fetched]):
+    def __init__(self, fetch: Callable[[m.Form], Fetched], replicated: Callable[[], bool] = lambda: False):
         self._fetch = fetch
+        self._replicated = replicated  # whether a DDP recovery's state is fetched here too
         self._lock = threading.Lock()
         self._by_generation: dict[int, Fetch] = {}
         self._closed = False
 
     def offer(self, form: m.Form) -> None:
-        """Start fetching what `form` names (called on the control thread, once or more per Form).
-        Only a sharded rank's rebuild: its sources (a buddy's copy, another replica group's own
-        snapshot) hold the state already. DDP survivors publish theirs only as they form, so a
-        DDP joiner fetches in its step loop, as before."""
-        if not form.fetch_from or not form.snapshot:
+        """Start fetching what `form` names (called on the control thread, once or more per Form):
+        a lost rank's rebuild (a sharded rank's, or, where `replicated` says so, a DDP rank's);
+        a planned move's joiner is at its step loop already."""
+        if not form.fetch_from or not (form.snapshot or (form.lost is not None and self._replicated())):
             return
         with self._lock:
             if self._closed or form.generation in self._by_generation:

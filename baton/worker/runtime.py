@@ -105,6 +105,9 @@ class Runtime(Captures, PlannedHandover, ShardRedundancy, Recovery, Joining, Sta
     script_ran_before_discovery = True
     # A move's state check overlaps the next step's forward and backward (state_check).
     defer_checks = True
+    # A DDP joiner of a recovery fetches the survivors' state while its script sets up
+    # (prefetch); a no-code joiner fetches as it walks to its rank's place instead.
+    prefetch_replicated = True
 
     def __init__(self, ctl: ControlChannel, server: TransferServer, store: RendezvousClient, rank: int,
                  world_size: int, joiner: bool, config: m.Registered, token: str):
@@ -173,7 +176,9 @@ class Runtime(Captures, PlannedHandover, ShardRedundancy, Recovery, Joining, Sta
         self._recording_group: RecordingGroup | None = None
         self.prefetch: Prefetch | None = None
         if joiner:  # a joiner's state can be on its way while the script builds its model
-            self.prefetch = Prefetch(self._fetch_for)
+            # Not with --hot-spares: a hot spare's mirror (given after this) holds that state.
+            self.prefetch = Prefetch(self._fetch_for, replicated=lambda: self.prefetch_replicated and
+                                     not self.hot_spares)
             ctl.watch_forms(self.prefetch.offer)
         else:
             cmd = self.wait_for(m.Form)

@@ -307,8 +307,8 @@ if os.environ.get("BATON_TEST_CORRUPT_JOINER"):
     def _patch_joiner_load(recovery) -> None:  # noqa: ANN001
         load = recovery.Recovery._load_replicated
 
-        def _load_then_flip(self, state):  # noqa: ANN001, ANN202
-            load(self, state)
+        def _load_then_flip(self, state, **kw):  # noqa: ANN001, ANN003, ANN202
+            load(self, state, **kw)
             if not self.joiner:
                 return
             import torch
