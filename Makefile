@@ -25,11 +25,12 @@ setup: $(BIN)/baton system-packages
 demo: setup
 	$(BIN)/baton demo
 
-# Three tests at a time on 2 cores: most of a multi-process test is sleeping ranks and waits
-# (with three, the cores were 84% busy over the whole suite, 21.6 min against 27.3 min with
-# two, on the 2-core dev machine; Slurm tests stay on one worker: one test cluster at a time).
-# Tests wait for progress, never for wall time, so a busier machine is slower, not flaky.
-TEST_WORKERS ?= 3
+# Two tests at a time: most of a multi-process test is sleeping ranks and waits, so two
+# share 2 cores well (Slurm tests stay on one worker: one test cluster at a time). Three
+# took 21 min against 27 with two on the 2-core dev machine (cores 81-84% busy), but their
+# contention exposed tests that assumed where a fault lands; until more runs show three
+# hold, CI stays on two.
+TEST_WORKERS ?= 2
 test: setup
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=15
 

@@ -75,9 +75,9 @@ script's first torch.save in the region after its step loop once that rank is pa
 (rank 0 writing its checkpoint).
 
 BATON_TEST_SIGNAL_AT_EXIT="rank:step:SIGNAME" (with BATON_TEST_SIGNAL_MARK): the same, as that
-rank's step loop ends (its iterator ran out) past that step, once its record of the head it
-left from has gone to its buddies: its successor takes over at that head while the others
-stand in the region after the loop.
+rank's step loop ends (its iterator ran out) past that step, once every other rank has left its
+loop there too and its record of the head it left from has gone to its buddies: its successor
+takes over at that head while the others stand in the region after the loop.
 
 BATON_TEST_SIGNAL_AFTER_STEP="rank:step:SIGNAME" (with BATON_TEST_SIGNAL_MARK): the same, right
 after that rank's optimizer step in that step: after its last collective, before the next head
@@ -113,6 +113,18 @@ would leave it. baton's own check must stop the job loudly (never exit 0).
 
 import os
 import sys
+
+
+def _records_handed_over(rt, timeout: float = 30.0) -> None:  # noqa: ANN001
+    """Wait until the rank's records pushed so far are with the kernel (it delivers them after
+    a kill): a fault injected in step N then finds its buddy holding head N, however busy the
+    machine (a frame still queued for the pusher's thread would die with the rank)."""
+    import time
+
+    deadline = time.time() + timeout
+    pushers = list(getattr(rt.pusher, "_pushers", {}).values()) if rt is not None else []
+    while any(p._backlog or p._busy for p in pushers) and time.time() < deadline:
+        time.sleep(0.01)
 
 
 def _once_at(spec: str):  # noqa: ANN202
@@ -474,6 +486,9 @@ if _signal_mid_step:
         due = _go_due if _sig_step == "go" else _rebuddied_due if _sig_step == "rebuddied" else \
             _joined_due if "+" in _sig_step else _sig_due
         if not os.path.exists(_sig_mark) and due():
+            from baton.worker import job as _job
+
+            _records_handed_over(_job._RUNTIME[0])
             open(_sig_mark, "w").close()
             print(f"injected: {_sig_name} to rank {_sig_rank} in step {_sig_step}, before its backward",
                   file=sys.stderr, flush=True)
@@ -532,12 +547,18 @@ if _signal_at_exit:
     _at_exit = _script_runtime.ScriptRuntime.at_exit
 
     def _signal_at_loop_exit(self, section):  # noqa: ANN001, ANN202
-        if self.rank == int(_signal_at_exit.split(":")[0]) and self.pos[0] >= int(_signal_at_exit.split(":")[1]):
-            import time
+        import time
 
-            deadline = time.time() + 30  # the head's record handed to the kernel (it delivers it after a kill)
-            while any(p._backlog or p._busy for p in list(self.pusher._pushers.values())) and time.time() < deadline:
+        exits = os.environ["BATON_TEST_SIGNAL_MARK"] + f".exit{self.pos[0]}.rank"
+        open(f"{exits}{self.rank}", "w").close()  # every rank, at every exit of its step loop
+        rank, step = map(int, _signal_at_exit.split(":")[:2])
+        if self.rank == rank and self.pos[0] >= step and not os.path.exists(os.environ["BATON_TEST_SIGNAL_MARK"]):
+            # the others past this exit too (in the region after it, however slow the machine),
+            # and this rank's record of its last head with the kernel
+            deadline = time.time() + 60
+            while not all(os.path.exists(f"{exits}{r}") for r in range(self.world_size)) and time.time() < deadline:
                 time.sleep(0.01)
+            _records_handed_over(self)
             _signal_once_in(_signal_at_exit, "step", "at its step loop's exit at step")
         return _at_exit(self, section)
 
