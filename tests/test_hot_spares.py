@@ -244,5 +244,9 @@ def test_planned_moves_of_the_feeder_and_of_another_rank_then_a_loss_on_a_new_fe
     finally:
         job.kill()
     assert [(e["kind"], e["rank"]) for e in events] == [("planned", 0), ("planned", 1), ("unplanned", 2)], events
-    assert all(e["hot_spare"]["used"] and e["state_bytes"] < 20_000 for e in events), events
+    # A planned move's target may follow a boundary function (the pause lands after it), which
+    # the mirror does not run: that move fetches the whole state and the ledger says why.
+    assert all(e["hot_spare"]["used"] and e["state_bytes"] < 20_000 or e["kind"] == "planned" and
+               "follows a boundary function" in e["hot_spare"]["detail"] for e in events), events
+    assert events[-1]["hot_spare"]["used"] and events[-1]["state_bytes"] < 20_000, events[-1]
     assert all(e["pre_copy"] is None for e in events[:2]), events
