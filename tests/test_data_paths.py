@@ -178,7 +178,7 @@ def test_a_blackholed_rail_is_found_by_probes_routed_around_and_used_again_once_
 # A move away and one back, or a rail's flaps, take longer than a short run on a fast
 # machine and far longer on a slow one: the ranks hold at each boundary from HOLD_FROM on
 # (taking commands, running one step after each) until the test lets them finish.
-LONG = ["--epochs", "12", "--out-dir", "{d}/out"]
+LONG = ["--epochs", "24", "--out-dir", "{d}/out"]  # 192 steps: held from HOLD_FROM, a planned target far ahead still fits
 HOLD_FROM = 40
 
 
