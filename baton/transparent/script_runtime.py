@@ -255,22 +255,10 @@ class ScriptRuntime(Runtime):
                              f"after its last collective, and it cannot run that step again ({why}): what its "
                              "loop carried after the step was never shared. The job stops here: restart it from "
                              "your own checkpoint.")
-        rec = StepRecord.from_served(served)
-        tail.load_params(self.tracked, rec.params or {})
-        load_small_state(self.tracked, rec.small or {})
-        for ddp, sync in zip(self.tracked.ddps, rec.forward_sync or []):
-            ddp.require_forward_param_sync = sync
-        self._apply_bundle(state)
-        self.pos = tuple(head)  # type: ignore[assignment]
-        self.params_step = head[0]
         now = time.perf_counter()
-        self.replay = _Replay(got.cmd, FetchStats(), now, now, got.replicated, region=got.region, formed=True)
-        for opt in self.tracked.optimizers():
-            self.replay.patched.append((opt, opt.__dict__.get("step")))
-            opt.step = self._stepped_instead(opt)  # type: ignore[method-assign]
-        self.step_record = rec  # no join: this rank is in the generation; past the record it runs live
-        self.scope = self.tracked.scope = "step"
-        self.committed, self.current = False, None
+        # no join (rec.join): this rank is in the generation; past the record it runs live
+        self._run_again(StepRecord.from_served(served), state,
+                        _Replay(got.cmd, FetchStats(), now, now, got.replicated, region=got.region, formed=True))
         log.info("rank %d: the others completed step %d, which this rank abandoned after its last collective: "
                  "running it again from its head with their record of it", self.rank, head[0])
 
@@ -502,7 +490,7 @@ class ScriptRuntime(Runtime):
         t_fetched = time.perf_counter()
         try:
             # Copied, not adopted (adopt.py): a no-code joiner whose parameters took the arrived
-            # memory ran its steps ~30x slower in test_data_paths' grace test (cause not found yet).
+            # memory ran its steps ~10x slower (status step_time, test_data_paths; cause not found).
             self._load_replicated(state)
             sharded_expected = state.get("sharded_digest")
             if cmd.snapshot:
@@ -538,22 +526,29 @@ class ScriptRuntime(Runtime):
         t_fetched = time.perf_counter()
         rec = StepRecord.from_served(state["tail"])
         self._load_replicated(state)
+        self.loop = self.loop.model_copy(update={"start_step": int(state["loop_start"])})
+        region = state.get("region")
+        rec.join = self._join_replayed
+        self._run_again(rec, state["bundle"], _Replay(
+            cmd, stats, t0, t_fetched, state["replicated"],
+            region=region if region is not None and tuple(region["pos"]) == tuple(cmd.pos) else None))
+
+    def _run_again(self, rec: StepRecord, bundle: dict[str, Any], replay: _Replay) -> None:
+        """Stand at the head of `rec`'s step (this rank's own state from `bundle`, the models'
+        parameters and small state as the record has them there) and run that step again:
+        its collectives answered from the record, its optimizer steps replaced by `replay`'s
+        result (`_stepped_instead`), until the next head (`_end_replay`)."""
         tail.load_params(self.tracked, rec.params or {})
         load_small_state(self.tracked, rec.small or {})
         for ddp, sync in zip(self.tracked.ddps, rec.forward_sync or []):
             ddp.require_forward_param_sync = sync
-        self._apply_bundle(state["bundle"])
-        self.loop = self.loop.model_copy(update={"start_step": int(state["loop_start"])})
+        self._apply_bundle(bundle)
         self.pos = tuple(rec.pos)  # type: ignore[assignment]
         self.params_step = self.pos[0]
-        region = state.get("region")
-        self.replay = _Replay(cmd, stats, t0, t_fetched, state["replicated"],
-                              region=region if region is not None and tuple(region["pos"]) == tuple(cmd.pos) else None)
+        self.replay = replay
         for opt in self.tracked.optimizers():
-            previous = opt.__dict__.get("step")
+            replay.patched.append((opt, opt.__dict__.get("step")))
             opt.step = self._stepped_instead(opt)  # type: ignore[method-assign]
-            self.replay.patched.append((opt, previous))
-        rec.join = self._join_replayed
         self.step_record = rec
         self.scope = self.tracked.scope = "step"
         self.committed, self.current = False, None
