@@ -10,8 +10,12 @@ times and reported as {"median", "min", "max", "n"}:
   d2h_raw     one copy_ of a single device buffer of state_bytes into pinned host memory,
               torch.cuda.synchronize() before and after: the device-to-host ceiling.
   capture     baton.transfer.codec.encode() of the state dict, as a worker publishes it:
-              each tensor `.to("cpu")` into fresh pageable memory (synchronous), plus the
-              JSON skeleton; synchronize before and after.
+              each tensor copied with non_blocking=True into pinned host memory from
+              torch's caching host allocator, one wait at the end, plus the JSON skeleton;
+              synchronize before and after. The first run pins the memory, later ones
+              reuse it: `capture_first_s` is the first, `capture_s` the rest.
+  capture_sync  the same tensors each `.to("cpu")` synchronously into fresh pageable
+              memory (what codec.encode did before 2026-11-28), in the same run.
   stream      the captured host state served by baton's TransferServer and pulled by
               fetch_state() in another process over loopback (chunked, xxh3-checked,
               HMAC-authenticated): the receiver's FetchStats.seconds, i.e. connect ->
@@ -165,6 +169,28 @@ def _receiver_main() -> None:
             print(json.dumps({"error": f"{type(exc).__name__}: {exc}"}), flush=True)
 
 
+def _check_capture_exact(device: str) -> str:
+    """codec.encode's asynchronous copies equal synchronous ones, for contiguous and strided
+    tensors, and a kernel queued after the capture does not reach what it captured."""
+    import torch
+
+    from baton.transfer import codec
+
+    g = torch.Generator(device=device).manual_seed(0)
+    state = {"a": torch.randn(1 << 22, generator=g, device=device),
+             "t": torch.randn(512, 1024, generator=g, device=device).t(),  # not contiguous
+             "h": torch.randn(4096, generator=g, device=device).half(), "step": torch.tensor(7.0, device=device)}
+    expected = [t.detach().cpu().clone() for t in codec.tensors_in(state)]
+    _, got = codec.encode(state)
+    if device.startswith("cuda"):  # (on the CPU a contiguous tensor is captured by reference)
+        for t in codec.tensors_in(state):
+            t.mul_(3).add_(1)  # queued right after the capture
+    bad = [i for i, (a, b) in enumerate(zip(expected, got)) if not torch.equal(a, b)]
+    if bad:
+        raise RuntimeError(f"capture differs from a synchronous copy in tensors {bad}")
+    return f"ok ({len(got)} tensors, pinned: {[t.is_pinned() for t in got]})"
+
+
 def bench_gpu(state_gb: float = 10, runs: int = 5, device: str = "cuda") -> dict:
     """Device-to-host ceiling, baton's capture, and baton's streaming of ~state_gb of model + AdamW
     state; see the module doc. `device` is for testing the same path on "cpu"."""
@@ -187,20 +213,34 @@ def bench_gpu(state_gb: float = 10, runs: int = 5, device: str = "cuda") -> dict
     for i, s in enumerate(raw):
         print(f"  d2h raw {i + 1}/{runs}: {s:.4f}s ({target / s / 1e9:.2f} GB/s)", flush=True)
 
+    exact = _check_capture_exact(device)
+    print(f"  capture exact: {exact}", flush=True)
     state = make_state(target, device)
     state_bytes = _tensor_bytes(state)
     capture: list[float] = []
+    capture_sync: list[float] = []
     flat = None
-    for i in range(runs):
+    for i in range(runs + 1):  # the first capture pins its host memory: reported apart
         flat = None  # free the previous capture first
         _sync(device)
         t0 = time.perf_counter()
         flat = FlatState(*codec.encode(state))
         _sync(device)
         capture.append(time.perf_counter() - t0)
-        print(f"  capture {i + 1}/{runs}: {capture[-1]:.4f}s ({state_bytes / capture[-1] / 1e9:.2f} GB/s)",
+        print(f"  capture {i}/{runs}: {capture[-1]:.4f}s ({state_bytes / capture[-1] / 1e9:.2f} GB/s)",
               flush=True)
+        if i == 0:
+            continue
+        _sync(device)
+        t0 = time.perf_counter()
+        pageable = [t.detach().to("cpu") for t in codec.tensors_in(state)]
+        _sync(device)
+        capture_sync.append(time.perf_counter() - t0)
+        del pageable
+        print(f"  capture_sync {i}/{runs}: {capture_sync[-1]:.4f}s "
+              f"({state_bytes / capture_sync[-1] / 1e9:.2f} GB/s)", flush=True)
     assert flat is not None
+    capture_first, capture = capture[0], capture[1:]
     del state  # the device copy is no longer needed: stream from the host capture
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
@@ -224,12 +264,67 @@ def bench_gpu(state_gb: float = 10, runs: int = 5, device: str = "cuda") -> dict
 
     raw_s = median_range(raw)
     cap_s = median_range(capture)
-    return {"device": name, "state_bytes": state_bytes,
+    return {"device": name, "state_bytes": state_bytes, "capture_exact": exact,
             "d2h_raw_s": raw_s, "d2h_raw_gbs": median_range([target / s / 1e9 for s in raw]),
             "capture_s": cap_s, "capture_gbs": median_range([state_bytes / s / 1e9 for s in capture]),
             "capture_over_raw": (cap_s["median"] / raw_s["median"]) * (target / state_bytes),
+            "capture_first_s": capture_first,
+            "capture_sync_s": median_range(capture_sync),
+            "capture_sync_gbs": median_range([state_bytes / s / 1e9 for s in capture_sync]),
             "stream_s": median_range(stream),
             "stream_gbs": median_range([flat.nbytes / s / 1e9 for s in stream])}
+
+
+README_BEGIN = "<!-- bench:gpu (generated by bench/gpu.py) -->"
+README_END = "<!-- /bench:gpu -->"
+
+
+def readme_sentence(result: dict, name: str) -> str:
+    """What a device session's results file (bench/gpu_session.sh's output, gathered into one
+    JSON: `gpu`, `probe`, optionally `before_change`) says, as one README paragraph."""
+    g, probe = result["gpu"], result.get("probe", {})
+    mr = lambda m, unit, f=".2f": f"{m['median']:{f}} {unit} ({m['min']:{f}}-{m['max']:{f}}, n={m['n']})"  # noqa: E731
+    out = [f"On {g['device']} ({result.get('machine', '')}; `{name}`, {result.get('when', '')}): capturing "
+           f"{g['state_bytes'] / 1e9:.1f} GB of model + AdamW state to the host takes {mr(g['capture_s'], 's', '.3f')}, "
+           f"{mr(g['capture_gbs'], 'GB/s', '.1f')}, {g['capture_over_raw']:.2f}x a raw pinned device-to-host copy of "
+           f"the same bytes ({mr(g['d2h_raw_gbs'], 'GB/s', '.1f')}); the first capture of a process pins its host "
+           f"memory and took {g['capture_first_s']:.2f} s; a synchronous `.to(\"cpu\")` per tensor into pageable "
+           f"memory, what baton did before, {mr(g['capture_sync_s'], 's', '.2f')} in the same run; the captured state "
+           f"streamed to another process over loopback (chunked, checksummed) {mr(g['stream_gbs'], 'GB/s', '.2f')}."]
+    v = probe.get("versions", {})
+    if v:
+        out.append(f"NCCL {v.get('nccl')} (torch {v.get('torch')})"
+                   + (" has no `NCCL_IB_RESILIENCY_PORT_FAILOVER`" if v.get("knows_port_failover") is False else ""))
+    e = probe.get("env_reread")
+    if e:
+        out.append(f"; a process that formed an NCCL communicator with `NCCL_SOCKET_IFNAME={e['asked'][0]}`, destroyed it "
+                   f"and formed another with `NCCL_SOCKET_IFNAME={e['asked'][1]}` "
+                   + ("chose its interfaces again" if e.get("rereads") else
+                      "chose no interface again (NCCL's INFO log names one only for the first)") + "")
+    if "two_ranks_nccl" in probe:
+        out.append("; two NCCL ranks on one GPU are refused (`Duplicate GPU detected`), so no multi-rank NCCL "
+                   "path ran" if not probe["two_ranks_nccl"].get("ok") else "; two NCCL ranks ran on one GPU")
+    if probe.get("gloo_cuda", {}).get("ok"):
+        out.append("; gloo all-reduced CUDA tensors between two processes (baton's live group)")
+    r = probe.get("rng_cuda")
+    if r:
+        out.append("; baton's random-stream capture " + ("carried" if r.get("same_mask") else "did NOT carry")
+                   + " the CUDA generator through its codec (the same dropout mask after restore)")
+    n = probe.get("nvml", {}).get("reading")
+    if n:
+        out.append(f"; NVML through baton's reader: {n['temp_c']:.0f} C, ECC {n['ecc_uncorrected']} uncorrected, "
+                   f"{n['ecc_corrected']} corrected")
+    return out[0] + " " + "".join(out[1:]) + "."
+
+
+def update_readme(results: Path, readme: Path = REPO / "README.md") -> bool:
+    text = readme.read_text()
+    if README_BEGIN not in text or README_END not in text:
+        return False
+    head, rest = text.split(README_BEGIN, 1)
+    body = readme_sentence(json.loads(results.read_text()), f"bench/results/{results.name}")
+    readme.write_text(head + README_BEGIN + body + README_END + rest.split(README_END, 1)[1])
+    return True
 
 
 def main() -> int:
@@ -238,7 +333,11 @@ def main() -> int:
     p.add_argument("--state-gb", type=float, default=10.0)
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
+    p.add_argument("--readme", type=Path, metavar="RESULTS",
+                   help="write the README's GPU paragraph from a device session's results file, and exit")
     args = p.parse_args()
+    if args.readme:
+        return 0 if update_readme(args.readme.resolve()) else 1
     if args.receiver:
         _receiver_main()
         return 0

@@ -143,15 +143,19 @@ def serve(sock: socket.socket) -> Spawn:
                 continue
             sys.stdout.flush()
             sys.stderr.flush()
+            zygote_pid = os.getpid()
             pid = os.fork()
             if pid == 0:
+                # first of all: die with this zygote (not the BATON_PARENT_PID it holds yet), and
+                # at once if the zygote died before the request could be made
+                if orphan.ask_to_die_with_parent() and os.getppid() != zygote_pid:
+                    os._exit(1)
                 gc.enable()
                 signal.set_wakeup_fd(-1)
                 signal.signal(signal.SIGCHLD, signal.SIG_DFL)
                 for fd in (wake_r, wake_w, *lines.fds):
                     os.close(fd)
                 sock.close()
-                orphan.ask_to_die_with_parent()  # its parent is this zygote, not the BATON_PARENT_PID it holds yet
                 if stdout is not None:
                     os.dup2(stdout, 1)
                     os.close(stdout)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -84,21 +85,47 @@ def _dumps(skeleton: Any) -> bytes:
     return text.encode()
 
 
+class _DeviceCopies(threading.local):
+    """The devices whose tensors a capture on this thread copied to the host without waiting.
+
+    A device tensor is copied with `non_blocking=True`, which lands in pinned host memory from
+    torch's caching host allocator (reused from one capture to the next), and the capture
+    waits once at its end. On an H100 a synchronous `.to("cpu")` per tensor moved 1.5 GB/s
+    into fresh pageable memory against 55 GB/s for a pinned copy (bench/gpu.py)."""
+
+    def __init__(self) -> None:
+        self.devices: set[torch.device] = set()
+
+    def wait(self) -> None:
+        while self.devices:
+            torch.cuda.current_stream(self.devices.pop()).synchronize()
+
+
+_device_copies = _DeviceCopies()
+
+
+def _walk(state: Any, tensors: list[torch.Tensor]) -> Any:
+    try:
+        return _enc(state, tensors, ("state",))
+    finally:
+        _device_copies.wait()  # every tensor handed out is complete, also when the walk raised
+
+
 def encoded(state: Any) -> Encoded:
     """`state` encoded as a subtree (the slow path of whoever builds Encoded itself)."""
     tensors: list[torch.Tensor] = []
-    return Encoded(_enc(state, tensors, ("state",)), tensors)
+    return Encoded(_walk(state, tensors), tensors)
 
 
 def encode_into(state: Any, tensors: list[torch.Tensor]) -> Any:
     """`state`'s skeleton, its tensors appended to `tensors` and numbered after those there."""
-    return _enc(state, tensors, ("state",))
+    return _walk(state, tensors)
 
 
 def encode(state: Any) -> tuple[bytes, list[torch.Tensor]]:
     """State -> (UTF-8 JSON skeleton, tensors). Tensors are detached, contiguous, on CPU."""
     tensors: list[torch.Tensor] = []
-    skeleton = _enc(state, tensors, ("state",))
+    skeleton = _walk(state, tensors)
     return _dumps(skeleton), tensors
 
 
@@ -110,7 +137,7 @@ class Payloads(list):
 def encode_payloads(state: Any) -> tuple[bytes, Payloads]:
     """Like encode, for a wire frame written at once: the payloads as (dtype, shape, bytes-like)."""
     payloads = Payloads()
-    skeleton = _enc(state, payloads, ("state",))
+    skeleton = _walk(state, payloads)
     return _dumps(skeleton), payloads
 
 
@@ -146,7 +173,10 @@ class _Attr(str):
 
 def _tensor_index(t: torch.Tensor, tensors: list[torch.Tensor]) -> int:
     t = t.detach()
-    if t.device.type != "cpu":
+    if t.device.type == "cuda":
+        _device_copies.devices.add(t.device)
+        t = t.contiguous().to("cpu", non_blocking=True)  # pinned; _walk waits for it
+    elif t.device.type != "cpu":
         t = t.to("cpu")
     if not t.is_contiguous():
         t = t.contiguous()
