@@ -123,9 +123,11 @@ def differences(a: Any, b: Any, path: str = "") -> list[str]:
 def faulted(tmp_path, script, fault: str, *, where: str = "MID_STEP", name: str = "job",
              script_args: list[str] | None = None, env: dict[str, str] | None = None) -> tuple[int, Job]:
     """Run `script` under baton with a real signal injected (tests/inject: BATON_TEST_SIGNAL_<where>,
-    "rank:step:signal", once per job); its exit code and the job."""
+    "rank:step:signal", once per job), or another fault (`where` "GLITCH_...": BATON_TEST_<where>);
+    its exit code and the job."""
+    key = f"BATON_TEST_{where}" if where.startswith("GLITCH_") else f"BATON_TEST_SIGNAL_{where}"
     job = Job(tmp_path, nproc=2, spares=1, script=script, out_arg=False, name=name, script_args=script_args,
-              env={"PYTHONPATH": str(INJECT), f"BATON_TEST_SIGNAL_{where}": fault,
+              env={"PYTHONPATH": str(INJECT), key: fault,
                    "BATON_TEST_SIGNAL_MARK": str(tmp_path / "fired"), **(env or {})})
     try:
         return job.wait(timeout=170), job

@@ -217,6 +217,30 @@ def test_a_rank_lost_in_the_evaluation_or_checkpoint_after_the_step_loop_is_repl
     assert [(e["kind"], e["status"]) for e in job.events()] == [("unplanned", "resolved")], job.events()
 
 
+@pytest.mark.parametrize("fault", ["1:8", "0:12"])
+def test_a_region_collective_that_completed_on_some_ranks_only_is_answered_from_their_record(
+        tmp_path, torchrun_reference, fault):
+    """In imagenet's shape: a collective of validate() after the step loop completes on one
+    rank and fails on the other (a data path dropping its last bytes), and no rank is lost.
+    The group re-forms with the ranks one collective apart in the region; the rank behind
+    takes that collective's result from the record of the rank ahead (the same on every
+    rank) instead of issuing it again alone, and the job ends bit for bit as torchrun's."""
+    args = ["--epochs", "5"]
+    ref = torchrun_reference(NOCODE / "imagenet_main.py", [*args, "--out-dir", "{d}/out", "--export", "{d}/export"])
+    run = tmp_path / "job"
+    (run / "export").mkdir(parents=True)
+    code, job = faulted(tmp_path, NOCODE / "imagenet_main.py", fault, where="GLITCH_IN_REGION",
+                        script_args=[*args, "--out-dir", str(run / "out"), "--export", str(run / "export")],
+                        env={"BATON_LOG": "INFO"})
+    assert code == 0 and (tmp_path / "fired").exists(), job.log()
+    compare(ref, run)
+    written = [torch.load(d / "out" / "checkpoint.pth.tar", weights_only=False) for d in (ref, run)]
+    assert differences(*written) == []
+    log = job.log()
+    assert "recovery op=1" in log and "those behind answer the rest from the record" in log, log
+    assert job.events() == []  # no rank lost, no spare used: every rank re-formed where it stood
+
+
 BREAKS_OUT = """
 import os, torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP

@@ -6,7 +6,9 @@ evaluation all-reduces its meters, DDP broadcasts buffers before the first evalu
 forward. Every rank records what each of them gave it. When a rank is lost there:
 
 - a survivor waiting in one of them recovers where it stands (the new generation forms
-  around it) and issues the same collective again, with the inputs it had;
+  around it) and issues the same collective again, with the inputs it had; where that
+  collective had completed on another rank (it had all it needed before the failure), the
+  rank behind answers it from that rank's record instead (`catch_up`);
 - the successor runs the region from the step loop's exit, with the state the rank had
   there (its own from its buddies, the rest from the survivors, its schedulers as they
   were at the exit), each collective answered from a survivor's record, until the record
@@ -21,13 +23,14 @@ cannot be replayed: the job stops there, saying so. The recording itself is `col
 from __future__ import annotations
 
 import copy
+import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from baton.transfer.bundles import Pos
-from baton.worker.collectives import Record
+from baton.worker.collectives import Record, Recorded
 from baton.worker.tracked import Tracked, _is_scheduler
 
 
@@ -83,3 +86,34 @@ def load_small_state(tracked: Tracked, small: dict[str, Any]) -> None:
                 group.update(values)
         else:
             obj.load_state_dict(saved["state"])
+
+
+def catch_up(record: Record, counts: list[int], rank: int, broadcast: Callable[[torch.Tensor, int], None]) -> None:
+    """Ranks of a new generation in the same region, some short of collectives that completed
+    on others (a data path failed inside one: it completed on a rank that had all it needed).
+    Only collectives whose outputs are the same on every rank are recorded, so a rank behind
+    answers those it lacks from the record of the first rank furthest ahead, broadcast here
+    over the new generation (every rank takes part): a description as JSON, then the tensors.
+    The caller has checked that no rank ran a collective that is not recorded."""
+    ahead, low, high = counts.index(max(counts)), min(counts), max(counts)
+    if rank == ahead:
+        text = json.dumps([[r.op, [[list(t.shape), str(t.dtype).removeprefix("torch.")] for t in r.outputs]]
+                           for r in record.ops[low:high]]).encode()
+        raw = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+        size = torch.tensor([raw.numel()], dtype=torch.int64)
+    else:
+        size = torch.zeros(1, dtype=torch.int64)
+    broadcast(size, ahead)
+    if rank != ahead:
+        raw = torch.empty(int(size.item()), dtype=torch.uint8)
+    broadcast(raw, ahead)
+    got: list[Recorded] = []
+    for i, (op, shapes) in enumerate(json.loads(bytes(raw.numpy()))):
+        outputs = (record.ops[low + i].outputs if rank == ahead else
+                   [torch.empty(shape, dtype=getattr(torch, dtype)) for shape, dtype in shapes])
+        for t in outputs:
+            broadcast(t, ahead)
+        got.append(Recorded(op, outputs))
+    mine = counts[rank]
+    if mine < high:
+        record.replay = list(record.ops) + got[mine - low:]

@@ -35,7 +35,7 @@ from baton.transfer import FetchStats, TransferError
 from baton.transfer.bundles import Bundle, encode_frame
 from baton.transfer.server import FETCH, FETCH_OWN, FETCH_TAIL
 from baton.transparent import tail
-from baton.transparent.region import Region, load_small_state, small_state
+from baton.transparent.region import Region, catch_up, load_small_state, small_state
 from baton.transparent.sites import SITES
 from baton.transparent.tail import StepRecord
 from baton.worker import discover, fence, shards, verify
@@ -730,12 +730,21 @@ class ScriptRuntime(Runtime):
             here = (1, 0)  # the step it runs again is the loop's last: it goes on into the region from there
         else:
             here = self.region.place() if self.region is not None else (0, 0)
-        t = torch.tensor(here, dtype=torch.int64)
+        live = bool(self.region is not None and self.region.not_replayable)  # a collective there not recorded
+        t = torch.tensor([*here, live], dtype=torch.int64)
         out = [torch.zeros_like(t) for _ in range(self.world_size)]
         with self.group.internal():
             self._wait_internal(self.group.allgather([out], [t]), "the place check")
-        places = [tuple(x.tolist()) for x in out]
+        places = [tuple(x.tolist()[:2]) for x in out]
         self.exit_expected = False
+        if {a for a, _ in places} == {1} and len(set(places)) > 1 and not any(int(x[2]) for x in out) \
+                and not self.tracked.sharded:
+            assert self.region is not None
+            with self.group.internal():
+                catch_up(self.region, [n for _, n in places], self.rank, self._broadcast_internal)
+            log.info("generation %s: ranks in the region after the step loop at %s collectives: those behind "
+                     "answer the rest from the record of a rank ahead", generation, [n for _, n in places])
+            return
         if set(places) == {(0, 0), (1, 0)} and not self.tracked.sharded:
             # Some stand at a head of the step loop, the others in the region after it before any
             # of its collectives (a rank lost between its head's record and its loop's exit: its
@@ -754,6 +763,11 @@ class ScriptRuntime(Runtime):
             self.ctl.report_now(m.Verified(generation=generation, pos=self.pos, ok=False, differing=["place"],
                                            detail=detail))
             raise Divergence(detail)
+
+    def _broadcast_internal(self, t: torch.Tensor, src: int) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = src, 0
+        self._wait_internal(self.group.broadcast([t], opts), "the region's catch-up")
 
     # ---------------------------------------------------------------- the runtime's checks, for a script's loop
     def on_sync_backward(self, first: bool, last: bool) -> None:

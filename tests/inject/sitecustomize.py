@@ -70,6 +70,11 @@ BATON_TEST_SIGNAL_IN_REGION="rank:step:SIGNAME" (with BATON_TEST_SIGNAL_MARK): t
 script's first dist.all_reduce after its step loop (an evaluation) once that rank is past that
 step (an evaluation).
 
+BATON_TEST_GLITCH_IN_REGION="rank:step" (with BATON_TEST_SIGNAL_MARK): once, that rank's first
+recorded collective in the region after its step loop past that step completes, and then
+fails there as a data path dropping its last bytes would: every other rank has its result and
+goes on to its next collective; this one has none, recovers in place and issues it again.
+
 BATON_TEST_SIGNAL_IN_SAVE="rank:step:SIGNAME" (with BATON_TEST_SIGNAL_MARK): the same, in the
 script's first torch.save in the region after its step loop once that rank is past that step
 (rank 0 writing its checkpoint).
@@ -527,6 +532,32 @@ if _signal_in_region:
         return _all_reduce(*args, **kwargs)
 
     _dist.all_reduce = _signal_then_all_reduce
+
+_glitch_in_region = os.environ.get("BATON_TEST_GLITCH_IN_REGION")
+if _glitch_in_region:
+    from baton.worker import collectives as _collectives
+
+    _run = _collectives.RecordingGroup._run
+
+    def _glitch_after(self, op, outputs, inputs, issue):  # noqa: ANN001, ANN202
+        rank, step = _glitch_in_region.split(":")
+        rt, mark = self.rt, os.environ["BATON_TEST_SIGNAL_MARK"]
+        if rt.rank != int(rank) or rt.scope != "region" or rt.pos[0] < int(step) or os.path.exists(mark):
+            return _run(self, op, outputs, inputs, issue)
+
+        def completes_then_fails(group):  # noqa: ANN001, ANN202
+            issue(group).wait()
+            if not os.path.exists(mark):
+                open(mark, "w").close()
+                print(f"injected: rank {rank}'s {op} in the region after step {rt.pos[0]} completed, then "
+                      "failed", file=sys.stderr, flush=True)
+                from baton.worker.group import CollectiveFailure
+
+                raise CollectiveFailure("injected: the data path dropped the collective's last bytes")
+            return issue(group)
+        return _run(self, op, outputs, inputs, completes_then_fails)
+
+    _collectives.RecordingGroup._run = _glitch_after
 
 _signal_in_save = os.environ.get("BATON_TEST_SIGNAL_IN_SAVE")
 if _signal_in_save:
