@@ -130,6 +130,28 @@ class Job:
             self.stdout.close()
             self.stderr.close()
 
+    def wait_progress(self, stall: float = 90.0) -> int:
+        """Until the job exits, its exit code; fails, with its log, only where no rank's step
+        advanced for `stall` seconds (a hang): bounded by progress, not by a guess of how fast
+        a shared machine runs the rest of the job."""
+        last, moved_at = None, time.time()
+        while True:
+            try:
+                self.proc.wait(timeout=1.0)
+                return self.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+            try:
+                now = tuple(r["step"] for r in self.status()["ranks"])
+            except Exception:  # noqa: BLE001 - the API may be momentarily busy, or the job ending
+                now = last
+            if now != last:
+                last, moved_at = now, time.time()
+            elif time.time() - moved_at > stall:
+                self.kill()
+                self.wait(timeout=30)
+                raise AssertionError(f"the job made no progress in {stall:.0f}s (ranks' steps {last}):\n{self.log()}")
+
     def kill(self) -> None:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)

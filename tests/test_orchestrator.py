@@ -896,3 +896,23 @@ def test_a_rank_silent_while_the_others_step_on_is_not_hung_but_one_they_wait_fo
     orch.handle(m.Tick(now=time.time()))
     assert orch.op is not None and orch.op.kind.value == "unplanned"
     assert [(e["kind"], e["rank"]) for e in orch.event_list()] == [("unplanned", 1)]
+
+
+def test_a_survivor_left_connecting_to_a_rank_lost_while_forming_has_until_its_connect_times_out(tmp_path):
+    """A rank lost while the others form the next generation (its node's last data path went
+    down): a survivor may sit in gloo's connect to it until --op-timeout before it can take the
+    Abort and report. The new collect phase gives it that long on top of the usual report
+    window, so a live survivor on a busy machine is not declared hung (and the job lost)."""
+    orch, _ = _running(tmp_path, world=3, spares=2)
+    orch.handle(m.WorkerExited(worker_id="w2", returncode=-9))
+    gen = orch.op.generation
+    for w in ("w0", "w1"):
+        report(orch, w, {"type": "recover", "generation": gen, "pos": [10, 0]})
+    joiner = orch.op.moves[2].to_worker
+    report(orch, joiner, {"type": "ready", "loop": LOOP, "joined": True})
+    assert orch.op.phase == "forming", orch.op.phase
+    before = time.time()
+    orch.handle(m.WorkerExited(worker_id="w1", returncode=-9))  # lost while the others connect to it
+    cfg = orch.config
+    assert orch.op.phase == "collect" and orch.op.generation > gen
+    assert orch.op.deadline >= before + cfg.op_timeout_s + cfg.op_timeout_s + cfg.collect_grace_s - 0.5

@@ -229,8 +229,12 @@ class Recovery:
         self._open_recovery(cause=f"generation {op.generation} of a {op.kind.value} move did not form in time")
 
     def _restart_collect(self, op: Operation) -> None:
-        """Lost someone while forming: a new generation, and everyone goes back to collecting."""
-        op.enter("collect", self._report_window())
+        """Lost someone while forming: a new generation, and everyone goes back to collecting.
+        A survivor may be inside gloo's connect to the lost rank (a node whose every data path
+        went down): that ends only at --op-timeout, and only then can it take the Abort and
+        report, so it gets that long on top of the usual report window."""
+        forming = op.phase == "forming"
+        op.enter("collect", self._report_window() + (self.config.op_timeout_s if forming else 0.0))
         op.formed.clear()
         # Reports from before are stale: a survivor may have taken a completed step's state
         # since. Every survivor reports again after the Abort below.
