@@ -916,3 +916,21 @@ def test_a_survivor_left_connecting_to_a_rank_lost_while_forming_has_until_its_c
     cfg = orch.config
     assert orch.op.phase == "collect" and orch.op.generation > gen
     assert orch.op.deadline >= before + cfg.op_timeout_s + cfg.op_timeout_s + cfg.collect_grace_s - 0.5
+
+
+def test_a_rank_silent_after_training_finished_is_waited_for_not_recovered(tmp_path):
+    """Every rank finished: one whose heartbeats stop (its closing code starves the heartbeat
+    thread on a busy machine, or its process is exiting) is not lost and recovered: nothing is
+    left to recover, and a recovery after the end waited for reports that never came, again
+    and again, with the job never ending. Its exit ends the job as usual."""
+    orch, _ = _running(tmp_path)
+    notes: list[str] = []
+    orch.listeners.append(lambda kind, data: notes.append(data.get("message", "")) if kind == "note" else None)
+    for w in ("w0", "w1"):
+        report(orch, w, {"type": "finished", "pos": [11, 0]})
+    orch.handle(m.Tick(now=time.time() + 3600))
+    assert orch.op is None and orch.exit_code is None
+    assert sum("finished training and has not been heard from" in n for n in notes) == 2, notes
+    for w in ("w0", "w1"):
+        orch.handle(m.WorkerExited(worker_id=w, returncode=0))
+    assert orch.exit_code == 0

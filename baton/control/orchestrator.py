@@ -289,10 +289,20 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing, PathFa
             if w.role not in (WorkerRole.RANK, WorkerRole.SPARE, WorkerRole.LEAVING):
                 continue
             # Ranks that are stepping get the tight timeout; a worker still importing or
-            # warming up (or an idle spare) may legitimately starve its heartbeat thread.
-            limit = self.config.heartbeat_timeout_s if training and w.role == WorkerRole.RANK \
+            # warming up (or an idle spare), or a rank past its last step (running the script's
+            # closing code, exiting), may legitimately starve its heartbeat thread.
+            finished = w.role == WorkerRole.RANK and w.rank is not None and \
+                self.ranks[w.rank].worker == w.id and self.ranks[w.rank].state == RankState.FINISHED
+            limit = self.config.heartbeat_timeout_s if training and w.role == WorkerRole.RANK and not finished \
                 else max(30.0, 10 * self.config.heartbeat_timeout_s)
             if now - w.last_seen > limit:
+                if finished:  # nothing left to recover: its exit (or the user's Ctrl-C) ends the job
+                    if not w.unheard:
+                        w.unheard = True
+                        self._emit("note", {"message": f"rank {w.rank} finished training and has not been heard "
+                                                       f"from for {now - w.last_seen:.0f}s: waiting for its "
+                                                       "process to exit"})
+                    continue
                 if training and self._steps_without(w):
                     self._unheard(w, now)
                     continue

@@ -57,6 +57,40 @@ def gloo_backend(store: dist.Store, rank: int, world_size: int, timeout_s: float
     return dist.ProcessGroupGloo(store, rank, world_size, opts)
 
 
+def connect_gloo(store: dist.Store, rank: int, world_size: int, timeout_s: float, paths: tuple[str, ...],
+                 generation: int, superseded: Callable[[], bool]) -> dist.ProcessGroupGloo:
+    """`gloo_backend`, given up when the formation is superseded or runs past gloo's timeout.
+
+    gloo's constructor connects to every peer, and a connect to a peer whose data path went
+    down after the plan was made (its SYNs dropped, no refusal) blocks in the kernel far past
+    gloo's own timeout (minutes): a live rank stuck there cannot take the orchestrator's next
+    plan, and is lost as hung. So the constructor (which releases the GIL) runs on a helper
+    thread; the caller gives up on it and goes on, and the thread ends when the connect fails.
+    """
+    built: dict[str, Any] = {}
+    done = threading.Event()
+
+    def build() -> None:
+        try:
+            built["group"] = gloo_backend(store, rank, world_size, timeout_s, paths)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller, if it still waits
+            built["error"] = exc
+        finally:
+            done.set()
+
+    threading.Thread(target=build, name=f"baton-gloo-connect-gen{generation}", daemon=True).start()
+    deadline = time.monotonic() + timeout_s + 2.0  # gloo's own timeout, and a moment to say so
+    while not done.wait(0.005):
+        if superseded():
+            raise CollectiveFailure(f"formation of generation {generation} superseded while gloo was connecting")
+        if time.monotonic() > deadline:
+            raise CollectiveFailure(f"generation {generation} did not form: gloo's connect to its peers did not "
+                                    f"complete in {timeout_s:g}s (a peer unreachable over {list(paths) or 'its path'})")
+    if "error" in built:
+        raise built["error"]
+    return built["group"]
+
+
 @functools.cache
 def solo_group() -> dist.ProcessGroup:
     """A world-of-one group for DDP's own bookkeeping collectives (they become local no-ops).
@@ -292,8 +326,10 @@ class LiveGroup(dist.ProcessGroup):
         prefixed = dist.PrefixStore(prefix, store.store)
         before = _socket_fds()
         try:
-            backend = gloo_backend(prefixed, self._rank, self._world, op_timeout_s, paths)
+            backend = connect_gloo(prefixed, self._rank, self._world, op_timeout_s, paths, generation, superseded)
         except RuntimeError as exc:  # gloo could not connect (a data path gone meanwhile): the plan failed
+            if isinstance(exc, CollectiveFailure):
+                raise
             raise CollectiveFailure(f"generation {generation} did not form: {exc}") from None
         self.drop()
         self._inner = backend
