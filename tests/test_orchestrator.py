@@ -934,3 +934,25 @@ def test_a_rank_silent_after_training_finished_is_waited_for_not_recovered(tmp_p
     for w in ("w0", "w1"):
         orch.handle(m.WorkerExited(worker_id=w, returncode=0))
     assert orch.exit_code == 0
+
+
+def test_a_planned_move_aims_at_the_next_boundary_of_ranks_held_at_one(tmp_path):
+    """The target is extrapolated from each rank's last report at its step rate, but a rank
+    that had been at its step for many periods when it said so stands at a boundary (an
+    evaluation, a checkpoint): the move aims at the boundary after it, not tens of steps on,
+    where a short job may have ended before the move could start."""
+    orch, _ = _running(tmp_path)
+    for w in ("w0", "w1"):
+        report(orch, w, {"type": "heartbeat", "step": 40, "step_period": 0.025, "step_age": 5.0})
+    orch.ranks[0].step_at = orch.ranks[1].step_at = time.time() - 0.5  # the last beat, half a second ago
+    orch.handle(m.MigrateRequest(rank=1))
+    _joiners_ready(orch)
+    assert orch.op.target_step == 41
+    (tmp_path / "stepping").mkdir()
+    orch, _ = _running(tmp_path / "stepping")
+    for w in ("w0", "w1"):  # stepping: 0.5 s at 25 ms a step since the beat, and 10 ms into step 40 then
+        report(orch, w, {"type": "heartbeat", "step": 40, "step_period": 0.025, "step_age": 0.01})
+    orch.ranks[0].step_at = orch.ranks[1].step_at = time.time() - 0.5
+    orch.handle(m.MigrateRequest(rank=1))
+    _joiners_ready(orch)
+    assert 40 + 20 <= orch.op.target_step <= 40 + 25

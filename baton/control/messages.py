@@ -77,6 +77,9 @@ class Heartbeat(_Msg):
     # step end to step end: the step plus what the script does between steps (logging, a data
     # wait, a rank held at its boundary); the rate a rank's boundaries come at
     step_period: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
+    # how long before this beat the rank reached `step`: one stuck at a boundary (an
+    # evaluation, a checkpoint) is not extrapolated onward at its step rate
+    step_age: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
     busy_time: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None  # own work until the last bucket
     snapshot_mb: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None  # shard snapshots held (host memory)
     state_mb: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None  # the replicated state a joiner receives

@@ -441,6 +441,7 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing, PathFa
                     self._on_step_progress()
                 info.step = rep.step
                 info.step_at = time.time()
+                info.step_age = rep.step_age
                 info.reached = max(info.reached, rep.step)
             if rep.metrics:
                 info.metrics = dict(rep.metrics)

@@ -186,16 +186,20 @@ class PlannedMoves:
         Step reports arrive with heartbeats, so each is extrapolated by its age at the
         rank's step rate (its step period: the step and what the script does between steps),
         plus ~50 ms for the pause to reach the ranks. Aiming short is safe (a rank already
-        past answers so and the target moves); aiming long only costs steps of waiting for
-        the move to start.
+        past answers so and the target moves); aiming long costs steps of waiting for the
+        move to start, or the move itself where the job ends first. A rank that had been at
+        its step for more than a few periods when it last said so stands at a boundary (an
+        evaluation, a checkpoint, a wait): it is not extrapolated onward, and the target is
+        the boundary after it.
         """
         now = time.time()
         best = 0.0
         for info in self.ranks.values():
             period = info.metrics.get("step_period") or info.metrics.get("step_time", 0.0)
             guess = float(info.step)
-            if period > 0 and info.step_at:
-                guess += (now - info.step_at + 0.05) / period
+            held = info.step_age is not None and period > 0 and info.step_age > 3 * period
+            if period > 0 and info.step_at and not held:
+                guess += (now - info.step_at + (info.step_age or 0.0) + 0.05) / period
             best = max(best, guess)
         target = int(math.ceil(best)) + 1
         if self.loop is not None and self.loop.total_steps:  # a stalled rank's guess runs on: never past

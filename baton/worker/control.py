@@ -67,6 +67,7 @@ class ControlChannel:
         self.hot_base_drop: int | None = None  # HotFeed(drop_base): that feed's base copy is no longer needed
         # What the heartbeat carries: latest boundary, step time, metrics.
         self.heartbeat: dict[str, Any] = {}
+        self.step_reached: float | None = None  # time.monotonic() when heartbeat["step"] was reached
         self.heartbeat_timeout_s = 3.0  # the orchestrator's, from register()
         self.beat_every = self.heartbeat_timeout_s / RANK_BEATS_PER_TIMEOUT
         self.on_abort: Callable[[], None] | None = None
@@ -281,7 +282,9 @@ class ControlChannel:
                         body["queued_s"] = round(time.monotonic() - queued_at, 4)
                     self._post(f"/v1/workers/{self.worker_id}/reports", body)
                 if time.time() - last_beat >= self.beat_every:
-                    self._beat(m.Heartbeat(**self.heartbeat, cpu=cpu_report(), gpu=gpu.read()))
+                    reached = self.step_reached
+                    age = {} if reached is None else {"step_age": round(max(0.0, time.monotonic() - reached), 4)}
+                    self._beat(m.Heartbeat(**self.heartbeat, **age, cpu=cpu_report(), gpu=gpu.read()))
                     last_beat = time.time()
             except OrchestratorGone:
                 if not self._stopped.is_set():

@@ -409,6 +409,7 @@ class Runtime(Captures, PlannedHandover, ShardRedundancy, Recovery, Joining, Sta
         now = time.perf_counter()
         hb = self.ctl.heartbeat
         hb["step"] = self.pos[0]
+        self.ctl.step_reached = time.monotonic()
         dt = now - self._step_t0
         ema = hb.get("step_time")
         hb["step_time"] = dt if ema is None else 0.8 * ema + 0.2 * dt
