@@ -329,8 +329,14 @@ def test_a_flapping_rail_costs_one_failover_and_is_damped(tmp_path, slurm, torch
         job.kill()
         if node is not None:
             slurm.rails.set_link(node, "rail1", True)
-    kinds = [e["kind"] for e in events]
+    # A rank found hung and rebuilt (resolved, bitwise: checked below) is not the flapping's
+    # doing: the script's DataLoader forks its workers each epoch, and CPython 3.11 can leave a
+    # child forked from a process with threads stuck in PyOS_AfterFork_Child (plain torchrun
+    # too, tests/nocode_runs.py), so its rank waits for a batch forever and is lost as hung.
+    kept = [e for e in events if not (e["kind"] == "unplanned" and e["cause"].endswith("(hung)")
+                                      and e["status"] == "resolved")]
+    kinds = [e["kind"] for e in kept]
     assert kinds[:2] == ["path-failover", "path-damped"] and "path-failover" not in kinds[2:], events
     assert set(kinds[2:]) <= {"path-restored"}, events  # once its penalty decays, if the job is still running
-    assert "flapping (down 3 times" in events[1]["cause"], events
+    assert "flapping (down 3 times" in kept[1]["cause"], events
     compare(reference, tmp_path / "baton")
