@@ -314,7 +314,16 @@ def readme_sentence(result: dict, name: str) -> str:
     if n:
         out.append(f"; NVML through baton's reader: {n['temp_c']:.0f} C, ECC {n['ecc_uncorrected']} uncorrected, "
                    f"{n['ecc_corrected']} corrected")
-    return out[0] + " " + "".join(out[1:]) + "."
+    text = out[0] + " " + "".join(out[1:]) + "."
+    c = result.get("cuda_test")
+    if c:
+        moves = ", ".join(f"{mv['kind']} {mv['downtime_s']:.3f} s" for mv in c["moves"])
+        text += (f" `{c['test'].split('::')[0]}` {c['result']} there ({c['when']}): {c['script']}, a planned move, a "
+                 f"taint and a kill -9 ({moves} of downtime in the ledger, steps lost "
+                 f"{sum(mv['steps_lost'] for mv in c['moves'])}), every rank's state and the checkpoint "
+                 + ("bit for bit equal to torchrun's" if c.get("bitwise_against_torchrun") else "NOT equal to torchrun's")
+                 + (f"; its first try {c['first_try']}" if c.get("first_try") else "") + ".")
+    return text
 
 
 def update_readme(results: Path, readme: Path = REPO / "README.md") -> bool:

@@ -97,7 +97,11 @@ def solo_group() -> dist.ProcessGroup:
     One per process, shared by every DDP that needs one."""
     store = dist.HashStore()
     pg = dist.ProcessGroup(store, 0, 1)
-    pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo_backend(store, 0, 1, 60.0))
+    backend = gloo_backend(store, 0, 1, 60.0)
+    # gloo takes CUDA tensors too: a model on the GPU has DDP call this group with them
+    # (its bucket rebuild), and a group knows a backend only for the devices registered here
+    for device in ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",):
+        pg._register_backend(torch.device(device), dist.ProcessGroup.BackendType.GLOO, backend)
     pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
     return pg
 
