@@ -731,7 +731,9 @@ class ScriptRuntime(Runtime):
         else:
             here = self.region.place() if self.region is not None else (0, 0)
         live = bool(self.region is not None and self.region.not_replayable)  # a collective there not recorded
-        t = torch.tensor([*here, live], dtype=torch.int64)
+        tail_record = self._tail_record(here)
+        t = torch.tensor([*here, live, *((tail_record.pos[0], len(tail_record.ops), bool(tail_record.not_replayable))
+                                         if tail_record is not None else (-1, 0, 1))], dtype=torch.int64)
         out = [torch.zeros_like(t) for _ in range(self.world_size)]
         with self.group.internal():
             self._wait_internal(self.group.allgather([out], [t]), "the place check")
@@ -744,6 +746,26 @@ class ScriptRuntime(Runtime):
                 catch_up(self.region, [n for _, n in places], self.rank, self._broadcast_internal)
             log.info("generation %s: ranks in the region after the step loop at %s collectives: those behind "
                      "answer the rest from the record of a rank ahead", generation, [n for _, n in places])
+            return
+        tails = [x.tolist()[3:] for x in out]
+        if {a for a, _ in places} == {0, 2} and len({step for step, _, _ in tails}) == 1 and tails[0][0] >= 0 \
+                and not any(live for _, _, live in tails) and not self.tracked.sharded \
+                and max(n for (a, _), (_, n, _) in zip(places, tails) if a == 2) < \
+                min(n for (a, _), (_, n, _) in zip(places, tails) if a == 0):
+            # Some at the head after step S, the others in its lines after the optimizer step,
+            # short of collectives the first completed (a data path failing inside one): the
+            # ranks behind answer those from the record of a rank at the head, then reach it.
+            assert tail_record is not None
+            with self.group.internal():
+                catch_up(tail_record, [n for _, n, _ in tails], self.rank, self._broadcast_internal)
+            if here[0] == 2:
+                tail_record.join = lambda: self.stop(
+                    f"rank {self.rank}: after the optimizer step of step {tail_record.pos[0]}, the script runs more "
+                    "collectives than the ranks that completed that step did: it took another way. The job stops "
+                    "here: restart it from your own checkpoint.")
+            log.info("generation %s: ranks at the head after step %d and in its lines after the optimizer step "
+                     "(%s collectives recorded): those behind answer the rest from the record of a rank at the head",
+                     generation, tails[0][0], [n for _, n, _ in tails])
             return
         if set(places) == {(0, 0), (1, 0)} and not self.tracked.sharded:
             # Some stand at a head of the step loop, the others in the region after it before any
@@ -763,6 +785,16 @@ class ScriptRuntime(Runtime):
             self.ctl.report_now(m.Verified(generation=generation, pos=self.pos, ok=False, differing=["place"],
                                            detail=detail))
             raise Divergence(detail)
+
+    def _tail_record(self, here: tuple[int, int]) -> StepRecord | None:
+        """The record of the step a rank stands after: its own step's, in its lines after the
+        optimizer step; the step before's, at a head (kept until the next optimizer step)."""
+        if here[0] == 2:
+            return self.step_record
+        prev = self.prev_record
+        if here == (0, 0) and prev is not None and tuple(prev.pos) == (self.pos[0] - 1, 0):
+            return prev
+        return None
 
     def _broadcast_internal(self, t: torch.Tensor, src: int) -> None:
         opts = dist.BroadcastOptions()

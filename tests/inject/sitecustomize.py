@@ -74,6 +74,8 @@ BATON_TEST_GLITCH_IN_REGION="rank:step" (with BATON_TEST_SIGNAL_MARK): once, tha
 recorded collective in the region after its step loop past that step completes, and then
 fails there as a data path dropping its last bytes would: every other rank has its result and
 goes on to its next collective; this one has none, recovers in place and issues it again.
+BATON_TEST_GLITCH_AFTER_STEP="rank:step": the same, for that rank's first recorded collective
+after its optimizer step in a step past that one (a loss all-reduced for the log).
 
 BATON_TEST_SIGNAL_IN_SAVE="rank:step:SIGNAME" (with BATON_TEST_SIGNAL_MARK): the same, in the
 script's first torch.save in the region after its step loop once that rank is past that step
@@ -534,23 +536,25 @@ if _signal_in_region:
     _dist.all_reduce = _signal_then_all_reduce
 
 _glitch_in_region = os.environ.get("BATON_TEST_GLITCH_IN_REGION")
-if _glitch_in_region:
+_glitch_after_step = os.environ.get("BATON_TEST_GLITCH_AFTER_STEP")
+if _glitch_in_region or _glitch_after_step:
     from baton.worker import collectives as _collectives
 
     _run = _collectives.RecordingGroup._run
 
     def _glitch_after(self, op, outputs, inputs, issue):  # noqa: ANN001, ANN202
-        rank, step = _glitch_in_region.split(":")
+        rank, step = (_glitch_in_region or _glitch_after_step).split(":")
         rt, mark = self.rt, os.environ["BATON_TEST_SIGNAL_MARK"]
-        if rt.rank != int(rank) or rt.scope != "region" or rt.pos[0] < int(step) or os.path.exists(mark):
+        where = rt.scope == "region" if _glitch_in_region else (rt.scope == "step" and rt.committed)
+        if rt.rank != int(rank) or not where or rt.pos[0] < int(step) or os.path.exists(mark):
             return _run(self, op, outputs, inputs, issue)
 
         def completes_then_fails(group):  # noqa: ANN001, ANN202
             issue(group).wait()
             if not os.path.exists(mark):
                 open(mark, "w").close()
-                print(f"injected: rank {rank}'s {op} in the region after step {rt.pos[0]} completed, then "
-                      "failed", file=sys.stderr, flush=True)
+                print(f"injected: rank {rank}'s {op} {'in the region after' if _glitch_in_region else 'after the optimizer step of'} "
+                      f"step {rt.pos[0]} completed, then failed", file=sys.stderr, flush=True)
                 from baton.worker.group import CollectiveFailure
 
                 raise CollectiveFailure("injected: the data path dropped the collective's last bytes")
