@@ -322,6 +322,7 @@ def readme_sentence(result: dict, name: str) -> str:
                  f"taint and a kill -9 ({moves} of downtime in the ledger, steps lost "
                  f"{sum(mv['steps_lost'] for mv in c['moves'])}), every rank's state and the checkpoint "
                  + ("bit for bit equal to torchrun's" if c.get("bitwise_against_torchrun") else "NOT equal to torchrun's")
+                 + (f" ({c['note']})" if c.get("note") else "")
                  + (f"; its first try {c['first_try']}" if c.get("first_try") else "") + ".")
     return text
 
