@@ -119,38 +119,38 @@ class Job:
         os.kill(pid, sig)
         return pid
 
-    def wait(self, timeout: float = 120.0) -> int:
+    def wait(self, timeout: float = 120.0, stall: float = 60.0) -> int:
+        """Until the job exits, its exit code. Bounded by progress, not by a guess of how fast a
+        shared machine runs it: past `timeout` it goes on waiting while the job moves (a rank's
+        step, the job's state or operation changed), and fails, with the log, once nothing
+        moved for `stall` seconds: a hang fails at `timeout`, a slow machine passes."""
+        begun = time.time()
+        seen, moved_at = None, begun
         try:
-            return self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-            raise AssertionError(f"job did not finish in {timeout}s:\n{self.log()}")
+            while True:
+                try:
+                    return self.proc.wait(timeout=1.0)
+                except subprocess.TimeoutExpired:
+                    pass
+                try:
+                    st = self.status()
+                    now = (st["state"], st.get("operation"), tuple(r["step"] for r in st["ranks"]))
+                except Exception:  # noqa: BLE001 - the API may be momentarily busy, or the job ending
+                    now = seen
+                if now != seen:
+                    seen, moved_at = now, time.time()
+                if time.time() - begun > timeout and time.time() - moved_at > stall:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                    self.proc.wait()
+                    raise AssertionError(f"job did not finish in {timeout:.0f}s and made no progress in the last "
+                                         f"{stall:.0f}s (last seen: {seen}):\n{self.log()}")
         finally:
             self.stdout.close()
             self.stderr.close()
 
     def wait_progress(self, stall: float = 90.0) -> int:
-        """Until the job exits, its exit code; fails, with its log, only where no rank's step
-        advanced for `stall` seconds (a hang): bounded by progress, not by a guess of how fast
-        a shared machine runs the rest of the job."""
-        last, moved_at = None, time.time()
-        while True:
-            try:
-                self.proc.wait(timeout=1.0)
-                return self.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                pass
-            try:
-                now = tuple(r["step"] for r in self.status()["ranks"])
-            except Exception:  # noqa: BLE001 - the API may be momentarily busy, or the job ending
-                now = last
-            if now != last:
-                last, moved_at = now, time.time()
-            elif time.time() - moved_at > stall:
-                self.kill()
-                self.wait(timeout=30)
-                raise AssertionError(f"the job made no progress in {stall:.0f}s (ranks' steps {last}):\n{self.log()}")
+        """Until the job exits, however long, as long as it makes progress (see `wait`)."""
+        return self.wait(timeout=stall, stall=stall)
 
     def kill(self) -> None:
         if self.proc.poll() is None:
