@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.nocode_runs import compare, differences
-from tests.test_nocode_moves import _cli, _relative, _resolved, _torchrun_then_job
+from tests.test_nocode_moves import _relative, _torchrun_then_job, planned_taint_then_loss
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
 
@@ -28,14 +28,7 @@ def test_a_gpu_model_moves_planned_preemptive_and_unplanned_bit_for_bit(tmp_path
     try:
         st = job.wait_step(8, timeout=120)
         assert st["mode"] == "no-code", st
-        moved = _cli(job, "migrate", "--rank", "1")
-        assert moved.returncode == 0, moved.stderr
-        st = _resolved(job, 1)
-        slot = next(r["slot"] for r in st["ranks"] if r["rank"] == 0)
-        tainted = _cli(job, "taint", slot, "--reason", "ecc")
-        assert tainted.returncode == 0, tainted.stderr
-        _resolved(job, 2)
-        go.touch()  # the kill lands in rank 1's next step, after its forward
+        planned_taint_then_loss(job, go)  # the kill lands in rank 1's next step, after its forward
         assert job.wait(timeout=170) == 0, job.log()
     finally:
         job.kill()

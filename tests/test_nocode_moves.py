@@ -72,14 +72,7 @@ def test_a_planned_move_a_taint_and_a_lost_rank_end_bitwise_equal_to_torchrun(tm
         st = job.wait_step(8, timeout=120)
         assert st["mode"] == "no-code" and st["step_loop"].startswith(f"{NOCODE / name}:")
         assert f"mode: no code change, step loop at {st['step_loop']}" in _cli(job, "status").stdout
-        moved = _cli(job, "migrate", "--rank", "1")
-        assert moved.returncode == 0, moved.stderr
-        st = _resolved(job, 1)
-        slot = next(r["slot"] for r in st["ranks"] if r["rank"] == 0)
-        tainted = _cli(job, "taint", slot, "--reason", "ecc")
-        assert tainted.returncode == 0, tainted.stderr
-        _resolved(job, 2)
-        go.touch()  # the loss lands in the victim's next step, after its forward
+        planned_taint_then_loss(job, go)
         assert job.wait(timeout=170) == 0, job.log()
     finally:
         job.kill()
@@ -95,6 +88,20 @@ def test_a_planned_move_a_taint_and_a_lost_rank_end_bitwise_equal_to_torchrun(tm
     # the survivor was in the victim's step (that step runs again) or, where the kill landed as
     # it stood at a head or in a region without collectives, not; the states above are the check
     assert events[2]["steps_rerun"] in (0, 1), events[2]
+
+
+def planned_taint_then_loss(job: Job, go: Path) -> None:
+    """A planned move of rank 1 through the CLI, then a taint of rank 0's slot, each resolved,
+    then `go` made: the loss the job was started with (BATON_TEST_SIGNAL_GO) lands in the
+    victim's next step, after its forward."""
+    moved = _cli(job, "migrate", "--rank", "1")
+    assert moved.returncode == 0, moved.stderr
+    st = _resolved(job, 1)
+    slot = next(r["slot"] for r in st["ranks"] if r["rank"] == 0)
+    tainted = _cli(job, "taint", slot, "--reason", "ecc")
+    assert tainted.returncode == 0, tainted.stderr
+    _resolved(job, 2)
+    go.touch()
 
 
 def _relative(obj: Any, folder: Path) -> Any:

@@ -737,35 +737,21 @@ class ScriptRuntime(Runtime):
         out = [torch.zeros_like(t) for _ in range(self.world_size)]
         with self.group.internal():
             self._wait_internal(self.group.allgather([out], [t]), "the place check")
-        places = [tuple(x.tolist()[:2]) for x in out]
+        gathered = [x.tolist() for x in out]
+        places = [tuple(g[:2]) for g in gathered]
         self.exit_expected = False
-        if {a for a, _ in places} == {1} and len(set(places)) > 1 and not any(int(x[2]) for x in out) \
-                and not self.tracked.sharded:
-            assert self.region is not None
+        apart = self._apart_by_completed_collectives(places, gathered, tail_record)
+        if apart is not None:
+            record, counts, where, ahead = apart
             with self.group.internal():
-                catch_up(self.region, [n for _, n in places], self.rank, self._broadcast_internal)
-            log.info("generation %s: ranks in the region after the step loop at %s collectives: those behind "
-                     "answer the rest from the record of a rank ahead", generation, [n for _, n in places])
-            return
-        tails = [x.tolist()[3:] for x in out]
-        if {a for a, _ in places} == {0, 2} and len({step for step, _, _ in tails}) == 1 and tails[0][0] >= 0 \
-                and not any(live for _, _, live in tails) and not self.tracked.sharded \
-                and max(n for (a, _), (_, n, _) in zip(places, tails) if a == 2) < \
-                min(n for (a, _), (_, n, _) in zip(places, tails) if a == 0):
-            # Some at the head after step S, the others in its lines after the optimizer step,
-            # short of collectives the first completed (a data path failing inside one): the
-            # ranks behind answer those from the record of a rank at the head, then reach it.
-            assert tail_record is not None
-            with self.group.internal():
-                catch_up(tail_record, [n for _, n, _ in tails], self.rank, self._broadcast_internal)
-            if here[0] == 2:
-                tail_record.join = lambda: self.stop(
-                    f"rank {self.rank}: after the optimizer step of step {tail_record.pos[0]}, the script runs more "
+                catch_up(record, counts, self.rank, self._broadcast_internal)
+            if here[0] == 2:  # the others stand at the next head: past the record is another way
+                record.join = lambda: self.stop(
+                    f"rank {self.rank}: after the optimizer step of step {record.pos[0]}, the script runs more "
                     "collectives than the ranks that completed that step did: it took another way. The job stops "
                     "here: restart it from your own checkpoint.")
-            log.info("generation %s: ranks at the head after step %d and in its lines after the optimizer step "
-                     "(%s collectives recorded): those behind answer the rest from the record of a rank at the head",
-                     generation, tails[0][0], [n for _, n, _ in tails])
+            log.info("generation %s: ranks %s (%s collectives recorded): those behind answer the rest from the "
+                     "record of a rank %s", generation, where, counts, ahead)
             return
         if set(places) == {(0, 0), (1, 0)} and not self.tracked.sharded:
             # Some stand at a head of the step loop, the others in the region after it before any
@@ -785,6 +771,31 @@ class ScriptRuntime(Runtime):
             self.ctl.report_now(m.Verified(generation=generation, pos=self.pos, ok=False, differing=["place"],
                                            detail=detail))
             raise Divergence(detail)
+
+    def _apart_by_completed_collectives(self, places: list[tuple[int, int]], gathered: list[list[int]],
+                                        tail_record: StepRecord | None) -> tuple[Any, list[int], str, str] | None:
+        """Where the ranks stand apart only by recorded collectives that completed on some of
+        them and failed on the others (a data path failing inside one): all in the region
+        after the step loop, or some at the head after step S and the others in S's lines
+        after its optimizer step. The record the ranks behind answer the rest from, each
+        rank's count in it, and what to say; None where they stand apart otherwise, or where
+        a rank ran a collective that is not recorded. `gathered`: each rank's place, whether
+        its region ran an unrecorded collective, and its tail record's step, count and the same."""
+        if self.tracked.sharded or len(set(places)) == 1:
+            return None
+        kinds = {a for a, _ in places}
+        if kinds == {1} and not any(g[2] for g in gathered):
+            return self.region, [n for _, n in places], "in the region after the step loop", "ahead"
+        tails = [g[3:] for g in gathered]
+        if kinds != {0, 2} or len({step for step, _, _ in tails}) != 1 or tails[0][0] < 0 or \
+                any(live for _, _, live in tails):
+            return None
+        behind = [n for (a, _), (_, n, _) in zip(places, tails) if a == 2]
+        at_head = [n for (a, _), (_, n, _) in zip(places, tails) if a == 0]
+        if max(behind) >= min(at_head):
+            return None
+        return (tail_record, [n for _, n, _ in tails],
+                f"at the head after step {tails[0][0]} and in its lines after the optimizer step", "at the head")
 
     def _tail_record(self, here: tuple[int, int]) -> StepRecord | None:
         """The record of the step a rank stands after: its own step's, in its lines after the

@@ -331,9 +331,9 @@ class LiveGroup(dist.ProcessGroup):
         before = _socket_fds()
         try:
             backend = connect_gloo(prefixed, self._rank, self._world, op_timeout_s, paths, generation, superseded)
+        except CollectiveFailure:  # superseded, or gloo's connect outlived its timeout
+            raise
         except RuntimeError as exc:  # gloo could not connect (a data path gone meanwhile): the plan failed
-            if isinstance(exc, CollectiveFailure):
-                raise
             raise CollectiveFailure(f"generation {generation} did not form: {exc}") from None
         self.drop()
         self._inner = backend
