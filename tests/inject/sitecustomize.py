@@ -73,7 +73,8 @@ step (an evaluation).
 BATON_TEST_GLITCH_IN_REGION="rank:step" (with BATON_TEST_SIGNAL_MARK): once, that rank's first
 recorded collective in the region after its step loop past that step completes, and then
 fails there as a data path dropping its last bytes would: every other rank has its result and
-goes on to its next collective; this one has none, recovers in place and issues it again.
+goes on to its next collective; this one has none, recovers in place and issues it again. It
+fails only once the other rank has recorded that collective's result (files beside the mark).
 BATON_TEST_GLITCH_AFTER_STEP="rank:step": the same, for that rank's first recorded collective
 after its optimizer step in a step past that one (a loss all-reduced for the log).
 
@@ -543,15 +544,32 @@ if _glitch_in_region or _glitch_after_step:
     _run = _collectives.RecordingGroup._run
 
     def _glitch_after(self, op, outputs, inputs, issue):  # noqa: ANN001, ANN202
+        import time
+
         rank, step = (_glitch_in_region or _glitch_after_step).split(":")
         rt, mark = self.rt, os.environ["BATON_TEST_SIGNAL_MARK"]
+        armed, peer_done = mark + ".armed", mark + ".peer"  # the glitching rank's collective: its number
+        if rt.rank != int(rank):  # the other rank: says when it has completed that collective
+            out = _run(self, op, outputs, inputs, issue)
+            if os.path.exists(armed) and not os.path.exists(peer_done):
+                with open(armed) as f:
+                    if f.read() == str(len(rt.collective_record()[0].ops)):
+                        open(peer_done, "w").close()
+            return out
         where = rt.scope == "region" if _glitch_in_region else (rt.scope == "step" and rt.committed)
-        if rt.rank != int(rank) or not where or rt.pos[0] < int(step) or os.path.exists(mark):
+        if not where or rt.pos[0] < int(step) or os.path.exists(mark):
             return _run(self, op, outputs, inputs, issue)
+        with open(armed, "w") as f:
+            f.write(str(len(rt.collective_record()[0].ops) + 1))
 
         def completes_then_fails(group):  # noqa: ANN001, ANN202
             issue(group).wait()
             if not os.path.exists(mark):
+                # Fails only once the other rank has the result too (else its own collective
+                # could fail as this one breaks the connection, and no rank would be ahead).
+                deadline = time.time() + 60
+                while not os.path.exists(peer_done) and time.time() < deadline:
+                    time.sleep(0.002)
                 open(mark, "w").close()
                 print(f"injected: rank {rank}'s {op} {'in the region after' if _glitch_in_region else 'after the optimizer step of'} "
                       f"step {rt.pos[0]} completed, then failed", file=sys.stderr, flush=True)
