@@ -67,8 +67,9 @@ def test_planned_migration_is_bitwise_identical(tmp_path, reference, pre_copy):
         events = _check(job, reference, "planned", rerun_max=0)
         assert events[0]["rank"] == 1
         phases = events[0]["phases"]  # where the downtime went, summing to it
-        expected = ["follow", "fetch", "load", "form", "verify", "rest"] if pre_copy else \
-            ["fetch", "load", "form", "verify", "rest"]
+        # the joiner's part, then the last rank's way to the boundary after the first paused
+        expected = ["follow", "fetch", "load", "form", "verify", "boundary", "rest"] if pre_copy else \
+            ["fetch", "load", "form", "verify", "boundary", "rest"]
         assert list(phases) == expected, phases
         assert abs(sum(phases.values()) - events[0]["downtime_s"]) < 0.01, (phases, events[0])
         assert phases["fetch"] > 0

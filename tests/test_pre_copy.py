@@ -135,3 +135,126 @@ def test_a_joiner_whose_replay_is_as_slow_as_the_steps_gives_up():
     assert _cannot_keep_up([(0.1, 1.0), (0.2, 1.0), (0.15, 0.9)]) == ""
     why = _cannot_keep_up([(0.1, 1.0), (0.9, 1.0), (0.95, 1.0), (1.2, 1.1)])
     assert "cannot keep up" in why and "0.950s" in why and "1.000s" in why, why
+
+
+class _Tracked:
+    """What a Feed reads of baton's tracked objects: a model and its optimizer."""
+
+    def __init__(self, model, opt):
+        self.objects, self.sharded = {"model": model, "opt": opt}, set()
+
+    def optimizers(self):
+        return [self.objects["opt"]]
+
+
+def _fed_model():
+    import torch
+
+    model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.Linear(1024, 512))  # 2 MB weights
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def test_a_feeds_records_reuse_mapped_buffers_and_each_holds_its_own_steps_gradients():
+    """The leaver copies each step's gradients into buffers mapped ahead (on a thread, once the
+    base is served) and reused once a record is dropped; every record a joiner fetches, over a
+    real socket, holds the gradients of its own step, never a later step's."""
+    import time
+
+    import torch
+
+    from baton.transfer import codec
+    from baton.transfer.client import SnapshotLink
+    from baton.transfer.server import TransferServer, snapshot_key
+    from baton.worker import precopy
+    from baton.worker.precopy import Feed, record_key
+
+    model, opt = _fed_model()
+    server = TransferServer("tok")
+    feed = Feed(server, 0, _Tracked(model, opt), op=7)
+    link = SnapshotLink(server.address, "tok", 10.0)
+    try:
+        feed.serve_base({"x": 1}, (0, 0))
+        buffers = feed.buffers
+        deadline = time.monotonic() + 60  # the thread maps them beside this test
+        while sum(len(v) for v in buffers._free.values()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        mapped = {t.data_ptr() for v in buffers._free.values() for t in v}
+        assert mapped, "no buffer mapped ahead"
+        steps = precopy.KEEP_RECORDS  # enough for records to be dropped and their buffers reused
+        used = set()
+        for step in range(steps):
+            for i, p in enumerate(model.parameters()):  # in place, as zero_grad(set_to_none=False) and backward
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                p.grad.fill_(float(step * 10 + i))
+            feed.before_optimizer_step(0, opt, step, False)
+            opt.step()
+            feed.after_optimizer_step()
+            feed.end_step(step)
+            flat, _ = link.fetch(snapshot_key(feed.ids[1], record_key(7, 2 * step)))
+            record = codec.decode(flat.meta, list(flat.tensors))
+            assert record["kind"] == "optimizer_step" and record["step"] == step
+            for i, g in enumerate(record["grads"]):
+                assert torch.equal(g, torch.full_like(g, float(step * 10 + i))), (step, i)
+            used |= {t.data_ptr() for t in server.get_snapshot(feed.ids[1], record_key(7, 2 * step)).tensors}
+        assert mapped & used, "the buffers mapped ahead were never used"
+        kept = [k for k in server.snapshot_steps(feed.ids[1])]
+        assert 2 <= len(kept) < 2 * steps, kept  # old records dropped
+        # a record still held by the server was not overwritten by a later step's gradients
+        oldest = min(kept)
+        flat, _ = link.fetch(snapshot_key(feed.ids[1], oldest))
+        record = codec.decode(flat.meta, list(flat.tensors))
+        if record["kind"] == "optimizer_step":
+            g = record["grads"][0]
+            assert torch.equal(g, torch.full_like(g, float(record["step"] * 10))), record["step"]
+    finally:
+        link.close()
+        feed.close()
+        server.close()
+
+
+def test_a_follower_waits_for_a_base_that_takes_longer_than_its_timeout_and_a_form_ends_the_wait():
+    """The leaver's base comes once it reaches a boundary and copies its state: on a busy
+    machine, later than a connection's timeout; the follower waits for it (a hot spare that
+    gave up there stayed an ordinary spare until the next operation). A Form that comes first
+    ends the wait at once: the move then takes the whole state."""
+    import threading
+    import time
+
+    from baton.transfer.server import TransferServer
+    from baton.worker.precopy import Feed, Follower
+
+    model, opt = _fed_model()
+    server = TransferServer("tok")
+    feed = Feed(server, 0, _Tracked(model, opt), op=3)
+    try:
+        follower = Follower(server.address, "tok", 0, timeout=0.5, op=3)
+        threading.Timer(2.0, feed.serve_base, args=({"replicated": {"w": model[0].weight.detach()}, "pos": [4, 0]}, (4, 0))).start()
+        base = follower.fetch_base()
+        assert follower.pos == (4, 0) and follower.base_s >= 1.5, follower
+        assert base["replicated"]["w"].equal(model[0].weight), "the base is the leaver's state"
+        follower.close()
+
+        late = Follower(server.address, "tok", 0, timeout=0.5, op=4)  # a feed that never comes
+        got: list = []
+        waiting = threading.Thread(target=lambda: got.append(_raised(late.fetch_base)))
+        t0 = time.monotonic()
+        waiting.start()
+        time.sleep(1.5)  # past its timeout: still waiting
+        assert waiting.is_alive() and not got
+        late.wake()  # its Form came
+        waiting.join(10)
+        assert not waiting.is_alive() and got and got[0] is not None, got
+        assert time.monotonic() - t0 < 8
+        late.close()
+    finally:
+        feed.close()
+        server.close()
+
+
+def _raised(fn):
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the test looks at what ended the wait
+        return exc
+    return None

@@ -904,10 +904,13 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing, PathFa
             if joiner_caught_up is not None:
                 ev.pre_copy = {**joiner_caught_up, **{f"leaver_{k}": v for k, v in
                                                        op.pre_copy_cost.get(rank, {}).items()}}
-            if op.joiner_phases:  # where the downtime went: the joiner's part, and the rest (agreeing,
-                # pausing, the sources publishing, the survivors forming, messages)
-                ev.phases = {**op.joiner_phases,
-                             "rest": round(max(0.0, ev.downtime_s - sum(op.joiner_phases.values())), 4)}
+            if op.joiner_phases:  # where the downtime went: the joiner's part, the last rank's way to
+                # the boundary after the first paused (a planned move's), and the rest (the sources
+                # publishing, the survivors forming, messages)
+                parts = dict(op.joiner_phases)
+                if op.kind != EventKind.UNPLANNED and len(op.paused) > 1:
+                    parts["boundary"] = round(max(op.paused.values()) - first_stop, 4)
+                ev.phases = {**parts, "rest": round(max(0.0, ev.downtime_s - sum(parts.values())), 4)}
             # From what the ranks reported: a step every rank had completed that must run again
             # is lost progress; a step some rank abandoned half way is the in-flight step re-run.
             resumed = op.target_step or 0

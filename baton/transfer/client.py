@@ -117,13 +117,18 @@ class SnapshotLink:
             raise TransferError(f"source {self.addr[0]}:{self.addr[1]} refused: {reply['error']}")
         return reply.get("ref")
 
-    def fetch(self, key: int, into: list[torch.Tensor] | None = None) -> tuple[FlatState, int]:
-        """The snapshot `key` (waiting until the rank holds it) and the bytes received,
-        into `into`'s tensors where they fit; each chunk checked, a corrupt one asked for
-        again."""
+    def fetch(self, key: int, into: list[torch.Tensor] | None = None,
+              wait_s: float | None = None) -> tuple[FlatState, int]:
+        """The snapshot `key` (waiting until the rank holds it: up to `wait_s` where the rank
+        may take longer than the link's timeout to get there, as a feed's next step does)
+        and the bytes received, into `into`'s tensors where they fit; each chunk checked, a
+        corrupt one asked for again. close() from another thread ends the wait."""
         try:
             sock = self._ask(LINK_FETCH, key)
+            if wait_s is not None:
+                sock.settimeout(max(wait_s, self.timeout))
             manifest, meta = _read_manifest(sock, self.addr)
+            sock.settimeout(self.timeout)
             tensors = alloc_tensors(manifest, into)
             views = [byte_view(t) for t in tensors]
             chunks = plan_chunks(sizes_of(manifest), int(manifest["chunk_bytes"]))
@@ -157,9 +162,13 @@ class SnapshotLink:
         return self._sock
 
     def close(self) -> None:
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            try:  # wakes a fetch blocked on it in another thread (a close alone would not)
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            sock.close()
 
 
 def fetch_state(sources: list[tuple[str, int]], generation: int, token: str,

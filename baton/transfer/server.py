@@ -108,9 +108,15 @@ def connect(addr: tuple[str, int], token: str, kind: bytes, generation: int = 0,
     return sock
 
 
+# How long a request waits for the state or snapshot it asks for to be here (a rank that has
+# yet to reach the boundary it is asked at, or to copy a large state there) before it is
+# answered that it is not.
+PUBLISH_WAIT_S = 120.0
+
+
 class TransferServer:
     def __init__(self, token: str, host: str = "127.0.0.1", chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 publish_wait_s: float = 120.0):
+                 publish_wait_s: float = PUBLISH_WAIT_S):
         self.token = token
         self.chunk_bytes = chunk_bytes
         self.publish_wait_s = publish_wait_s

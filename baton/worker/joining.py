@@ -50,6 +50,8 @@ class Joining:
             gen, target = cmd.generation, tuple(cmd.pos)
             try:
                 t0 = t_followed = time.perf_counter()
+                if self.follower is not None and self.follower.woken_at:  # it came while a step was replayed
+                    t0 = min(t0, self.follower.woken_at)
                 followed = self._finish_following(cmd) if self.follower is not None else None
                 if followed is not None:
                     state, stats, t_followed = followed
