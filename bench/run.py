@@ -50,7 +50,7 @@ PRESETS = {
         "overhead": {"sizes_m": [2, 10, 50], "steps": 60, "warmup": 10, "nproc": 3, "verify_every": 10},
         "failures": {"params_m": 2, "steps": 150, "nproc": 3, "step_sleep": 0.05, "kill_at": [50, 100],
                      "kill_rank": 1},
-        "downtime": {"sizes_mb": [10, 30, 100, 300, 1000]},
+        "downtime": {"sizes_mb": [10, 30, 100, 300, 1000, 2000]},
         "gpu": {"state_gb": 10},
         "rounds": 7,
     },

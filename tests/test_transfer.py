@@ -71,6 +71,26 @@ def test_wrong_token_and_wrong_generation_are_refused():
     server.close()
 
 
+def test_a_state_readied_before_its_generation_is_served_only_once_promoted():
+    """A leaver encodes what it serves at its pause, before the Publish names the generation:
+    a fetch for that generation waits for the promotion, then gets it bitwise; a state that
+    was never promoted is never served."""
+    import threading
+
+    from baton.transfer.server import STAGED
+
+    server = TransferServer("secret", publish_wait_s=0.5)
+    state = _state()
+    server.publish(STAGED, state)
+    with pytest.raises(TransferError, match="no state published"):
+        fetch_state([server.address], 4, "secret")
+    server.publish_wait_s = 10.0
+    threading.Timer(0.3, server.promote, args=(4,)).start()
+    got, _ = fetch_state([server.address], 4, "secret")
+    assert len(got.tensors) == len(state.tensors) and all(torch.equal(a, b) for a, b in zip(got.tensors, state.tensors))
+    server.close()
+
+
 def test_persistently_corrupt_chunk_is_never_loaded(monkeypatch):
     server = TransferServer("secret", chunk_bytes=64 << 10)
     server._corrupt_once = set()

@@ -351,9 +351,13 @@ class Assign(_Msg):
 
 
 class Pause(_Msg):
+    """Stop at the boundary before step `at_step`; `leave`: this rank hands itself over there
+    (it readies what it will serve while the others get there)."""
+
     type: Literal["pause"] = "pause"
     op: NonNegativeInt
     at_step: NonNegativeInt
+    leave: bool = False
 
 
 class Publish(_Msg):

@@ -66,7 +66,7 @@ class PlannedMoves:
             op.agree_tries += 1
             op.enter("agree", self._report_window())
             for r in silent:
-                self._post(self.ranks[r].worker or "", m.Pause(op=op.id, at_step=op.target_step or 0))
+                self._post(self.ranks[r].worker or "", self._pause(op, r, op.target_step or 0))
             return
         self._lose_hung(silent, f"did not answer the pause request of {op.kind.value} move {op.id} (hung)")
 
@@ -176,9 +176,13 @@ class PlannedMoves:
         causes = sorted({self.events[mv.event_id - 1].cause for mv in op.moves.values()})
         self._emit("migration", {"kind": op.kind.value, "ranks": sorted(op.moves), "cause": "; ".join(causes),
                                  "at_step": op.target_step})
-        for info in self.ranks.values():
+        for r, info in self.ranks.items():
             assert info.worker
-            self._post(info.worker, m.Pause(op=op.id, at_step=op.target_step))
+            self._post(info.worker, self._pause(op, r, op.target_step))
+
+    @staticmethod
+    def _pause(op: Operation, rank: int, at_step: int) -> m.Pause:
+        return m.Pause(op=op.id, at_step=at_step, leave=rank in op.moves)
 
     def _estimate_target(self) -> int:
         """Pick a boundary just ahead of where the fastest rank is now.
@@ -218,9 +222,9 @@ class PlannedMoves:
             op.acks = {}
             op.enter("agree", self._report_window())
             self._emit("retarget", {"op": op.id, "at_step": new_target})
-            for info in self.ranks.values():
+            for r, info in self.ranks.items():
                 assert info.worker
-                self._post(info.worker, m.Pause(op=op.id, at_step=new_target))
+                self._post(info.worker, self._pause(op, r, new_target))
             return
         op.enter("pausing", self._pause_window())
         self._advance_pausing()

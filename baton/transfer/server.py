@@ -108,6 +108,10 @@ def connect(addr: tuple[str, int], token: str, kind: bytes, generation: int = 0,
     return sock
 
 
+# The generation of a state published before its generation is known (a leaver's, readied at
+# its pause): no request asks for it; promote() gives it its number.
+STAGED = -1
+
 # How long a request waits for the state or snapshot it asks for to be here (a rank that has
 # yet to reach the boundary it is asked at, or to copy a large state there) before it is
 # answered that it is not.
@@ -214,6 +218,14 @@ class TransferServer:
         chunks = plan_chunks([len(v) for v in views], self.chunk_bytes)
         with self._cond:
             self._published[kind] = (generation, state, chunks, views)
+            self._cond.notify_all()
+
+    def promote(self, generation: int) -> None:
+        """Serve what was published as STAGED as `generation`'s (readied before its number was known)."""
+        with self._cond:
+            for kind, (gen, state, chunks, views) in list(self._published.items()):
+                if gen == STAGED:
+                    self._published[kind] = (generation, state, chunks, views)
             self._cond.notify_all()
 
     def retract(self) -> None:

@@ -59,6 +59,7 @@ class ControlChannel:
         self.started = -1  # index of the last step this rank began
         self.pause_at: int | None = None
         self.pause_op: int | None = None
+        self.pause_leave = False  # this rank leaves at the pause (Pause.leave)
         self.abort_generation: int | None = None
         self.pre_copy_op: int | None = None  # a planned move asked this rank to feed its joiner
         self.newest_abort = -1  # the newest generation any Abort named (never cleared)
@@ -246,7 +247,7 @@ class ControlChannel:
             with self.lock:
                 ok = self.started < target
                 if ok:
-                    self.pause_at, self.pause_op = target, cmd.op
+                    self.pause_at, self.pause_op, self.pause_leave = target, cmd.op, cmd.leave
                     self.attention = True
                 next_step = self.started + 1
             self.report(m.PauseAck(op=cmd.op, ok=ok, next_step=max(0, next_step)))
