@@ -320,7 +320,11 @@ class Recovery:
         """Count a loss of `rank`; its streak once it has LOSSES_IN_PLACE losses while the job
         has not advanced a step (a respawn loop helps no one: a crash in native code at the
         same point, a collective whose sizes differ because the ranks' models do), else None."""
-        step = min(i.reached for i in self.ranks.values())
+        # Where the job stands is where the other ranks stand: the lost rank's own count may be
+        # its dead process's (a joiner lost taking it over) or the new one's (lost in its first
+        # step), and the streak must not start over between the two.
+        others = [i.reached for r, i in self.ranks.items() if r != rank]
+        step = min(others or [i.reached for i in self.ranks.values()])
         streak = self._losses_in_place.get(rank)
         if streak is None or streak.step != step:
             streak = self._losses_in_place[rank] = LossStreak(step)
