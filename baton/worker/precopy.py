@@ -147,8 +147,7 @@ class RecordBuffers:
     def prepare(self, sets: list[list[tuple[torch.Size, torch.dtype]]]) -> None:
         """Map, on a thread, as many buffers for each optimizer's gradients as the feed keeps
         records of them, and one more for the record being made."""
-        grad_bytes = sum(math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-                         for shapes in sets for shape, dtype in shapes)
+        grad_bytes = sum(math.prod(shape) * dtype.itemsize for shapes in sets for shape, dtype in shapes)
         if grad_bytes < self.POOLED:
             return
         count = min(KEEP_RECORDS // 2, max(2, KEEP_BYTES // grad_bytes)) + 1
@@ -158,7 +157,7 @@ class RecordBuffers:
         for _ in range(count):
             for shapes in sets:
                 made = [torch.zeros(shape, dtype=dtype) for shape, dtype in shapes
-                        if math.prod(shape) * torch.empty((), dtype=dtype).element_size() >= self.POOLED]
+                        if math.prod(shape) * dtype.itemsize >= self.POOLED]
                 with self._lock:
                     if self._closed:
                         return
@@ -206,7 +205,7 @@ class Feed:
     touched: str = ""  # why the joiner cannot follow (empty: it can)
     _seq: int = 0
     _kept: list[tuple[int, int]] = field(default_factory=list)  # (seq, bytes)
-    buffers: "RecordBuffers" = field(default_factory=lambda: RecordBuffers())
+    buffers: RecordBuffers = field(default_factory=RecordBuffers)
     _versions: list[int] | None = None
     _step_t0: float = 0.0
 
@@ -319,6 +318,11 @@ class Follower:
         if self.ids == (0, 0):
             self.ids = pre_copy_ids(self.rank)
 
+    @property
+    def _wait_s(self) -> float:
+        """How long a fetch waits for the source to hold what it asks for: as long as its server would."""
+        return PUBLISH_WAIT_S + self.timeout
+
     def fetch_base(self) -> dict[str, Any]:
         """The source's replicated state, once it has reached a boundary and copied it there:
         a large state's copy, on a busy machine, takes longer than a connection's timeout.
@@ -327,7 +331,7 @@ class Follower:
         self._link = SnapshotLink(self.source, self.token, self.timeout)
         if self._stop.is_set() or self._late.is_set():  # (set before they look for the link)
             raise TransferError("a Form came before the source's replicated state did")
-        flat, n = self._link.fetch(snapshot_key(self.ids[0], self.op), wait_s=PUBLISH_WAIT_S + self.timeout)
+        flat, n = self._link.fetch(snapshot_key(self.ids[0], self.op), wait_s=self._wait_s)
         self.base_bytes, self.base_s = n, time.perf_counter() - t0
         state = codec.decode(flat.meta, list(flat.tensors))
         self.pos = tuple(state["pos"])  # type: ignore[assignment]
@@ -340,7 +344,7 @@ class Follower:
         seq = 0
         try:
             while not self._stop.is_set():  # the next record comes with the source's next step, however long
-                flat, n = link.fetch(snapshot_key(steps, record_key(self.op, seq)), wait_s=PUBLISH_WAIT_S + self.timeout)
+                flat, n = link.fetch(snapshot_key(steps, record_key(self.op, seq)), wait_s=self._wait_s)
                 self.step_bytes += n
                 record = codec.decode(flat.meta, list(flat.tensors))
                 record["nbytes"] = n  # what it took on the wire
