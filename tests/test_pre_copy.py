@@ -137,6 +137,26 @@ def test_a_joiner_whose_replay_is_as_slow_as_the_steps_gives_up():
     assert "cannot keep up" in why and "0.950s" in why and "1.000s" in why, why
 
 
+def test_a_pre_copy_whose_gradients_fill_mapped_buffers_is_bitwise(tmp_path, train_reference):
+    """Layers wide enough (640x640 fp32: 1.6 MB) that each step's gradients go into the feed's
+    buffers mapped ahead and reused (RecordBuffers.POOLED), not fresh clones: the joiner follows
+    them and the move ends bitwise equal to the run without it."""
+    args = ["--width", "640", "--step-sleep", "0.02"]  # ARGS, wider
+    reference = train_reference(NPROC, STEPS, args)
+    job = Job(tmp_path, nproc=NPROC, spares=1, steps=STEPS, script_args=args, name="wide", run_args=["--pre-copy"])
+    try:
+        job.wait_step(5)
+        job.wait_spare()
+        job.client.migrate(1)
+        assert job.wait(timeout=180) == 0, job.log()
+        _equal_to(job, reference)
+        (ev,) = job.events()
+    finally:
+        job.kill()
+    assert ev["kind"] == "planned" and ev["status"] == "resolved" and ev["steps_lost"] == 0, ev
+    assert ev["pre_copy"]["ok"] is True and ev["pre_copy"]["steps"] >= 1, ev
+
+
 class _Tracked:
     """What a Feed reads of baton's tracked objects: a model and its optimizer."""
 
