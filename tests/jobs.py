@@ -26,9 +26,17 @@ class Job:
     def __init__(self, tmp: Path, nproc: int = 3, spares: int = 1, steps: int = 40,
                  script_args: list[str] | None = None, run_args: list[str] | None = None,
                  env: dict[str, str] | None = None, name: str = "job", script: Path = TRAIN,
-                 run_dir: Path | None = None, launch: list[str] | None = None, out_arg: bool = True):
+                 run_dir: Path | None = None, launch: list[str] | None = None, out_arg: bool = True,
+                 leash: int = 0):
+        """`leash`: the ranks run at most that many steps ahead of the step the test last saw
+        (a wait's status reads move it on), until `wait` lets go (tests/inject/sitecustomize.py,
+        BATON_TEST_LEASH): a test's faults then land before the job ends on any machine."""
         self.dir = tmp / name
         self.dir.mkdir(parents=True, exist_ok=True)
+        self.leash, self.leash_file = leash, self.dir / "leash"
+        if leash:
+            self.leash_file.write_text(str(leash))
+            env = {"PYTHONPATH": str(REPO / "tests" / "inject"), **(env or {}), "BATON_TEST_LEASH": str(self.leash_file)}
         self.out = self.dir / "final.pt"
         self.run_dir = run_dir or self.dir / "run"
         cmd = [*(launch or []), sys.executable, "-m", "baton.cli", "run", "--nproc", str(nproc), "--spares", str(spares),
@@ -83,10 +91,23 @@ class Job:
                 time.sleep(0.1)
                 continue
             last = json.dumps({k: st.get(k) for k in ("state", "ranks")}, default=str)[:500]
+            self._pull_leash(st)
             if predicate(st):
                 return st
             time.sleep(0.05)
         raise AssertionError(f"timed out waiting for {what} (last status: {last}):\n{self.log()}")
+
+    def _pull_leash(self, st: dict[str, Any]) -> None:
+        if self.leash and self.leash_file.exists() and st.get("ranks"):
+            gate = min(r["step"] for r in st["ranks"]) + self.leash
+            if gate > int(self.leash_file.read_text() or 0):
+                tmp = self.leash_file.with_suffix(".new")
+                tmp.write_text(str(gate))
+                tmp.replace(self.leash_file)  # the ranks never read a half-written step
+
+    def let_go(self) -> None:
+        """The ranks run on to the end (a leashed job)."""
+        self.leash_file.unlink(missing_ok=True)
 
     def wait_step(self, step: int, timeout: float = 60.0) -> dict[str, Any]:
         return self.wait_until(lambda st: st["state"] == "running" and min(r["step"] for r in st["ranks"]) >= step,
@@ -124,6 +145,7 @@ class Job:
         shared machine runs it: past `timeout` it goes on waiting while the job moves (a rank's
         step, the job's state or operation changed), and fails, with the log, once nothing
         moved for `stall` seconds: a hang fails at `timeout`, a slow machine passes."""
+        self.let_go()
         begun = time.time()
         seen, moved_at = None, begun
         try:

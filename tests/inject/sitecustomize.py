@@ -99,6 +99,12 @@ fast or slow the machine: the test removes the file to let training finish (at m
 (the step a re-formed group needs to show it works) and they hold again, so a test can run
 several operations one after another in a short run.
 
+BATON_TEST_LEASH=path: while that file exists and holds a step no later than the rank's next
+one, the rank waits at that boundary, still taking the orchestrator's commands there: the
+test (`Job(leash=N)`) moves the step on as it sees the job's progress, so the ranks run at
+most N steps ahead of the test's last look and cannot finish before its faults, however
+slow or busy the machine. The test removes the file to let training finish.
+
 BATON_TEST_CORRUPT_JOINER=1: a joiner of a planned move, right after it loads the replicated
 state that arrived, changes one float of its largest parameter by one ulp, as a bug in the
 load would. The move's state check (its pass over the large tensors deferred into the next
@@ -322,6 +328,33 @@ if _hold_at:
         runtime.Runtime._boundary = _hold_then_boundary
 
     _when_imported("baton.worker.runtime", _patch_hold)
+
+_leash = os.environ.get("BATON_TEST_LEASH")
+if _leash:
+    def _patch_leash(runtime) -> None:  # noqa: ANN001
+        import time
+
+        boundary = runtime.Runtime._boundary
+
+        def _gate() -> int | None:
+            try:
+                with open(_leash) as f:
+                    return int(f.read().strip() or 0)
+            except (OSError, ValueError):  # removed (let go), or read while the test rewrote it
+                return None if not os.path.exists(_leash) else 0
+
+        def _leashed_boundary(self):  # noqa: ANN001, ANN202
+            deadline = time.time() + 600
+            while not self.ctl.attention and time.time() < deadline:
+                gate = _gate()
+                if gate is None or self.pos[0] < gate:
+                    break
+                time.sleep(0.02)
+            return boundary(self)
+
+        runtime.Runtime._boundary = _leashed_boundary
+
+    _when_imported("baton.worker.runtime", _patch_leash)
 
 if os.environ.get("BATON_TEST_CORRUPT_JOINER"):
     def _patch_joiner_load(recovery) -> None:  # noqa: ANN001
