@@ -28,7 +28,7 @@ class Job:
                  env: dict[str, str] | None = None, name: str = "job", script: Path = TRAIN,
                  run_dir: Path | None = None, launch: list[str] | None = None, out_arg: bool = True,
                  leash: int = 0):
-        """`leash`: the ranks run at most that many steps ahead of the step the test last saw
+        """`leash`: the ranks run at most that many steps ahead of the furthest step the test last saw
         (a wait's status reads move it on), until `wait` lets go (tests/inject/sitecustomize.py,
         BATON_TEST_LEASH): a test's faults then land before the job ends on any machine."""
         self.dir = tmp / name
@@ -36,7 +36,10 @@ class Job:
         self.leash, self.leash_file = leash, self.dir / "leash"
         if leash:
             self.leash_file.write_text(str(leash))
-            env = {"PYTHONPATH": str(REPO / "tests" / "inject"), **(env or {}), "BATON_TEST_LEASH": str(self.leash_file)}
+            inject = str(REPO / "tests" / "inject")
+            path = [p for p in (env or {}).get("PYTHONPATH", "").split(os.pathsep) if p and p != inject]
+            env = {**(env or {}), "PYTHONPATH": os.pathsep.join([inject, *path]),
+                   "BATON_TEST_LEASH": str(self.leash_file)}
         self.out = self.dir / "final.pt"
         self.run_dir = run_dir or self.dir / "run"
         cmd = [*(launch or []), sys.executable, "-m", "baton.cli", "run", "--nproc", str(nproc), "--spares", str(spares),
@@ -94,12 +97,13 @@ class Job:
             self._pull_leash(st)
             if predicate(st):
                 return st
-            time.sleep(0.05)
+            time.sleep(0.1)  # each read costs the job's control plane CPU: 17 a second took ~8% of a core
         raise AssertionError(f"timed out waiting for {what} (last status: {last}):\n{self.log()}")
 
     def _pull_leash(self, st: dict[str, Any]) -> None:
         if self.leash and self.leash_file.exists() and st.get("ranks"):
-            gate = min(r["step"] for r in st["ranks"]) + self.leash
+            # The furthest rank: a rank unheard for a while (its control link down) shows a stale step.
+            gate = max(r["step"] for r in st["ranks"]) + self.leash
             if gate > int(self.leash_file.read_text() or 0):
                 tmp = self.leash_file.with_suffix(".new")
                 tmp.write_text(str(gate))

@@ -26,8 +26,11 @@ pytestmark = [pytest.mark.skipif(skip_reason() is not None, reason=skip_reason()
 
 FAST = ["--heartbeat-timeout", "2", "--op-timeout", "5"]
 # imagenet's shape: DataLoader workers with random crops, dropout, StepLR, validation that
-# all-reduces its meters, rank 0's checkpoint; 8 steps an epoch at -b 16
-ARGS = ["--epochs", "60", "--out-dir", "{d}/out"]
+# all-reduces its meters, rank 0's checkpoint; 8 steps an epoch at -b 16. The jobs on it are
+# leashed (LEASH steps ahead of what the test saw, tests/jobs.py): their faults land mid-run
+# on any machine, so the run need not be long enough for the slowest one.
+ARGS = ["--epochs", "12", "--out-dir", "{d}/out"]
+LEASH = 6
 SCRIPT = NOCODE / "imagenet_main.py"
 
 
@@ -53,7 +56,7 @@ def reference(torchrun_reference):
 
 
 def _job(tmp_path, slurm: SlurmCluster, env: dict[str, str] | None = None, extra: list[str] | None = None,
-         args: list[str] = ARGS, paths: str = "rail1,rail2") -> Job:
+         args: list[str] = ARGS, paths: str = "rail1,rail2", leash: int = LEASH) -> Job:
     """The same script with no code change, one rank on each of two nodes and a spare node,
     its collectives over both rails (named, or found: `auto`)."""
     run = tmp_path / "baton"
@@ -61,7 +64,7 @@ def _job(tmp_path, slurm: SlurmCluster, env: dict[str, str] | None = None, extra
                script_args=[a.format(d=run) for a in args] + ["--export", str(run / "export")],
                run_args=["--nodes", "2", "--spare-nodes", "1", "--data-paths", paths, "--path-hold-down", "1",
                          *FAST, *(extra or [])],
-               launch=["salloc", "-N3", "--no-kill", "--quiet"])
+               launch=["salloc", "-N3", "--no-kill", "--quiet"], leash=leash)
 
 
 def test_a_watcher_in_a_node_sees_its_rail_go_down_and_come_back(slurm):
@@ -201,7 +204,8 @@ def test_a_rail_down_past_the_grace_moves_the_nodes_rank_and_it_returns_once_the
     env, hold = _holding(tmp_path)
     server = Server(tmp_path, f"sqlite:{tmp_path / 'state'}", tmp_path / "token", host=slurm.network.host_addr)
     job = _job(tmp_path, slurm, env=env, args=LONG, extra=["--path-grace", "2", "--return-home", "--server", server.url,
-                                                  "--server-token-file", str(server.token_file), "--job-id", "grace"])
+                                                  "--server-token-file", str(server.token_file), "--job-id", "grace"],
+               leash=0)
     node = None
     try:
         st = job.wait_step(20, timeout=180)
@@ -304,7 +308,7 @@ def test_a_flapping_rail_costs_one_failover_and_is_damped(tmp_path, slurm, torch
     third down it is damped, which the ledger says. Bitwise, as ever."""
     reference = torchrun_reference(SCRIPT, [*LONG, "--export", "{d}/export"])
     env, hold = _holding(tmp_path)
-    job = _job(tmp_path, slurm, env=env, args=LONG, extra=["--path-hold-down", "3"])
+    job = _job(tmp_path, slurm, env=env, args=LONG, extra=["--path-hold-down", "3"], leash=0)
     node, flaps = None, 0
     try:
         st = job.wait_step(20, timeout=180)

@@ -26,7 +26,9 @@ import xxhash
 
 from baton import selfcost
 from baton.transfer.protocol import (
+    CHUNK_DIGEST,
     CHUNK_HEADER,
+    SLICE_BYTES,
     FlatState,
     Piece,
     TransferError,
@@ -140,10 +142,10 @@ class SnapshotLink:
                 send_all(sock, struct.pack(f"!I{len(wanted)}I", len(wanted), *wanted))
                 again = []
                 for expected in wanted:
-                    index, length, digest = CHUNK_HEADER.unpack(recv_exact(sock, CHUNK_HEADER.size))
+                    index, length = CHUNK_HEADER.unpack(recv_exact(sock, CHUNK_HEADER.size))
                     if index != expected:
                         raise TransferError(f"source sent chunk {index}, expected {expected}")
-                    if not _receive_chunk(sock, chunks[index], views, length, digest):
+                    if not _receive_chunk(sock, chunks[index], views, length):
                         attempts[index] += 1
                         if attempts[index] >= MAX_ATTEMPTS:
                             raise TransferError(f"chunk {index} failed its checksum {attempts[index]} times")
@@ -232,10 +234,10 @@ def fetch_state(sources: list[tuple[str, int]], generation: int, token: str,
             try:
                 send_all(src.sock, struct.pack(f"!I{len(batch)}I", len(batch), *batch))
                 for expected in batch:
-                    index, length, digest = CHUNK_HEADER.unpack(recv_exact(src.sock, CHUNK_HEADER.size))
+                    index, length = CHUNK_HEADER.unpack(recv_exact(src.sock, CHUNK_HEADER.size))
                     if index != expected:
                         raise TransferError(f"source sent chunk {index}, expected {expected}")
-                    ok = _receive_chunk(src.sock, chunks[index], views, length, digest)
+                    ok = _receive_chunk(src.sock, chunks[index], views, length)
                     with lock:
                         done += 1
                         in_flight[0] -= 1
@@ -398,14 +400,17 @@ class _Prefaulter:
                     return  # not supported here: the receiver's writes fault pages in
 
 
-def _receive_chunk(sock: socket.socket, pieces: list[Piece], views: list[memoryview],
-                   length: int, digest: int) -> bool:
-    """Receive a chunk straight into its destination tensors, then verify it."""
+def _receive_chunk(sock: socket.socket, pieces: list[Piece], views: list[memoryview], length: int) -> bool:
+    """Receive a chunk straight into its destination tensors, hashing each slice as it lands
+    (still in cache: protocol.SLICE_BYTES), then check it against the digest that trails it."""
     if length != sum(p.length for p in pieces):
         raise TransferError("chunk length does not match the manifest")
     h = xxhash.xxh3_64()
     for p in pieces:
         dest = views[p.segment][p.offset:p.offset + p.length]
-        recv_into_exact(sock, dest)
-        h.update(dest)
+        for at in range(0, p.length, SLICE_BYTES):
+            part = dest[at:at + SLICE_BYTES]
+            recv_into_exact(sock, part)
+            h.update(part)
+    (digest,) = CHUNK_DIGEST.unpack(recv_exact(sock, CHUNK_DIGEST.size))
     return h.intdigest() == digest

@@ -3,7 +3,7 @@
 Tensors are laid end to end as *segments*; a chunk is a run of pieces of
 segments of at most `chunk_bytes`. Small tensors share a chunk, big ones span
 many, so per-chunk overhead stays small whatever the state looks like. Every
-chunk carries an xxh3-64 checksum computed when it is sent and verified before
+chunk carries an xxh3-64 checksum computed as it is sent and verified before
 a single byte of it is used.
 """
 
@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-MAGIC = b"BATN1"
+MAGIC = b"BATN2"  # 2: the chunk digest trails its bytes
 DEFAULT_CHUNK_BYTES = 8 << 20
 
 _DTYPES = {str(d): d for d in (
@@ -152,4 +152,10 @@ def recv_json(sock: socket.socket, limit: int = 64 << 20) -> dict:
     return json.loads(recv_exact(sock, n))
 
 
-CHUNK_HEADER = struct.Struct("!IQQ")  # index, length, xxh3-64
+CHUNK_HEADER = struct.Struct("!IQ")  # index, length; the chunk's bytes follow, then its CHUNK_DIGEST
+CHUNK_DIGEST = struct.Struct("!Q")  # xxh3-64 of the chunk's bytes, after them
+# Each side checksums a chunk a slice at a time, each slice right after (receiver) or right
+# before (sender) its copy through the socket, while it is still in the core's cache: every
+# byte is read from memory once, not once to copy and again to hash. That is why the digest
+# trails the bytes: the sender knows it only once the last slice has gone.
+SLICE_BYTES = 256 << 10

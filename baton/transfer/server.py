@@ -20,9 +20,11 @@ import xxhash
 
 from baton import selfcost
 from baton.transfer.protocol import (
+    CHUNK_DIGEST,
     CHUNK_HEADER,
     DEFAULT_CHUNK_BYTES,
     MAGIC,
+    SLICE_BYTES,
     FlatState,
     Piece,
     TransferError,
@@ -360,18 +362,19 @@ class TransferServer:
         if index >= len(chunks):
             raise TransferError(f"chunk {index} requested, only {len(chunks)} exist")
         pieces = [views[p.segment][p.offset:p.offset + p.length] for p in chunks[index]]
+        send_all(conn, CHUNK_HEADER.pack(index, sum(len(p) for p in pieces)))
+        corrupt = index in self._corrupt_once
+        self._corrupt_once.discard(index)
         h = xxhash.xxh3_64()
         for piece in pieces:
-            h.update(piece)
-        length = sum(len(p) for p in pieces)
-        send_all(conn, CHUNK_HEADER.pack(index, length, h.intdigest()))
-        if index in self._corrupt_once:
-            self._corrupt_once.discard(index)
-            bad = bytearray(pieces[0])
-            if bad:
-                bad[len(bad) // 2] ^= 0xFF
-            pieces = [memoryview(bytes(bad))] + pieces[1:]
-            log.warning("fault injection: corrupted chunk %d on the wire", index)
-        for piece in pieces:
-            conn.sendall(piece)
+            for at in range(0, len(piece), SLICE_BYTES):
+                part = piece[at:at + SLICE_BYTES]
+                h.update(part)
+                if corrupt and len(part):  # hashed as it is, sent with one byte flipped
+                    bad = bytearray(part)
+                    bad[len(bad) // 2] ^= 0xFF
+                    part, corrupt = memoryview(bytes(bad)), False
+                    log.warning("fault injection: corrupted chunk %d on the wire", index)
+                conn.sendall(part)
+        send_all(conn, CHUNK_DIGEST.pack(h.intdigest()))
         self.chunks_served += 1

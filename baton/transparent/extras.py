@@ -38,6 +38,7 @@ import torch
 from baton.transparent.carried import script_record_type
 from baton.transparent.sites import SITES
 from baton.worker import rng
+from baton.worker.dtensors import is_dtensor
 from baton.worker.tracked import Tracked
 
 PREFIX = "script."
@@ -105,9 +106,7 @@ def _owned_tensors(tracked: Tracked) -> set[int]:
 
 
 def _sharded(tensors: list[torch.Tensor]) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(t, DTensor) for t in tensors)
+    return any(is_dtensor(t) for t in tensors)
 
 
 def _scope(frame: FrameType) -> dict[str, Any]:

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from baton.transparent import ddp_rules
+from baton.transparent import ddp_rules, on_import
 from baton.worker import ddp as ddp_mod
 from baton.worker.group import solo_group
 from baton.worker.tracked import UsageError
@@ -38,18 +38,16 @@ def install(rt: Any, job: Any, on_finish: Callable[[], None]) -> None:
     """Answer the script's torch.distributed calls with `rt` (a ScriptRuntime) and `job`
     (its baton.Job, for meshes)."""
     import torch.distributed.device_mesh as device_mesh
-    import torch.distributed.fsdp as fsdp
-    from torch.distributed._composable import fsdp as composable_fsdp
 
     world = dist.group.WORLD
-    original_shard = fsdp.fully_shard
+    original_shard: list[Callable[..., Any]] = []  # FSDP2's own, once the script imports it
 
     def init_device_mesh(device_type: str, mesh_shape: tuple[int, ...], *,
                          mesh_dim_names: tuple[str, ...] | None = None, **_: Any) -> Any:
         return job.mesh(mesh_dim_names, tuple(mesh_shape), device_type=device_type)
 
     def fully_shard(module: Any, *args: Any, **kwargs: Any) -> Any:
-        out = original_shard(module, *args, **kwargs)
+        out = original_shard[0](module, *args, **kwargs)
         for m in module if isinstance(module, (list, tuple)) else [module]:
             rt.shard_roots.append(m)
         return out
@@ -76,7 +74,14 @@ def install(rt: Any, job: Any, on_finish: Callable[[], None]) -> None:
 
     device_mesh.init_device_mesh = init_device_mesh  # type: ignore[assignment]
     dist.init_device_mesh = init_device_mesh  # type: ignore[attr-defined]
-    fsdp.fully_shard = composable_fsdp.fully_shard = fully_shard  # type: ignore[assignment]
+    def patch_fsdp(module: Any) -> None:
+        if not original_shard:
+            original_shard.append(module.fully_shard)
+        module.fully_shard = fully_shard
+
+    # FSDP2's public paths, patched as the script imports them (on_import: a DDP script never pays for them)
+    on_import.after_import("torch.distributed.fsdp", patch_fsdp)
+    on_import.after_import("torch.distributed._composable.fsdp", patch_fsdp)
     dist.init_process_group = init_process_group  # type: ignore[assignment]
     dist.destroy_process_group = destroy_process_group  # type: ignore[assignment]
     os._exit = leave  # type: ignore[assignment]

@@ -22,10 +22,9 @@ import logging
 from typing import Any, Callable
 
 import torch
-from torch.distributed.tensor import DTensor
-
 from baton.transfer import codec
 from baton.worker import registrations
+from baton.worker.dtensors import is_dtensor
 
 log = logging.getLogger("baton.worker")
 
@@ -33,7 +32,7 @@ REVALIDATE_EVERY = 50
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t  # noqa: SLF001 - to_local() without autograd
+    return t._local_tensor if is_dtensor(t) else t  # noqa: SLF001 - to_local() without autograd
 
 
 def same(a: Any, b: Any) -> bool:
@@ -42,7 +41,7 @@ def same(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or type(a) is not type(b):
             return False
-        if isinstance(a, DTensor) and (a.placements != b.placements or a.device_mesh != b.device_mesh
+        if is_dtensor(a) and (a.placements != b.placements or a.device_mesh != b.device_mesh
                                        or a.shape != b.shape):
             return False
         la, lb = _local(a), _local(b)
@@ -170,7 +169,7 @@ def for_model(name: str, model: torch.nn.Module, ask: Callable[[], Any],
             found[:] = [now, _places(model)]
         live = [d.get(n) for d, n in found[1]]
         return (found[0], tuple(id(t) for t in live), tuple(id(t._local_tensor) for t in live  # noqa: SLF001
-                                                               if isinstance(t, DTensor)))
+                                                               if is_dtensor(t)))
 
     def learn(answer: Any) -> Learning | None:
         live = {**dict(model.named_buffers()), **dict(model.named_parameters())}
@@ -180,7 +179,7 @@ def for_model(name: str, model: torch.nn.Module, ask: Callable[[], Any],
         sources = [live[k] for k in keys]
 
         def rebuild() -> dict[str, Any]:
-            return to_local({k: t.detach() if not isinstance(t, DTensor) else t for k, t in zip(keys, sources)})
+            return to_local({k: t.detach() if not is_dtensor(t) else t for k, t in zip(keys, sources)})
 
         skeleton = codec.Dumped(codec.encoded(rebuild()).skeleton)
 

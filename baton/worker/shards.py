@@ -10,14 +10,16 @@ same mesh and placements, so nothing about the mesh crosses the socket.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.distributed.tensor import DTensor
-
 from baton.transfer.codec import tensors_in
 from baton.worker import shard_capture, verify
+from baton.worker.dtensors import is_dtensor
 from baton.worker.tracked import Tracked, UsageError
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 LOCAL = "$dtensor"
 
@@ -301,7 +303,7 @@ def replica_peers(tracked: Tracked) -> list[int]:
     for name in sorted(tracked.sharded):
         obj = tracked.objects[name]
         if isinstance(obj, torch.nn.Module):
-            dt = next((p for p in obj.parameters() if isinstance(p, DTensor)), None)
+            dt = next((p for p in obj.parameters() if is_dtensor(p)), None)
             if dt is not None:
                 mesh, placements = dt.device_mesh, dt.placements
                 layout = mesh.mesh
@@ -345,7 +347,7 @@ def digests(state: dict[str, Any]) -> dict[str, int]:
 
 
 def _to_local(obj: Any) -> Any:
-    if isinstance(obj, DTensor):
+    if is_dtensor(obj):
         return {LOCAL: obj._local_tensor.detach()}  # noqa: SLF001 - to_local() without the autograd call
     if isinstance(obj, dict):
         return {k: _to_local(v) for k, v in obj.items()}
@@ -357,12 +359,12 @@ def _to_local(obj: Any) -> Any:
 def _shard_like(local: torch.Tensor, here: Any) -> DTensor | None:
     """An arrived local shard as a DTensor laid out as `here` (this rank's own), or None where
     `here` is no DTensor or holds a shard of another shape or dtype."""
-    if not isinstance(here, DTensor):
+    if not is_dtensor(here):
         return None
     mine = here._local_tensor  # noqa: SLF001 - to_local() without the autograd call
     if local.shape != mine.shape or local.dtype != mine.dtype:
         return None
-    return DTensor.from_local(local.to(mine.device), here.device_mesh, here.placements,
+    return type(here).from_local(local.to(mine.device), here.device_mesh, here.placements,
                               run_check=False, shape=here.shape, stride=here.stride())
 
 
@@ -370,7 +372,7 @@ def _rebuild(incoming: Any, here: Any, path: str) -> Any:
     """`incoming` with each `$dtensor` local tensor made a DTensor laid out as `here`'s."""
     if isinstance(incoming, dict) and set(incoming) == {LOCAL}:
         local = incoming[LOCAL]
-        if not isinstance(here, DTensor):
+        if not is_dtensor(here):
             raise UsageError(f"{path}: a shard arrived where this rank holds no DTensor")
         shard = _shard_like(local, here)
         if shard is None:

@@ -183,7 +183,7 @@ class Tracked:
     def sharded_names(self) -> list[str]:
         """Tracked objects whose state holds DTensor shards (an FSDP2 model and its optimizer):
         rank-local, so neither fetched from another replica nor compared across ranks."""
-        from torch.distributed.tensor import DTensor
+        from baton.worker.dtensors import is_dtensor
 
         out = []
         for name, obj in self.objects.items():
@@ -193,7 +193,7 @@ class Tracked:
                 tensors = (p for group in obj.param_groups for p in group["params"])
             else:
                 continue
-            if any(isinstance(t, DTensor) for t in tensors):
+            if any(is_dtensor(t) for t in tensors):
                 out.append(name)
         return sorted(out)
 
