@@ -27,13 +27,15 @@ class Job:
                  script_args: list[str] | None = None, run_args: list[str] | None = None,
                  env: dict[str, str] | None = None, name: str = "job", script: Path = TRAIN,
                  run_dir: Path | None = None, launch: list[str] | None = None, out_arg: bool = True,
-                 leash: int = 0):
+                 leash: int = 0, leash_cap: int | None = None):
         """`leash`: the ranks run at most that many steps ahead of the furthest step the test last saw
-        (a wait's status reads move it on), until `wait` lets go (tests/inject/sitecustomize.py,
-        BATON_TEST_LEASH): a test's faults then land before the job ends on any machine."""
+        (a wait's status reads move it on), never past `leash_cap` (where they hold, taking
+        commands), until `wait` lets go (tests/inject/sitecustomize.py, BATON_TEST_LEASH): a
+        test's faults then land mid-run on a slow machine, where the test itself is starved,
+        and on a fast one, where the run would end first."""
         self.dir = tmp / name
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.leash, self.leash_file = leash, self.dir / "leash"
+        self.leash, self.leash_cap, self.leash_file = leash, leash_cap, self.dir / "leash"
         if leash:
             self.leash_file.write_text(str(leash))
             inject = str(REPO / "tests" / "inject")
@@ -104,6 +106,8 @@ class Job:
         if self.leash and self.leash_file.exists() and st.get("ranks"):
             # The furthest rank: a rank unheard for a while (its control link down) shows a stale step.
             gate = max(r["step"] for r in st["ranks"]) + self.leash
+            if self.leash_cap is not None:
+                gate = min(gate, self.leash_cap)
             if gate > int(self.leash_file.read_text() or 0):
                 tmp = self.leash_file.with_suffix(".new")
                 tmp.write_text(str(gate))
