@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -82,7 +82,11 @@ class Job:
         return self.wait_until(lambda st: any(s["state"] == "spare" for s in st["spares"]), timeout=timeout,
                                what="a spare ready")
 
-    def wait_until(self, predicate, timeout: float = 60.0, what: str = "condition") -> dict[str, Any]:
+    def wait_until(self, predicate, timeout: float = 60.0, what: str = "condition",
+                   pull: bool | Callable[[dict[str, Any]], bool] = True) -> dict[str, Any]:
+        """Until `predicate(status)`. A leashed job's ranks go on as the test sees them (`pull`),
+        or only while `pull(status)` holds: a wait for something else (a spare starting) then
+        costs the run no steps."""
         deadline = time.time() + timeout
         last = "none yet"  # the last status read, or why it failed: said when the wait fails
         while time.time() < deadline:
@@ -96,7 +100,8 @@ class Job:
                 time.sleep(0.1)
                 continue
             last = json.dumps({k: st.get(k) for k in ("state", "ranks")}, default=str)[:500]
-            self._pull_leash(st)
+            if pull is True or (callable(pull) and pull(st)):
+                self._pull_leash(st)
             if predicate(st):
                 return st
             time.sleep(0.1)  # each read costs the job's control plane CPU: 17 a second took ~8% of a core

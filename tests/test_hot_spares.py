@@ -48,10 +48,17 @@ def _reference(tmp):
     return job.all_rank_params(NPROC)
 
 
-def _hot(job: Job, timeout: float = 120.0) -> dict:
-    """Wait until a spare's mirror keeps pace with the feeding rank; the job's status then."""
-    return job.wait_until(lambda s: any(sp.get("hot", {}).get("state") == "current" for sp in s["spares"]),
-                          timeout=timeout, what="a hot spare keeping pace")
+def _mirroring(s: dict) -> bool:
+    """A spare holds the feed's base: the ranks' next steps are what it follows (before, a
+    leashed job's ranks wait for it: a spare starting costs the run no steps)."""
+    return any(sp.get("hot", {}).get("state") in ("following", "current") for sp in s["spares"])
+
+
+def _hot(job: Job, timeout: float = 120.0, but: int | None = None) -> dict:
+    """Wait until a spare (other than pid `but`) keeps pace with the feeding rank; the job's status then."""
+    return job.wait_until(lambda s: any(sp.get("hot", {}).get("state") == "current" and sp.get("pid") != but
+                                        for sp in s["spares"]),
+                          timeout=timeout, what="a hot spare keeping pace", pull=_mirroring)
 
 
 def _lose(tmp_path, reference, name: str, rank: int, sig: int, run_args: list[str] | None = None) -> list[dict]:
@@ -94,8 +101,7 @@ def test_a_hot_spare_killed_while_it_follows_is_replaced_and_the_next_loss_is_st
         job.wait_step(3)
         st = _hot(job)
         os.kill(st["spares"][0]["pid"], signal.SIGKILL)
-        job.wait_until(lambda s: any(sp["pid"] != st["spares"][0]["pid"] and sp.get("hot", {}).get("state") ==
-                                     "current" for sp in s["spares"]), timeout=120, what="a new hot spare")
+        _hot(job, but=st["spares"][0]["pid"])  # a new one
         job.signal_rank(1, signal.SIGKILL)
         events = check_resolved_exact(job, reference, timeout=240)
     finally:
