@@ -24,13 +24,11 @@ def _equal_to(job: Job, reference: list) -> None:
         assert bitwise_equal(got, want), f"rank {rank} differs from the run without a move:\n{job.log()}"
 
 
-def test_a_joiner_that_cannot_follow_takes_the_whole_state_bitwise(tmp_path, train_reference):
-    """The script clips its weights after each optimizer step (as WGAN's critic does): the
-    leaver's version counters see the parameters change outside the optimizer, the joiner
-    says it cannot follow, and the move takes the whole state in its pause, bitwise."""
-    args = [*ARGS, "--clamp", "0.05"]
+def _pre_copied_move(tmp_path, train_reference, args: list[str], name: str) -> dict:
+    """A --pre-copy job with `args` whose rank 1 moves once a spare is ready: its one ledger
+    event, the job having ended exit 0 bitwise equal to the run without the move."""
     reference = train_reference(NPROC, STEPS, args)
-    job = Job(tmp_path, nproc=NPROC, spares=1, steps=STEPS, script_args=args, name="clamp", run_args=["--pre-copy"])
+    job = Job(tmp_path, nproc=NPROC, spares=1, steps=STEPS, script_args=args, name=name, run_args=["--pre-copy"])
     try:
         job.wait_step(5)
         job.wait_spare()
@@ -40,6 +38,14 @@ def test_a_joiner_that_cannot_follow_takes_the_whole_state_bitwise(tmp_path, tra
         (ev,) = job.events()
     finally:
         job.kill()
+    return ev
+
+
+def test_a_joiner_that_cannot_follow_takes_the_whole_state_bitwise(tmp_path, train_reference):
+    """The script clips its weights after each optimizer step (as WGAN's critic does): the
+    leaver's version counters see the parameters change outside the optimizer, the joiner
+    says it cannot follow, and the move takes the whole state in its pause, bitwise."""
+    ev = _pre_copied_move(tmp_path, train_reference, [*ARGS, "--clamp", "0.05"], "clamp")
     assert ev["kind"] == "planned" and ev["status"] == "resolved" and ev["steps_lost"] == 0, ev
     assert ev["pre_copy"]["ok"] is False and "other than the optimizer" in ev["pre_copy"]["detail"], ev
     assert "follow" not in ev["phases"] and ev["state_bytes"] > ev["pre_copy"]["base_bytes"] / 2, ev
@@ -141,18 +147,7 @@ def test_a_pre_copy_whose_gradients_fill_mapped_buffers_is_bitwise(tmp_path, tra
     """Layers wide enough (640x640 fp32: 1.6 MB) that each step's gradients go into the feed's
     buffers mapped ahead and reused (RecordBuffers.POOLED), not fresh clones: the joiner follows
     them and the move ends bitwise equal to the run without it."""
-    args = ["--width", "640", "--step-sleep", "0.02"]  # ARGS, wider
-    reference = train_reference(NPROC, STEPS, args)
-    job = Job(tmp_path, nproc=NPROC, spares=1, steps=STEPS, script_args=args, name="wide", run_args=["--pre-copy"])
-    try:
-        job.wait_step(5)
-        job.wait_spare()
-        job.client.migrate(1)
-        assert job.wait(timeout=180) == 0, job.log()
-        _equal_to(job, reference)
-        (ev,) = job.events()
-    finally:
-        job.kill()
+    ev = _pre_copied_move(tmp_path, train_reference, ["--width", "640", "--step-sleep", "0.02"], "wide")  # ARGS, wider
     assert ev["kind"] == "planned" and ev["status"] == "resolved" and ev["steps_lost"] == 0, ev
     assert ev["pre_copy"]["ok"] is True and ev["pre_copy"]["steps"] >= 1, ev
 
