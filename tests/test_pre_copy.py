@@ -51,6 +51,10 @@ def test_a_joiner_that_cannot_follow_takes_the_whole_state_bitwise(tmp_path, tra
     assert "follow" not in ev["phases"] and ev["state_bytes"] > ev["pre_copy"]["base_bytes"] / 2, ev
 
 
+def _no_spare_starting(st: dict) -> bool:
+    return not any(s["state"] == "starting" for s in st["spares"])
+
+
 @pytest.mark.parametrize("victim", ["joiner", "leaver", "survivor", "leaver-hung"])
 def test_a_kill_during_a_pre_copy_falls_back_bitwise(tmp_path, train_reference, victim):
     """kill -9 while the joiner holds the leaver's copy and has not followed a step yet:
@@ -64,12 +68,15 @@ def test_a_kill_during_a_pre_copy_falls_back_bitwise(tmp_path, train_reference, 
     hold, mark = tmp_path / "hold", tmp_path / "following"
     hold.touch()
     env = {"PYTHONPATH": INJECT, "BATON_TEST_HOLD_FOLLOWING": str(hold), "BATON_TEST_FOLLOWING_MARK": str(mark)}
+    expected = 3 if victim == "survivor" else 2
+    # leashed: the ranks wait while a spare starts (a survivor's loss restarts the joiner as a
+    # spare, and the move runs again only once one is ready: CI's job had ended by then)
     job = Job(tmp_path, nproc=NPROC, spares=2, steps=STEPS, script_args=ARGS, name=victim, env=env,
-              run_args=["--pre-copy"])
+              run_args=["--pre-copy"], leash=4, leash_cap=STEPS - 2)
     try:
         job.wait_step(5)
         job.wait_until(lambda st: sum(s["state"] == "spare" for s in st["spares"]) == 2, timeout=120,
-                       what="two spares ready")
+                       what="two spares ready", pull=_no_spare_starting)
         job.client.migrate(1)
         job.wait_until(lambda st: mark.exists() and mark.read_text(), timeout=120,
                        what="the joiner holding the leaver's copy")
@@ -80,6 +87,8 @@ def test_a_kill_during_a_pre_copy_falls_back_bitwise(tmp_path, train_reference, 
         else:
             job.signal_rank(1 if victim == "leaver" else 2, signal.SIGKILL)
         hold.unlink()
+        job.wait_until(lambda st: sum(e["status"] in ("resolved", "failed") for e in job.events()) >= expected,
+                       timeout=240, what=f"{expected} moves ended", pull=_no_spare_starting)
         assert job.wait(timeout=240) == 0, job.log()
         _equal_to(job, reference)
         events = job.events()
