@@ -22,18 +22,20 @@ import torch
 from tests.jobs import Job
 from tests.nocode_runs import INJECT, NOCODE, compare, differences, torchrun
 
+STEPS, CAP = 72, 56  # every shape runs 72 optimizer steps; its ranks stop at step 56 until the test lets go
 SHAPES = {
-    # script, its arguments ({d}: the run's folder; long enough that three moves land before the
-    # end on a busy machine, or a move is cancelled as the job finished first), the files it writes (compared with torchrun's;
-    # read back: nanoGPT's holds the folder it was written to), the loss: "rank:signal"
-    "nanogpt": ("nanogpt_train.py", ["--out_dir={d}/out", "--max_iters=200", "--eval_interval=40"],
+    # script, its arguments ({d}: the run's folder), the files it writes (compared with
+    # torchrun's; read back: nanoGPT's holds the folder it was written to), the loss:
+    # "rank:signal". The jobs are leashed (Job(leash=...)): however slow the machine, the three
+    # moves land before CAP, and the loss after it, with steps to go.
+    "nanogpt": ("nanogpt_train.py", [f"--out_dir={{d}}/out", f"--max_iters={STEPS}", "--eval_interval=18"],
                 ["out/ckpt.pt"], "1:SIGSTOP"),
-    "trainer": ("trainer_ddp.py", ["100", "7", "--snapshot-path", "{d}/snapshot.pt"], ["snapshot.pt"], "1:SIGKILL"),
-    "imagenet": ("imagenet_main.py", ["--epochs", "24", "--out-dir", "{d}/out"],
+    "trainer": ("trainer_ddp.py", ["9", "4", "--snapshot-path", "{d}/snapshot.pt"], ["snapshot.pt"], "1:SIGKILL"),  # 8 steps an epoch
+    "imagenet": ("imagenet_main.py", ["--epochs", "9", "--out-dir", "{d}/out"],  # 8 steps an epoch
                  ["out/checkpoint.pth.tar", "out/model_best.pth.tar"], "0:SIGKILL"),
-    "accumulating": ("accumulating_amp.py", ["--epochs", "150", "--checkpoint", "{d}/ckpt.pt"], ["ckpt.pt"],
+    "accumulating": ("accumulating_amp.py", ["--epochs", "9", "--checkpoint", "{d}/ckpt.pt"], ["ckpt.pt"],  # 8 steps an epoch
                      "1:SIGKILL"),
-    "fsdp2": ("fsdp2_example.py", ["--iterations", "200", "--checkpoint-dir", "{d}/ck"], [], "0:SIGKILL"),  # DCP folders: by time
+    "fsdp2": ("fsdp2_example.py", ["--iterations", str(STEPS), "--checkpoint-dir", "{d}/ck"], [], "0:SIGKILL"),  # DCP folders: by time
 }
 
 
@@ -42,16 +44,19 @@ def _cli(job: Job, *args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=60, cwd=job.dir)
 
 
-def _torchrun_then_job(tmp_path: Path, name: str, args: list[str], env: dict[str, str]) -> tuple[Path, Path, Job]:
+def _torchrun_then_job(tmp_path: Path, name: str, args: list[str], env: dict[str, str],
+                       leash: int = 0) -> tuple[Path, Path, Job]:
     """`name` with `args` ({d}: the run's folder) run under torchrun for the reference, then
     started under `baton run` with two spares and `env` (tests/inject on its path), each
-    exporting its ranks' state: the two folders, and the job."""
+    exporting its ranks' state: the two folders, and the job (`leash`: its ranks run at most
+    that many steps past what the test last saw, never past CAP until it lets go)."""
     ref, run = tmp_path / "torchrun", tmp_path / "baton"
     ref.mkdir()
     torchrun(NOCODE / name, [a.format(d=ref) for a in args] + ["--export", str(ref / "export")], 2, ref)
     job = Job(tmp_path, nproc=2, spares=2, script=NOCODE / name, out_arg=False, name="baton",
               script_args=[a.format(d=run) for a in args] + ["--export", str(run / "export")],
-              env={"PYTHONPATH": str(INJECT), "BATON_TEST_SIGNAL_MARK": str(tmp_path / "fired"), **env})
+              env={"PYTHONPATH": str(INJECT), "BATON_TEST_SIGNAL_MARK": str(tmp_path / "fired"), **env},
+              leash=leash, leash_cap=CAP if leash else None)
     return ref, run, job
 
 
@@ -67,7 +72,7 @@ def test_a_planned_move_a_taint_and_a_lost_rank_end_bitwise_equal_to_torchrun(tm
     victim, signal_name = loss.split(":")
     ref, run, job = _torchrun_then_job(tmp_path, name, args,  # two spares: the taint's is warm
                                        {"BATON_TEST_SIGNAL_MID_STEP": f"{victim}:go:{signal_name}",
-                                        "BATON_TEST_SIGNAL_GO": str(go)})
+                                        "BATON_TEST_SIGNAL_GO": str(go)}, leash=4)
     try:
         st = job.wait_step(8, timeout=120)
         assert st["mode"] == "no-code" and st["step_loop"].startswith(f"{NOCODE / name}:")
@@ -120,11 +125,12 @@ def test_a_leaver_lost_while_its_successor_walks_to_its_place_is_rebuilt_bit_for
     that rest is asked for: the move fails over to a rebuild from the survivors' copies,
     and every rank still ends equal to torchrun's run."""
     name, args, _, _ = SHAPES["trainer"]
-    ref, run, job = _torchrun_then_job(tmp_path, name, args, {"BATON_TEST_LEAVER_DIES_SERVING": "1"})
+    ref, run, job = _torchrun_then_job(tmp_path, name, args, {"BATON_TEST_LEAVER_DIES_SERVING": "1"}, leash=4)
     try:
         job.wait_step(8, timeout=120)
         moved = _cli(job, "migrate", "--rank", "1")
         assert moved.returncode == 0, moved.stderr
+        _resolved(job, 1)
         assert job.wait(timeout=170) == 0, job.log()
         events, log = job.events(), job.log(tail=None)
     finally:
@@ -171,12 +177,13 @@ def test_a_rank_lost_in_the_step_its_buddy_was_replaced_at_is_rebuilt_bit_for_bi
     could only stop. It is rebuilt from there, and every rank ends equal to torchrun's."""
     name, args, _, _ = SHAPES["trainer"]
     ref, run, job = _torchrun_then_job(tmp_path, name, args, {"BATON_TEST_SIGNAL_MID_STEP": "0:rebuddied:SIGKILL",
-                                                              "BATON_TEST_SLOW_NEW_BUDDY": "1.5"})
+                                                              "BATON_TEST_SLOW_NEW_BUDDY": "1.5"}, leash=4)
     try:
         job.wait_spare()
         job.wait_step(8, timeout=120)
         moved = _cli(job, "migrate", "--rank", "1")
         assert moved.returncode == 0, moved.stderr
+        _resolved(job, 2)
         assert job.wait(timeout=170) == 0, job.log()
         events = job.events()
     finally:
