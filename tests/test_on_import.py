@@ -1,6 +1,6 @@
 """A module patched when the script first imports it (baton/transparent/on_import.py), and
-the modules a job's zygote preloads leaving FSDP2 and DTensor out (baton/worker/dtensors.py):
-a DDP job's workers never pay for importing them."""
+the modules a job's zygote preloads: everything a DDP rank's setup imports, torch._dynamo
+(with FSDP2 and DTensor) included, so no worker pays for them again."""
 
 from __future__ import annotations
 
@@ -35,18 +35,29 @@ def test_a_module_is_patched_right_after_its_first_import_and_at_once_if_already
         sys.modules.pop(name, None)
 
 
-def test_the_zygote_preloads_no_fsdp2_and_a_script_importing_it_gets_batons_fully_shard():
+def test_a_ddp_workers_setup_imports_nothing_heavy_the_zygote_did_not_and_fully_shard_is_batons():
+    """After the zygote's preloads, a DDP construction, a backward and an AdamW step (what a
+    DDP rank's setup and a warm spare's warm-up run) import no module of torch._dynamo, sympy
+    or FSDP2: the zygote paid for them once per job. A script that then imports FSDP2's
+    `fully_shard` gets the patched one (applied at once: the module is already there)."""
     code = ("import sys\n"
             f"for m in {list(PRELOADED)!r}:\n    __import__(m)\n"
-            "assert 'torch.distributed.tensor' not in sys.modules, 'preloaded DTensor'\n"
-            "assert 'torch.distributed.fsdp' not in sys.modules, 'preloaded FSDP2'\n"
+            "before = set(sys.modules)\n"
+            "import torch\n"
+            "from torch.nn.parallel import DistributedDataParallel\n"
+            "from baton.worker.group import IdleGroup\n"
+            "ddp = DistributedDataParallel(torch.nn.Linear(4, 1), process_group=IdleGroup(), init_sync=False)\n"
+            "opt = torch.optim.AdamW(ddp.parameters())\n"
+            "ddp(torch.zeros(2, 4)).sum().backward()\n"
+            "opt.step()\n"
+            "late = sorted(m for m in set(sys.modules) - before\n"
+            "              if m.startswith(('torch._dynamo', 'sympy', 'torch.distributed.fsdp', 'torch.distributed.tensor')))\n"
+            "assert not late, late\n"
             "from baton.transparent import on_import\n"
             "marker = lambda *a, **k: 'baton'\n"
             "on_import.after_import('torch.distributed.fsdp', lambda m: setattr(m, 'fully_shard', marker))\n"
             "from torch.distributed.fsdp import fully_shard\n"
             "from baton.worker.dtensors import is_dtensor\n"
-            "import torch\n"
-            "from torch.distributed.tensor import DTensor\n"
             "assert fully_shard is marker and not is_dtensor(torch.zeros(1))\n"
             "print('ok')\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

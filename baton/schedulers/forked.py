@@ -31,7 +31,8 @@ READY_TIMEOUT_S = 120.0  # a cold torch import on a loaded node can take tens of
 ENV_SWITCH = "BATON_ZYGOTE"
 # Read when python, torch or their libraries start: a worker that needs other values than the
 # zygote started with is started as its own process.
-STARTUP_ENV = ("PYTHON", "LD_", "OMP_", "MKL_", "KMP_", "GOMP_", "MALLOC_", "TORCH_", "CUDA_")
+STARTUP_ENV = ("PYTHON", "LD_", "OMP_", "MKL_", "KMP_", "GOMP_", "MALLOC_", "TORCH_", "TORCHDYNAMO_",
+               "TORCHINDUCTOR_", "CUDA_")
 
 
 class ZygoteGone(RuntimeError):

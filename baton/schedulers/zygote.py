@@ -38,7 +38,10 @@ from pydantic import BaseModel, Field, TypeAdapter
 
 from baton.worker import orphan
 
-PRELOADED = ("torch", "torch.distributed", "torch.nn.parallel", "numpy", "baton.worker.job",
+# torch._dynamo: DistributedDataParallel's constructor imports it (and with it sympy, FSDP2,
+# DTensor and inductor's config): ~2 CPU-s that every DDP rank, every warm spare (its warm-up
+# builds a DDP) and every FSDP2 rank paid again. Here a job pays it once.
+PRELOADED = ("torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo", "numpy", "baton.worker.job",
              "baton.transparent.worker")
 
 

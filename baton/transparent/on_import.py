@@ -1,9 +1,11 @@
 """Patch a module when the script imports it, not before.
 
 Importing FSDP2 (`torch.distributed.fsdp`, which brings `torch.distributed.tensor`) costs
-about 1.5 CPU-seconds, paid by every rank, spare and joiner of a job whose script never
-uses it (most: DDP). Its `fully_shard` must still be baton's before the script reads it;
-so the patch runs right after the module's own code, on the script's first import.
+about 1.5 CPU-seconds. A worker forked from the job's zygote has it already (torch._dynamo,
+preloaded there, imports it), and the patch is applied at once; a worker started as a
+process of its own pays for it only if its script uses FSDP2 (or DDP, whose constructor
+imports dynamo): its `fully_shard` must still be baton's before the script reads it, so
+the patch runs right after the module's own code, on the first import.
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """DTensor checks that never import torch.distributed.tensor.
 
 Importing that module costs about 1.5 CPU-seconds on our 2-core dev machine (its operator
-registrations), more than all of baton's own modules, and a DDP job never needs it: the
-zygote that forks a job's workers and spares paid it for every job. No DTensor can exist
-before the module is imported (by FSDP2, a device mesh, the script itself), so a check
-asks for the class only once it is there.
+registrations), more than all of baton's own modules. A worker forked from a job's zygote
+has it already (the zygote preloads torch._dynamo, which imports it), but a worker started
+as a process of its own, or a tool reading a state, need not pay for it: no DTensor can
+exist before the module is imported (by FSDP2, a device mesh, dynamo, the script itself),
+so a check asks for the class only once it is there.
 """
 
 from __future__ import annotations

@@ -395,8 +395,9 @@ def _left_early(rt: Runtime) -> None:
 def _warm_up() -> None:
     """Pay torch's lazy first-use costs now, while waiting, not on a migration's critical path.
 
-    The first DistributedDataParallel construction imports torch._dynamo (~1.3 s here);
-    the first optimizer step and backward have smaller one-off costs of their own. The
+    The first DistributedDataParallel construction imports torch._dynamo (~2 CPU-s here,
+    already paid by the zygote a forked spare comes from); the first optimizer step and
+    backward have smaller one-off costs of their own. The
     script's random streams are saved and put back: warm-up draws must not show.
     """
     t0 = time.perf_counter()
