@@ -28,7 +28,7 @@ SHAPES = {
     # torchrun's; read back: nanoGPT's holds the folder it was written to), the loss:
     # "rank:signal". The jobs are leashed (Job(leash=...)): however slow the machine, the three
     # moves land before CAP, and the loss after it, with steps to go.
-    "nanogpt": ("nanogpt_train.py", [f"--out_dir={{d}}/out", f"--max_iters={STEPS}", "--eval_interval=18"],
+    "nanogpt": ("nanogpt_train.py", ["--out_dir={d}/out", f"--max_iters={STEPS}", "--eval_interval=18"],
                 ["out/ckpt.pt"], "1:SIGSTOP"),
     "trainer": ("trainer_ddp.py", ["9", "4", "--snapshot-path", "{d}/snapshot.pt"], ["snapshot.pt"], "1:SIGKILL"),  # 8 steps an epoch
     "imagenet": ("imagenet_main.py", ["--epochs", "9", "--out-dir", "{d}/out"],  # 8 steps an epoch
