@@ -1,6 +1,7 @@
 """baton's benchmarks, side by side with what users would run instead, in one run.
 
-    make bench                          # quick preset (19.5 min on 2 cores, bench-20261128-025501.json)
+    make bench                          # quick preset (19.5 min on a 2-core Xeon, bench-20261128-025501.json;
+                                        # 38.4 min on a 2-core AMD EPYC, bench-20261129-010401.json)
     .venv/bin/python bench/run.py --full
     .venv/bin/python bench/run.py --only overhead,failures --rounds 3
     .venv/bin/python bench/run.py --preset tiny --only overhead   # does it work? (a minute or two;
