@@ -121,6 +121,7 @@ class ScriptRuntime(Runtime):
         self.abandoned: _Abandoned | None = None  # the others completed the step this rank abandoned
         self.exit_expected = False  # a new generation's others stand past the loop's exit at this head
         self._frame_at: tuple[Any, int] = ((-1, 0), HEAD_SEQ)  # the latest frame's position and sequence
+        self._head_captured = True  # at_pos describes the head the loop stands at (at_head resets it)
 
     # ---------------------------------------------------------------- the loop, as the script runs it
     def _prepare_loop(self, info: m.LoopInfo) -> None:
@@ -176,8 +177,7 @@ class ScriptRuntime(Runtime):
             if not self.committed:
                 return False  # no optimizer step yet (gradient accumulation): the same step goes on
             self._complete_step()
-        if self.ctl.attention:  # a move may stop here: the state it hands over is this head's
-            self.at_pos, self.at_pos_rng = self._capture_head()
+        self._head_captured = False  # captured once a command is seen here (_on_attention)
         while not self._boundary():
             pass
         self._start_step()
@@ -353,6 +353,16 @@ class ScriptRuntime(Runtime):
         step.completed = True
         self._end_step(step)
         self.current = None
+
+    def _on_attention(self) -> None:
+        """A move may stop at this head: the state it hands over is this head's, with where
+        the script stands (the step's own capture, at its backward, holds no `script`). Taken
+        here, under the boundary's decision, not in a look at `attention` before it: a pause
+        for this very head accepted in between would have handed over the step's capture,
+        and the joiner stopped the job ("its place in the script was never shared")."""
+        if not self._head_captured:
+            self.at_pos, self.at_pos_rng = self._capture_head()
+            self._head_captured = True
 
     def _capture_head(self) -> tuple[Bundle, dict[str, Any]]:
         """This rank's own state at a head of the step loop, with where the script stands."""

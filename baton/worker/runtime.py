@@ -292,8 +292,10 @@ class Runtime(Captures, PlannedHandover, ShardRedundancy, Recovery, Joining, Sta
             proceed = not ctl.attention
             if proceed:
                 ctl.started = self.pos[0]
-        if not proceed and not self._attend():
-            return False
+        if not proceed:
+            self._on_attention()
+            if not self._attend():
+                return False
         # Every rank runs the checks due here, whether or not a command made it look closer
         # (a rank that skipped the periodic check for a pause still ahead left the others
         # waiting in its collective until they timed out).
@@ -303,6 +305,11 @@ class Runtime(Captures, PlannedHandover, ShardRedundancy, Recovery, Joining, Sta
                 self.pos != self.verified_at:
             return self._checked(lambda: self.verify_state(self.group.generation, None, periodic=True))
         return True
+
+    def _on_attention(self) -> None:
+        """A command is due at this boundary, seen under the lock that decides whether it
+        stops here: what a move from here hands over must describe this boundary (the
+        no-code runtime captures its loop head now)."""
 
     def _attend(self) -> bool:
         """The boundary's closer look, after a command: whether this rank steps on from here

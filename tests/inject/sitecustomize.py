@@ -352,28 +352,12 @@ if _leash:
         boundary = runtime.Runtime._boundary
 
         def _leashed_boundary(self):  # noqa: ANN001, ANN202
-            if not getattr(self, "leashed_at_head", False):
-                _wait_on_leash(self)
+            _wait_on_leash(self)
             return boundary(self)
 
         runtime.Runtime._boundary = _leashed_boundary
 
-    def _patch_leash_at_head(script_runtime) -> None:  # noqa: ANN001
-        """A no-code rank waits at its loop's head before the head looks for a command: a
-        command that comes meanwhile is taken with this head's state, as without the leash."""
-        cls = script_runtime.ScriptRuntime
-        at_head = cls.at_head
-        cls.leashed_at_head = True
-
-        def _leashed_head(self):  # noqa: ANN001, ANN202
-            if self.replay is None and (self.scope != "step" or self.committed):  # a boundary, not accumulating
-                _wait_on_leash(self)
-            return at_head(self)
-
-        cls.at_head = _leashed_head
-
     _when_imported("baton.worker.runtime", _patch_leash)
-    _when_imported("baton.transparent.script_runtime", _patch_leash_at_head)
 
 if os.environ.get("BATON_TEST_CORRUPT_JOINER"):
     def _patch_joiner_load(recovery) -> None:  # noqa: ANN001
