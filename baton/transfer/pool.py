@@ -35,6 +35,7 @@ ALIGN = 64  # every tensor carved at a cache-line boundary (any dtype's alignmen
 # generator).
 MIN_CARVED = 1 << 20
 _STEP = 64 << 20  # mapped in steps of this much, so a fetch can start on a partly filled pool
+_PAGE = 4096
 
 
 class ReceivePool:
@@ -61,9 +62,14 @@ class ReceivePool:
             with self._lock:
                 if self._used:
                     return  # carved meanwhile (the fetch's own prefaulter takes over), or closed
-                if not populate(start + off, min(_STEP, self.nbytes - off)):
-                    return  # not supported here
-                self._mapped = min(self.nbytes, off + _STEP)
+                end = min(self.nbytes, off + _STEP)
+                populate(start + off, end - off)
+                # and a write to one byte of every page: where the kernel has no
+                # MADV_POPULATE_WRITE, or a sandbox accepts the advice and maps nothing (seen
+                # in CI: success, and not a page more resident), these writes map the pages;
+                # where it did map them, they cost no fault. The pool holds nothing yet.
+                self._buf[off:end:_PAGE].zero_()
+                self._mapped = end
         self.fill_s = time.perf_counter() - t0
         log.info("receive pool of %.1f MB mapped in %.2fs", self.nbytes / 2**20, self.fill_s)
 
