@@ -30,7 +30,7 @@ class Job:
                  leash: int = 0, leash_cap: int | None = None):
         """`leash`: the ranks run at most that many steps ahead of the furthest step the test last saw
         (a wait's status reads move it on), never past `leash_cap` (where they hold, taking
-        commands), until `wait` lets go (tests/inject/sitecustomize.py, BATON_TEST_LEASH): a
+        commands), until `wait` lets go (tests/inject/baton_test_faults.py, BATON_TEST_LEASH): a
         test's faults then land mid-run on a slow machine, where the test itself is starved,
         and on a fast one, where the run would end first."""
         self.dir = tmp / name

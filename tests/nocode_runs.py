@@ -20,7 +20,7 @@ import torch
 from tests.jobs import Job
 
 NOCODE = Path(__file__).resolve().parent / "nocode"
-INJECT = NOCODE.parent / "inject"  # fault injection (sitecustomize)
+INJECT = NOCODE.parent / "inject"  # fault injection (baton_test_faults.py, loaded by its sitecustomize.py)
 ENV = {"OMP_NUM_THREADS": "1"}
 
 

@@ -25,7 +25,7 @@ NPROC = 3
 ARGS = ["--epochs", "3", "--augment", "--step-sleep", "0.04", "--val-sleep", "0.4"]
 
 
-INJECT = str(Path(__file__).resolve().parent / "inject")  # see its sitecustomize.py
+INJECT = str(Path(__file__).resolve().parent / "inject")  # see its baton_test_faults.py
 FAST = ["--op-timeout", "2", "--heartbeat-timeout", "2"]
 
 

@@ -23,7 +23,7 @@ STEPS_PER_EPOCH = 16  # 384 samples / 3 ranks / batch 8
 ARGS = ["--epochs", "3", "--augment", "--step-sleep", "0.04", "--val-sleep", "0.4"]  # flips drawn in-process
 
 
-INJECT = str(Path(__file__).resolve().parent / "inject")  # see its sitecustomize.py
+INJECT = str(Path(__file__).resolve().parent / "inject")  # see its baton_test_faults.py
 
 
 def _job(tmp: Path, name: str, spares: int = 1, run_args: list[str] | None = None,
