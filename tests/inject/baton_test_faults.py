@@ -124,6 +124,10 @@ recovery stays there for as long as the test needs to kill it.
 BATON_TEST_STEP_COUNT_SKEW="rank:step": after that rank's optimizer step at that step, baton's
 count of the steps its parameters hold is one too many, as a bug that applied a step twice
 would leave it. baton's own check must stop the job loudly (never exit 0).
+
+BATON_TEST_HOLD_SPARE=path: a worker that starts while that file exists waits before its
+warm-up (so before it registers as a spare) until the test removes it (at most 120 s): the
+test decides when the job's next spare is ready, however fast spares start.
 """
 
 import os
@@ -422,6 +426,23 @@ if os.environ.get("BATON_TEST_HOLD_HOT_TAKE"):
         hot.HotSpares._state_from_mirror = _hold_then_take
 
     _when_imported("baton.worker.hot", _patch_hot_take)
+
+_hold_spare = os.environ.get("BATON_TEST_HOLD_SPARE")
+if _hold_spare:
+    def _patch_hold_spare(job_module):  # noqa: ANN001, ANN202
+        warm_up = job_module._warm_up
+
+        def _held_then_warm_up():  # noqa: ANN202
+            import time
+
+            deadline = time.time() + 120
+            while os.path.exists(_hold_spare) and time.time() < deadline:
+                time.sleep(0.05)
+            warm_up()
+
+        job_module._warm_up = _held_then_warm_up
+
+    _when_imported("baton.worker.job", _patch_hold_spare)
 
 _skew = os.environ.get("BATON_TEST_STEP_COUNT_SKEW")
 if _skew:
