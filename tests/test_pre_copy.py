@@ -237,6 +237,57 @@ def test_a_feeds_records_reuse_mapped_buffers_and_each_holds_its_own_steps_gradi
         server.close()
 
 
+def test_a_followers_records_arrive_in_buffers_mapped_ahead_and_reused():
+    """The joiner receives each record's large gradients into buffers it mapped ahead and takes
+    back once the step was applied (a fresh 333 MB a step cost it its page faults, the last
+    step's inside the pause); a buffer still held is never handed out again, and each record
+    holds its own step's gradients."""
+    import time
+
+    import torch
+
+    from baton.transfer import codec
+    from baton.transfer.client import SnapshotLink
+    from baton.transfer.server import TransferServer, snapshot_key
+    from baton.worker.precopy import Feed, RecordBuffers, record_key
+
+    model, opt = _fed_model()
+    server = TransferServer("tok")
+    feed = Feed(server, 0, _Tracked(model, opt), op=5)
+    link = SnapshotLink(server.address, "tok", 10.0)
+    received = RecordBuffers()
+    try:
+        feed.serve_base({"x": 1}, (0, 0))
+        received.prepare([[(p.shape, p.dtype) for p in model.parameters()]], count=2)
+        deadline = time.monotonic() + 60  # the thread maps them beside this test
+        while sum(len(v) for v in received._free.values()) < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        mapped = {t.data_ptr() for v in received._free.values() for t in v}
+        assert len(mapped) == 4, "two sets of the two large gradients, mapped ahead"
+        held: list = []
+        for step in range(6):
+            for i, p in enumerate(model.parameters()):
+                p.grad = torch.full_like(p, float(step * 10 + i))
+            feed.before_optimizer_step(0, opt, step, False)
+            opt.step()
+            feed.after_optimizer_step()
+            feed.end_step(step)
+            flat, _ = link.fetch(snapshot_key(feed.ids[1], record_key(5, 2 * step)), pool=received)
+            grads = codec.decode(flat.meta, list(flat.tensors))["grads"]
+            large = [g for g in grads if g.numel() * g.element_size() >= RecordBuffers.POOLED]
+            assert len(large) == 2 and {g.data_ptr() for g in large} <= mapped, "received into the mapped buffers"
+            assert not {g.data_ptr() for g in large} & {g.data_ptr() for g in held}, "a held buffer handed out again"
+            for i, g in enumerate(grads):
+                assert torch.equal(g, torch.full_like(g, float(step * 10 + i))), (step, i)
+            received.give_back(held)  # the step before was applied meanwhile: its buffers come back
+            held = large
+    finally:
+        link.close()
+        feed.close()
+        received.close()
+        server.close()
+
+
 def test_a_follower_waits_for_a_base_that_takes_longer_than_its_timeout_and_a_form_ends_the_wait():
     """The leaver's base comes once it reaches a boundary and copies its state: on a busy
     machine, later than a connection's timeout; the follower waits for it (a hot spare that

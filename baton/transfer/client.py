@@ -120,18 +120,19 @@ class SnapshotLink:
         return reply.get("ref")
 
     def fetch(self, key: int, into: list[torch.Tensor] | None = None,
-              wait_s: float | None = None) -> tuple[FlatState, int]:
+              wait_s: float | None = None, pool: Any = None) -> tuple[FlatState, int]:
         """The snapshot `key` (waiting until the rank holds it: up to `wait_s` where the rank
         may take longer than the link's timeout to get there, as a feed's next step does)
-        and the bytes received, into `into`'s tensors where they fit; each chunk checked, a
-        corrupt one asked for again. close() from another thread ends the wait."""
+        and the bytes received, into `into`'s tensors where they fit, else `pool`'s
+        (alloc_tensors); each chunk checked, a corrupt one asked for again. close() from
+        another thread ends the wait."""
         try:
             sock = self._ask(LINK_FETCH, key)
             if wait_s is not None:
                 sock.settimeout(max(wait_s, self.timeout))
             manifest, meta = _read_manifest(sock, self.addr)
             sock.settimeout(self.timeout)
-            tensors = alloc_tensors(manifest, into)
+            tensors = alloc_tensors(manifest, into, pool)
             views = [byte_view(t) for t in tensors]
             chunks = plan_chunks(sizes_of(manifest), int(manifest["chunk_bytes"]))
             if len(chunks) != int(manifest["chunks"]):

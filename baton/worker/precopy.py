@@ -144,13 +144,14 @@ class RecordBuffers:
         self._lock = threading.Lock()
         self._closed = False
 
-    def prepare(self, sets: list[list[tuple[torch.Size, torch.dtype]]]) -> None:
-        """Map, on a thread, as many buffers for each optimizer's gradients as the feed keeps
-        records of them, and one more for the record being made."""
+    def prepare(self, sets: list[list[tuple[torch.Size, torch.dtype]]], count: int | None = None) -> None:
+        """Map, on a thread, `count` buffers for each optimizer's gradients; by default as many
+        as a feed keeps records of them, and one more for the record being made."""
         grad_bytes = sum(math.prod(shape) * dtype.itemsize for shapes in sets for shape, dtype in shapes)
         if grad_bytes < self.POOLED:
             return
-        count = min(KEEP_RECORDS // 2, max(2, KEEP_BYTES // grad_bytes)) + 1
+        if count is None:
+            count = min(KEEP_RECORDS // 2, max(2, KEEP_BYTES // grad_bytes)) + 1
         threading.Thread(target=self._map, args=(sets, count), name="baton-feed-buffers", daemon=True).start()
 
     def _map(self, sets: list[list[tuple[torch.Size, torch.dtype]]], count: int) -> None:
@@ -172,6 +173,19 @@ class RecordBuffers:
                 free = self._free.get((tuple(t.shape), t.dtype))
                 buf = free.pop() if free else None
             out.append(buf.copy_(t) if buf is not None else t.detach().clone())
+        return out
+
+    def carve(self, specs: list[tuple[torch.dtype, list[int]]]) -> list[torch.Tensor]:
+        """Tensors to receive a record into (transfer.protocol.alloc_tensors' pool): a mapped
+        buffer for each large one where one of its shape is free, new ones for the rest."""
+        out = []
+        for dtype, shape in specs:
+            buf = None
+            if math.prod(shape) * dtype.itemsize >= self.POOLED:
+                with self._lock:
+                    free = self._free.get((tuple(shape), dtype))
+                    buf = free.pop() if free else None
+            out.append(buf if buf is not None else torch.empty(shape, dtype=dtype))
         return out
 
     def give_back(self, tensors: list[torch.Tensor]) -> None:
@@ -309,6 +323,9 @@ class Follower:
     ended: bool = False  # `failed` because the records stopped coming (what was applied stands)
     woken_at: float = 0.0  # when the Form came (perf_counter), maybe while a record was being applied
     _records: "queue.Queue[tuple[dict[str, Any] | None, str]]" = field(default_factory=queue.Queue)
+    # Where the records' gradients arrive: a step's into fresh memory cost the joiner its page
+    # faults on every step (333 MB: as long as the copy), the last one inside the pause.
+    buffers: RecordBuffers = field(default_factory=RecordBuffers)
     _link: SnapshotLink | None = None
     _records_link: SnapshotLink | None = None
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -344,7 +361,8 @@ class Follower:
         seq = 0
         try:
             while not self._stop.is_set():  # the next record comes with the source's next step, however long
-                flat, n = link.fetch(snapshot_key(steps, record_key(self.op, seq)), wait_s=self._wait_s)
+                flat, n = link.fetch(snapshot_key(steps, record_key(self.op, seq)), wait_s=self._wait_s,
+                                     pool=self.buffers)
                 self.step_bytes += n
                 record = codec.decode(flat.meta, list(flat.tensors))
                 record["nbytes"] = n  # what it took on the wire
@@ -383,6 +401,7 @@ class Follower:
 
     def close(self) -> None:
         self._stop.set()
+        self.buffers.close()
         if self._link is not None:
             self._link.close()
         if self._records_link is not None:
@@ -458,6 +477,9 @@ class PreCopying:
             load_small_state(self.tracked, base["small"])
         except (OSError, TransferError) as exc:
             f.failed = f"the leaver's replicated state did not arrive: {exc}"
+        # one step's gradients being received while the one before is applied
+        f.buffers.prepare([[(p.shape, p.dtype) for p in _params(opt) if p.requires_grad]
+                           for opt in self.tracked.optimizers()], count=2)
         self.pos = f.pos
         log.info("pre-copy: the replicated state at %s arrived (%.1f MB in %.3fs); following the leaver",
                  f.pos, f.base_bytes / 2**20, f.base_s)
@@ -512,6 +534,8 @@ class PreCopying:
             finally:
                 self.loading = False
             f.steps += 1
+            # the step kept none of them (each once: a tensor listed twice must not serve two receives)
+            f.buffers.give_back(list({g.data_ptr(): g for g in record["grads"] if g is not None}.values()))
             return
         load_small_state(self.tracked, record["small"])
         self.pos = f.pos = (int(record["step"]) + 1, 0)
