@@ -209,6 +209,9 @@ class Mirror:
             opt.load_state_dict(replicated[spec["name"]])
             self.optimizers.append((spec["name"], opt))
         self.pos = tuple(base["pos"])  # type: ignore[assignment]
+        # each step's gradients arrive in memory mapped once, not in fresh pages every step
+        self.follower.buffers.prepare([[(p.shape, p.dtype) for g in opt.param_groups for p in g["params"]]
+                                       for _, opt in self.optimizers], count=2)
 
     def _apply(self, record: dict[str, Any]) -> None:
         """One of the feeder's optimizer steps, or a step's end (as PreCopying._apply_record)."""
@@ -217,6 +220,7 @@ class Mirror:
             return
         if record["kind"] == "optimizer_step":
             replay_optimizer_step(self.optimizers[int(record["opt"])][1], record)
+            self.follower.buffers.give_back(list({g.data_ptr(): g for g in record["grads"] if g is not None}.values()))
             self.steps += 1
             self.dirty = True
             return
