@@ -288,6 +288,33 @@ def test_a_followers_records_arrive_in_buffers_mapped_ahead_and_reused():
         server.close()
 
 
+def test_an_applied_records_gradients_go_back_once_and_never_one_an_optimizer_kept():
+    """After a replayed step, its gradients serve the next receive: each tensor once, and not
+    one the optimizer holds in its state (a custom optimizer keeping the last gradient by
+    reference would see it overwritten by a later step's)."""
+    import torch
+
+    from baton.worker.precopy import replay_optimizer_step, replayed_grads
+
+    class KeepsLastGrad(torch.optim.SGD):
+        def step(self, closure=None):  # noqa: ANN001, ANN201
+            for group in self.param_groups:
+                for p in group["params"]:
+                    self.state[p]["last_grad"] = p.grad  # by reference
+            return super().step(closure)
+
+    a, b = torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(4))
+    shared = torch.ones(4)
+    plain = torch.optim.SGD([a, b], lr=0.1)
+    record = {"grads": [shared, shared], "settings": [{}]}
+    replay_optimizer_step(plain, record)
+    assert replayed_grads(plain, record) == [shared]  # listed twice, given back once
+    keeper = KeepsLastGrad([a], lr=0.1)
+    record = {"grads": [torch.ones(4)], "settings": [{}]}
+    replay_optimizer_step(keeper, record)
+    assert replayed_grads(keeper, record) == []
+
+
 def test_a_follower_waits_for_a_base_that_takes_longer_than_its_timeout_and_a_form_ends_the_wait():
     """The leaver's base comes once it reaches a boundary and copies its state: on a busy
     machine, later than a connection's timeout; the follower waits for it (a hot spare that

@@ -35,7 +35,7 @@ from baton.transfer import FetchStats, TransferError
 from baton.transfer.server import FETCH_OWN, hot_ids
 from baton.worker import discover
 from baton.worker.precopy import (KEEP_UP_STEPS, Feed, Follower, _cannot_keep_up, replay_optimizer_step,
-                                  served_apart, small_state)
+                                  replayed_grads, served_apart, small_state)
 from baton.worker.tracked import _BATON_OWNED
 
 if TYPE_CHECKING:
@@ -219,8 +219,9 @@ class Mirror:
             self.failed = f"the feeder's record of step {record['step']} does not follow step {self.pos[0]}"
             return
         if record["kind"] == "optimizer_step":
-            replay_optimizer_step(self.optimizers[int(record["opt"])][1], record)
-            self.follower.buffers.give_back(list({g.data_ptr(): g for g in record["grads"] if g is not None}.values()))
+            opt = self.optimizers[int(record["opt"])][1]
+            replay_optimizer_step(opt, record)
+            self.follower.buffers.give_back(replayed_grads(opt, record))
             self.steps += 1
             self.dirty = True
             return

@@ -72,6 +72,14 @@ def _params(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for g in opt.param_groups for p in g["params"]]
 
 
+def replayed_grads(opt: torch.optim.Optimizer, record: dict[str, Any]) -> list[torch.Tensor]:
+    """The gradients of an applied record that nothing holds any more, each once (a tensor
+    listed twice must not serve two receives): not one an optimizer kept in its state, as a
+    custom optimizer keeping last step's gradient by reference would (a built-in one copies)."""
+    kept = {t.data_ptr() for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor)}
+    return list({g.data_ptr(): g for g in record["grads"] if g is not None and g.data_ptr() not in kept}.values())
+
+
 def replay_optimizer_step(opt: torch.optim.Optimizer, record: dict[str, Any]) -> None:
     """Apply a fed optimizer step: the feeder's gradients and settings, then the same step()
     (the feeder's arithmetic on the same device type, so the same bits)."""
@@ -529,13 +537,13 @@ class PreCopying:
             return
         if record["kind"] == "optimizer_step":
             self.loading = True  # baton's own hooks stand aside: this is not a step of this rank's loop
+            opt = self.tracked.optimizers()[int(record["opt"])]
             try:
-                replay_optimizer_step(self.tracked.optimizers()[int(record["opt"])], record)
+                replay_optimizer_step(opt, record)
             finally:
                 self.loading = False
             f.steps += 1
-            # the step kept none of them (each once: a tensor listed twice must not serve two receives)
-            f.buffers.give_back(list({g.data_ptr(): g for g in record["grads"] if g is not None}.values()))
+            f.buffers.give_back(replayed_grads(opt, record))
             return
         load_small_state(self.tracked, record["small"])
         self.pos = f.pos = (int(record["step"]) + 1, 0)
