@@ -582,17 +582,22 @@ def _signal_once_in(spec: str, scope: str, what: str, exact: bool = False) -> No
     os.kill(os.getpid(), getattr(signal, name))
 
 
+def _signal_before(owner, name: str, spec: str, what: str) -> None:  # noqa: ANN001
+    """`owner.name` signals once (`spec`, in the region after the step loop) before it runs."""
+    original = getattr(owner, name)
+
+    def signalled(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        _signal_once_in(spec, "region", what)
+        return original(*args, **kwargs)
+
+    setattr(owner, name, signalled)
+
+
 _signal_in_region = os.environ.get("BATON_TEST_SIGNAL_IN_REGION")
 if _signal_in_region:
     import torch.distributed as _dist
 
-    _all_reduce = _dist.all_reduce
-
-    def _signal_then_all_reduce(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-        _signal_once_in(_signal_in_region, "region", "in the region after step")
-        return _all_reduce(*args, **kwargs)
-
-    _dist.all_reduce = _signal_then_all_reduce
+    _signal_before(_dist, "all_reduce", _signal_in_region, "in the region after step")
 
 _glitch_in_region = os.environ.get("BATON_TEST_GLITCH_IN_REGION")
 _glitch_after_step = os.environ.get("BATON_TEST_GLITCH_AFTER_STEP")
@@ -643,13 +648,7 @@ _signal_in_save = os.environ.get("BATON_TEST_SIGNAL_IN_SAVE")
 if _signal_in_save:
     import torch as _torch
 
-    _save = _torch.save
-
-    def _signal_in_torch_save(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-        _signal_once_in(_signal_in_save, "region", "saving in the region after step")
-        return _save(*args, **kwargs)
-
-    _torch.save = _signal_in_torch_save
+    _signal_before(_torch, "save", _signal_in_save, "saving in the region after step")
 
 _signal_at_exit = os.environ.get("BATON_TEST_SIGNAL_AT_EXIT")
 if _signal_at_exit:
