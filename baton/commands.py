@@ -1,4 +1,4 @@
-"""Runtime subcommands: run, serve, jobs, status, migrate, taint, untaint, events, demo."""
+"""Runtime subcommands: run, serve, warm, jobs, status, migrate, taint, untaint, events, demo."""
 
 from __future__ import annotations
 
@@ -130,6 +130,17 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--token-file", type=Path, default=None,
                    help="admin token (made, mode 0600, if missing; default .baton-serve/token)")
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("warm", help="keep torch imported on this machine: each `baton run` with BATON_WARM set "
+                                    "starts its workers without importing it again",
+                       description="Import torch and baton's runtime once, then fork the zygote of each "
+                                   "`baton run` on this machine that asks (BATON_WARM=SOCKET). A job this "
+                                   "process cannot serve exactly (other startup environment, namespaces, "
+                                   "python) starts its own zygote, with one line saying why.")
+    p.add_argument("--socket", type=Path, default=None,
+                   help="where launchers reach it (default $XDG_RUNTIME_DIR or the temp dir, "
+                        "baton-warm-UID.sock); only this user can connect")
+    p.set_defaults(func=cmd_warm)
 
     p = sub.add_parser("jobs", help="list the jobs a `baton serve` hosts")
     p.add_argument("--server", default="http://127.0.0.1:8470", metavar="URL")
@@ -311,6 +322,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: server.stop())
     server.serve_forever()
     return 0
+
+
+def cmd_warm(args: argparse.Namespace) -> int:
+    from baton.schedulers import warm
+
+    return warm.main(args.socket or warm.default_socket())
 
 
 def cmd_jobs(args: argparse.Namespace) -> int:

@@ -1,7 +1,23 @@
+import os
+
 import pytest
 
 from tests.gpt_job import reference_run
 from tests.once import once
+from tests.warm_process import WarmProcess
+
+
+@pytest.fixture(scope="session", autouse=True)
+def warm_process():
+    """One `baton warm` per test worker, as a machine that starts many jobs would run it: each
+    job's zygote is its fork (BATON_WARM), where each used to import torch for itself, about
+    4 CPU-s a job on a 2-core machine. A job it cannot serve exactly starts its own zygote and
+    says why in its log. tests/test_warm.py tests the warm process itself."""
+    warm = WarmProcess().wait_ready()
+    os.environ["BATON_WARM"] = str(warm.socket)
+    yield warm
+    os.environ.pop("BATON_WARM", None)
+    warm.stop()
 
 
 @pytest.fixture(scope="session")

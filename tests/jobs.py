@@ -131,7 +131,7 @@ class Job:
 
     def store_pid(self, timeout: float = 30.0) -> int:
         """The pid of the job's rendezvous store process (under `baton run`: forked by its zygote,
-        or its own child)."""
+        which `baton warm` may have forked, or the launcher's own child)."""
         deadline = time.time() + timeout
         while True:
             parents, cmdlines = {}, {}
@@ -141,9 +141,12 @@ class Job:
                     cmdlines[int(stat.parent.name)] = (stat.parent / "cmdline").read_bytes()
                 except (OSError, ValueError, IndexError):
                     continue
+            # its zygote: the launcher's child, or a fork of `baton warm` that names the launcher
+            ours = {pid for pid, cmdline in cmdlines.items() if parents.get(pid) == self.proc.pid
+                    or f"(forked by baton warm for launcher {self.proc.pid})".encode() in cmdline}
             for pid, cmdline in cmdlines.items():
-                if b"baton.store.rendezvous_process" in cmdline and self.proc.pid in (
-                        parents.get(pid), parents.get(parents.get(pid, 0))):
+                if b"baton.store.rendezvous_process" in cmdline and (
+                        parents.get(pid) == self.proc.pid or parents.get(pid) in ours):
                     return pid
             assert time.time() < deadline, f"no rendezvous store process under {self.proc.pid}:\n{self.log()}"
             time.sleep(0.1)

@@ -1,6 +1,8 @@
 """The zygote: workers forked from one warm process behave as `python script.py args` would.
 
 Real processes: a zygote started as `baton run` starts it, scripts forked from it, signals.
+Each test runs twice: with the launcher's own zygote, and with one `baton warm` forked for it
+(the session's, tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -31,16 +33,29 @@ sys.exit(int(sys.argv[2]))
 '''
 
 
+@pytest.fixture(params=["own", "warm"], autouse=True)
+def how(request, monkeypatch):
+    """Whose fork the zygote is: the launcher's own child, or the session's `baton warm`'s."""
+    if request.param == "own":
+        monkeypatch.delenv("BATON_WARM", raising=False)
+    else:
+        assert os.environ.get("BATON_WARM")
+    return request.param
+
+
 @pytest.fixture
-def zygote(tmp_path):
-    z = Zygote(sys.executable, {**os.environ, "ZYGOTE_TEST_BASE": "base"})
+def zygote(tmp_path, how):
+    z = Zygote(sys.executable, _env())
     z.start()
+    assert z.warm == (how == "warm")
     yield z
     z.close()
 
 
 def _env(**extra: str) -> dict[str, str]:
-    return {**os.environ, "ZYGOTE_TEST_BASE": "base", **extra}
+    """A job's environment, with what `baton run` gives every worker (`baton warm` starts with it)."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DIST_INIT_BARRIER": "0", "ZYGOTE_TEST_BASE": "base",
+            **extra}
 
 
 def test_a_forked_script_sees_what_python_script_py_would(zygote, tmp_path):
@@ -55,7 +70,7 @@ def test_a_forked_script_sees_what_python_script_py_would(zygote, tmp_path):
     assert seen["name"] == "__main__" and seen["file"] == str(script)
     assert seen["path0"] == str(script.parent) and seen["cwd"] == os.getcwd()
     assert seen["x"] == "mine" and seen["inherited"] == "base"
-    assert seen["ppid"] == zygote._proc.pid and seen["sid"]
+    assert seen["ppid"] == zygote._pid and seen["sid"]
     assert seen["cmdline"].startswith(f"{sys.executable} {script} {out} 3")  # what `ps` shows
     assert seen["torch_loaded"]  # imported once, in the zygote
 
@@ -92,7 +107,7 @@ def test_a_killed_worker_reports_its_signal_and_a_dead_zygote_takes_its_workers(
     os.kill(proc.pid, signal.SIGKILL)
     assert proc.wait(timeout=30) == -signal.SIGKILL
     survivor = zygote.spawn([sys.executable, str(sleeper)], env=_env())
-    os.kill(zygote._proc.pid, signal.SIGKILL)
+    os.kill(zygote._pid, signal.SIGKILL)
     assert survivor.wait(timeout=30) == -signal.SIGKILL
     assert not procfs.running(survivor.pid)  # it died with its parent, as with the launcher
     with pytest.raises(ZygoteGone):
@@ -101,19 +116,18 @@ def test_a_killed_worker_reports_its_signal_and_a_dead_zygote_takes_its_workers(
 
 def test_workers_start_as_new_processes_once_the_zygote_is_gone(tmp_path, capfd):
     ended: list[tuple[str, int]] = []
-    zygote = Zygote(sys.executable, dict(os.environ))
+    zygote = Zygote(sys.executable, _env())
     procs = WorkerProcesses(lambda wid, code: ended.append((wid, code)), zygote=zygote)
     script = tmp_path / "quick.py"
     script.write_text("import sys\nsys.exit(5)\n")
-    first = procs.start("w0", [sys.executable, str(script)], env=dict(os.environ))
+    first = procs.start("w0", [sys.executable, str(script)], env=_env())
     assert first.wait(timeout=60) == 5 and not isinstance(first, subprocess.Popen)
-    os.kill(zygote._proc.pid, signal.SIGKILL)
-    zygote._proc.wait()
+    os.kill(zygote._pid, signal.SIGKILL)
     deadline = time.monotonic() + 30
     while zygote._gone is None:  # its reader sees the end
         assert time.monotonic() < deadline
         time.sleep(0.01)
-    second = procs.start("w1", [sys.executable, str(script)], env=dict(os.environ))
+    second = procs.start("w1", [sys.executable, str(script)], env=_env())
     assert isinstance(second, subprocess.Popen) and second.wait(timeout=60) == 5
     assert "starting workers as new processes (slower start): the zygote exited" in capfd.readouterr().err
     deadline = time.monotonic() + 30
@@ -125,8 +139,8 @@ def test_workers_start_as_new_processes_once_the_zygote_is_gone(tmp_path, capfd)
 
 
 def test_nothing_forks_with_the_switch_off(tmp_path):
-    zygote = Zygote(sys.executable, {**os.environ, "BATON_ZYGOTE": "0"})
+    zygote = Zygote(sys.executable, _env(BATON_ZYGOTE="0"))
     zygote.start()
     assert zygote._proc is None
     with pytest.raises(ZygoteGone, match="BATON_ZYGOTE=0"):
-        zygote.spawn([sys.executable, str(Path(__file__))], env=dict(os.environ))
+        zygote.spawn([sys.executable, str(Path(__file__))], env=_env())

@@ -23,16 +23,13 @@ from concurrent.futures import Future
 from typing import Any
 
 from baton import procfs
-from baton.schedulers.zygote import Exited, Lines, Ready, Refused, Spawn, Started, can_fork, send
+from baton.schedulers import warm
+from baton.schedulers.zygote import STARTUP_ENV, Exited, Lines, Ready, Refused, Spawn, Started, can_fork, send
 
 log = logging.getLogger(__name__)
 
 READY_TIMEOUT_S = 120.0  # a cold torch import on a loaded node can take tens of seconds
 ENV_SWITCH = "BATON_ZYGOTE"
-# Read when python, torch or their libraries start: a worker that needs other values than the
-# zygote started with is started as its own process.
-STARTUP_ENV = ("PYTHON", "LD_", "OMP_", "MKL_", "KMP_", "GOMP_", "MALLOC_", "TORCH_", "TORCHDYNAMO_",
-               "TORCHINDUCTOR_", "CUDA_")
 
 
 class ZygoteGone(RuntimeError):
@@ -82,7 +79,9 @@ class Zygote:
     def __init__(self, python: str, env: dict[str, str]):
         self.python = python
         self.env = env
-        self._proc: subprocess.Popen | None = None
+        self._proc: subprocess.Popen | None = None  # ours; None when the warm process forked it
+        self._pid: int | None = None
+        self.warm = False  # forked by the machine's warm process (`baton warm`)
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()  # one request in flight: its answer is the next Started/Refused
         self._answer: Future[ForkedProcess | Refused] | None = None
@@ -91,17 +90,20 @@ class Zygote:
         self._told = False
 
     def start(self) -> None:
-        """Start the zygote and wait until it has imported what workers import (once)."""
-        if self._proc is not None or self._gone is not None:
+        """Start the zygote (or have the machine's warm process fork it, `BATON_WARM`) and wait
+        until it has imported what workers import (once)."""
+        if self._proc is not None or self._pid is not None or self._gone is not None:
             return
         if os.environ.get(ENV_SWITCH, self.env.get(ENV_SWITCH, "1")) == "0":
             self._gone = f"{ENV_SWITCH}=0"
             return
         ours, theirs = socket.socketpair()
+        env = {**self.env, "BATON_PARENT_PID": str(os.getpid())}
         try:
-            env = {**self.env, "BATON_PARENT_PID": str(os.getpid())}
-            self._proc = subprocess.Popen([self.python, "-m", "baton.schedulers.zygote", str(theirs.fileno())],
-                                          env=env, pass_fds=(theirs.fileno(),))
+            if not self._ask_warm(env, theirs):
+                self._proc = subprocess.Popen([self.python, "-m", "baton.schedulers.zygote", str(theirs.fileno())],
+                                              env=env, pass_fds=(theirs.fileno(),))
+                self._pid = self._proc.pid
         except OSError as exc:
             self._gone = f"it could not start: {exc}"
             return
@@ -111,13 +113,39 @@ class Zygote:
         ready, _, _ = select.select([ours], [], [], READY_TIMEOUT_S)
         first = lines.read() if ready else None
         if not first or not isinstance(first[0], Ready):
-            self._proc.kill()
-            self._proc.wait()
+            self._stop_process()
             ours.close()
-            self._gone = f"it did not start (exit code {self._proc.returncode})"
+            self._gone = f"it did not start (exit code {self._proc.returncode if self._proc else '?'})"
             return
         self._sock = ours
         threading.Thread(target=self._read, args=(lines,), name="baton-zygote", daemon=True).start()
+
+    def _ask_warm(self, env: dict[str, str], theirs: socket.socket) -> bool:
+        """Whether the machine's warm process (`baton warm`, at $BATON_WARM) forked our zygote;
+        when it would not, one line says why (and we start our own)."""
+        path = os.environ.get(warm.ENV_SWITCH) or self.env.get(warm.ENV_SWITCH)
+        if not path:
+            return False
+        try:
+            self._pid = warm.request_zygote(path, self.python, env, theirs)
+        except warm.WarmRefused as exc:
+            print(f"[baton] the warm process did not fork this job's zygote, starting one (slower start): {exc}",
+                  file=sys.stderr, flush=True)
+            return False
+        self.warm = True
+        return True
+
+    def _stop_process(self) -> None:
+        """Kill the zygote's process and wait for its end."""
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.wait()
+        elif self._pid is not None:  # the warm process's child: it reaps it
+            try:
+                os.kill(self._pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            _wait_gone(self._pid)
 
     def spawn(self, argv: list[str], env: dict[str, str], start_new_session: bool = False,
               stdout: int | None = None, **popen: Any) -> ForkedProcess:
@@ -155,8 +183,9 @@ class Zygote:
 
     def cpu_s(self) -> float:
         """The zygote's own CPU-seconds (its imports): part of the launcher's cost."""
-        proc = self._proc
-        return procfs.cpu_s(proc.pid) if proc is not None and proc.returncode is None else 0.0
+        if self._pid is None or self._proc is not None and self._proc.returncode is not None:
+            return 0.0
+        return procfs.cpu_s(self._pid)
 
     def close(self) -> None:
         """Stop the zygote (any worker still alive dies with it)."""
@@ -172,8 +201,10 @@ class Zygote:
             try:
                 self._proc.wait(timeout=5.0)
             except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
+                self._stop_process()
+        elif self._pid is not None:
+            _wait_gone(self._pid, limit_s=5.0)
+            self._stop_process()
 
     def _read(self, lines: Lines) -> None:
         try:
@@ -189,7 +220,7 @@ class Zygote:
         except (OSError, ValueError) as exc:
             if self._gone is None:  # not closed by us
                 log.warning("the zygote's channel failed: %s", exc)
-        self._gone = self._gone or f"exited (code {self._proc.wait() if self._proc else None})"
+        self._gone = self._gone or (f"exited (code {self._proc.wait()})" if self._proc else "exited")
         if self._answer is not None:
             self._answer.set_exception(ZygoteGone(self._gone))
         # Its workers die with it (PR_SET_PDEATHSIG): report them as killed.

@@ -43,6 +43,11 @@ from baton.worker import orphan
 # builds a DDP) and every FSDP2 rank paid again. Here a job pays it once.
 PRELOADED = ("torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo", "numpy", "baton.worker.job",
              "baton.transparent.worker")
+# Read when python, torch or their libraries start: a worker that needs other values than its
+# zygote started with is started as its own process (`forked`); a job whose zygote would need
+# other values than the machine's warm process started with starts its own (`warm`).
+STARTUP_ENV = ("PYTHON", "LD_", "OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "NPY_", "MALLOC_", "TORCH_",
+               "TORCHDYNAMO_", "TORCHINDUCTOR_", "PYTORCH_", "TRITON_", "CUDA_", "LANG", "LC_")
 
 
 class Spawn(BaseModel):
@@ -242,6 +247,12 @@ def main() -> None:
     for name in PRELOADED:
         importlib.import_module(name)
     gc.freeze()  # a child's collections leave the imported objects (and their pages) alone
+    run(sock)
+
+
+def run(sock: socket.socket) -> None:
+    """Serve the launcher on `sock`, with the modules imported; return only as a worker, once
+    its script has run."""
     req = serve(sock)
     del sock
     become(req)
