@@ -286,7 +286,11 @@ if _hold:
 def _when_imported(name: str, patch) -> None:  # noqa: ANN001
     """Run `patch(module)` once `name` is imported, without importing it here: every Python
     process of the job loads this file, inductor's compile workers included, and importing
-    baton (and torch) in each of those made a compiled job's first steps miss gloo's timeout."""
+    baton (and torch) in each of those made a compiled job's first steps miss gloo's timeout.
+    Already imported (a zygote that `baton warm` forked imported baton before this ran): now."""
+    if name in sys.modules:
+        patch(sys.modules[name])
+        return
     import importlib.abc
     import importlib.util
 
