@@ -17,8 +17,9 @@ reads of the environment saw the job's environment, which lacks only the worker'
 BATON_* keys: `baton._worker_process_started` redoes what depends on those), and every
 worker shares the zygote's string hash seed.
 
-Run as `python -m baton.schedulers.zygote FD` by `Zygote` only. Messages are JSON lines
-on the socket FD; nothing is unpickled.
+Run as `python -m baton.schedulers.zygote FD` by `Zygote` only, or forked ready-imported by the
+machine's `baton warm` (`warm`), which then turns into the same. Messages are JSON lines on
+the socket FD; nothing is unpickled.
 """
 
 from __future__ import annotations
