@@ -54,7 +54,7 @@ def zygote(tmp_path, how):
 
 def _env(**extra: str) -> dict[str, str]:
     """A job's environment, with what `baton run` gives every worker (`baton warm` starts with it)."""
-    return {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DIST_INIT_BARRIER": "0", "ZYGOTE_TEST_BASE": "base",
+    return {**os.environ, "OMP_NUM_THREADS": "1", "ZYGOTE_TEST_BASE": "base",
             **extra}
 
 

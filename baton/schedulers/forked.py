@@ -24,7 +24,7 @@ from typing import Any
 
 from baton import procfs
 from baton.schedulers import warm
-from baton.schedulers.zygote import STARTUP_ENV, Exited, Lines, Ready, Refused, Spawn, Started, can_fork, send
+from baton.schedulers.zygote import Exited, Lines, Ready, Refused, Spawn, Started, can_fork, read_at_start, send
 
 log = logging.getLogger(__name__)
 
@@ -153,9 +153,8 @@ class Zygote:
         ZygoteGone when it cannot (start it as a process then)."""
         if popen or not can_fork(argv):
             raise ZygoteGone(f"it does not fork {argv[:2]} with {sorted(popen)}")
-        if read_at_start := sorted(k for k in set(env) | set(self.env) if k.startswith(STARTUP_ENV)
-                                   and env.get(k) != self.env.get(k)):
-            raise ZygoteGone(f"it started with other values of {', '.join(read_at_start)}, read only at start")
+        if differ := read_at_start(env, self.env):
+            raise ZygoteGone(f"it started with other values of {', '.join(differ)}, read only at start")
         with self._lock:
             if self._gone is not None or self._sock is None:
                 raise ZygoteGone(self._gone or "not started")

@@ -164,8 +164,7 @@ def refusal(req: Prepare, peer_uid: int, here: dict[str, str], started_env: dict
         return f"it runs {sys.executable}, the launcher {req.python}"
     if elsewhere := [k for k in sorted(here) if req.place.get(k) != here[k]]:
         return f"the launcher runs in another {', '.join(elsewhere)} (a Slurm step, a container?)"
-    differ = sorted(k for k in set(req.env) | set(started_env)
-                    if k.startswith(zygote.STARTUP_ENV) and k != "PYTHONPATH" and req.env.get(k) != started_env.get(k))
+    differ = [k for k in zygote.read_at_start(req.env, started_env) if k != "PYTHONPATH"]
     if differ:
         return f"it started with other values of {', '.join(differ)}, read only at start"
     extra = extra_path(started_env.get("PYTHONPATH", ""), req.env.get("PYTHONPATH", ""))
@@ -372,8 +371,7 @@ def main(socket_path: Path) -> int:
     It listens once imported: a launcher that finds the socket finds it ready."""
     _refuse_if_served(socket_path)
     orphan.die_with_parent()  # where BATON_PARENT_PID names a parent (a test session), die with it
-    # What `baton run` gives every worker (launcher.worker_env) and torch reads: the same here.
-    os.environ["TORCH_DIST_INIT_BARRIER"] = "0"
+    # What `baton run` gives every worker (launcher.worker_env) unless told otherwise.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     started_env = dict(os.environ)
     gc.disable()  # as the zygote: the forks share these pages

@@ -49,6 +49,14 @@ PRELOADED = ("torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo",
 # other values than the machine's warm process started with starts its own (`warm`).
 STARTUP_ENV = ("PYTHON", "LD_", "OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "NPY_", "MALLOC_", "TORCH_",
                "TORCHDYNAMO_", "TORCHINDUCTOR_", "PYTORCH_", "TRITON_", "CUDA_", "LANG", "LC_")
+# Of those, the ones read only when called (init_process_group's), never at import.
+READ_WHEN_CALLED = frozenset({"TORCH_DIST_INIT_BARRIER"})
+
+
+def read_at_start(a: dict[str, str], b: dict[str, str]) -> list[str]:
+    """The variables read only at start whose values differ between environments `a` and `b`."""
+    return sorted(k for k in set(a) | set(b)
+                  if k.startswith(STARTUP_ENV) and k not in READ_WHEN_CALLED and a.get(k) != b.get(k))
 
 
 class Spawn(BaseModel):

@@ -1,6 +1,7 @@
 """`baton explain script.py [args]`: what baton will do with a script, without training.
 
-The script runs as torchrun would start it (`--nproc` processes, gloo on loopback), its own
+The script runs as torchrun would start it (`--nproc` processes, gloo on loopback, forked from a
+zygote as `baton run` forks its workers, see `_zygote`), its own
 modules instrumented, up to its first `optimizer.step()`, which never runs: every rank
 stops there, before any parameter changes. Rank 0 reads the stack and writes the report
 (`analysis.Report`, JSON) for this process, which prints it. The exit code is 0 when the
@@ -18,7 +19,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
+from baton.schedulers import warm
+from baton.schedulers.forked import Zygote, ZygoteGone
 from baton.transparent.mode import MODEL_AWARE, mode_of
 from baton.worker.torchrun_env import free_port, torchrun_env
 
@@ -77,12 +81,14 @@ def main(args: argparse.Namespace) -> int:
 
 def _run_ranks(args: argparse.Namespace, out: Path) -> int:
     port = free_port()
-    procs = []
+    base = dict(os.environ)
+    base.setdefault("OMP_NUM_THREADS", "1")
+    zygote = _zygote(args, base)
+    procs: list[Any] = []
     for rank in range(args.nproc):
-        env = {**os.environ, **torchrun_env(rank, args.nproc, "127.0.0.1", port, "baton-explain"), ENV_OUT: str(out)}
-        env.setdefault("OMP_NUM_THREADS", "1")
-        procs.append(subprocess.Popen([sys.executable, "-m", "baton.transparent.explain", args.script,
-                                       *args.script_args], env=env, start_new_session=True))
+        env = {**base, **torchrun_env(rank, args.nproc, "127.0.0.1", port, "baton-explain"), ENV_OUT: str(out)}
+        argv = [sys.executable, "-m", "baton.transparent.explain", args.script, *args.script_args]
+        procs.append(_start(zygote, argv, env))
     deadline = time.monotonic() + args.timeout
     codes: list[int | None] = [None] * len(procs)
     try:
@@ -99,9 +105,35 @@ def _run_ranks(args: argparse.Namespace, out: Path) -> int:
     finally:
         for p in procs:
             if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
             p.wait()
+        if zygote is not None:
+            zygote.close()
     return next((c for c in codes if c), 0) or 0
+
+
+def _zygote(args: argparse.Namespace, env: dict[str, str]) -> Zygote | None:
+    """Where the ranks are forked from, as `baton run`'s workers are: the machine's warm
+    process (BATON_WARM) or, for several ranks, one zygote that imports torch once for all;
+    None for one rank with no warm process (a zygote would import more than the rank does)."""
+    if args.nproc == 1 and not os.environ.get(warm.ENV_SWITCH):
+        return None
+    zygote = Zygote(sys.executable, env)
+    zygote.start()
+    return zygote
+
+
+def _start(zygote: Zygote | None, argv: list[str], env: dict[str, str]) -> Any:
+    """A rank's process (a fork of `zygote`, else its own python), in a session of its own."""
+    if zygote is not None:
+        try:
+            return zygote.spawn(argv, env=env, start_new_session=True)
+        except ZygoteGone as exc:
+            zygote.fell_back(str(exc))
+    return subprocess.Popen(argv, env=env, start_new_session=True)
 
 
 class _Explained(BaseException):
