@@ -150,3 +150,41 @@ def test_a_request_the_warm_process_cannot_serve_exactly_is_refused_with_the_rea
     (tmp_path / "numpy").mkdir()
     assert "holds numpy" in ask()  # the working directory comes first on a fresh python's path
     assert ask(cwd=str(Path(warm.__file__).parents[2])) is None  # holds baton, imported from there
+
+
+def test_a_malformed_request_is_refused_and_the_warm_process_serves_on(warm_process):
+    """Not JSON, a request of another type, a prepare without its descriptors: each answered
+    with a refusal that says what was wrong; then a well-formed request is served."""
+    import json
+    import socket
+
+    def ask(data: bytes, fds: list[int] | None = None) -> dict:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.settimeout(60)
+            conn.connect(str(warm_process.socket))
+            if fds:
+                socket.send_fds(conn, [data], fds)
+            else:
+                conn.sendall(data)
+            return json.loads(conn.makefile().readline())
+
+    assert "bad request" in ask(b"not json\n")["error"]
+    assert "expected a prepare request" in ask(b'{"type": "forked", "pid": 1}\n')["error"]
+    req = warm.Prepare(python=sys.executable, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
+                       cwd=os.getcwd(), umask=0o022,
+                       affinity=sorted(os.sched_getaffinity(0)), place=warm.where_am_i())
+    line = req.model_dump_json().encode() + b"\n"
+    assert "with 4 descriptors, got Prepare with 0" in ask(line)["error"]
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        answer = ask(line, [theirs.fileno(), 0, 1, 2])
+        assert answer["type"] == "forked", answer
+        from baton.schedulers.zygote import Lines, Ready
+
+        ours.settimeout(120)
+        first = Lines(ours).read()
+        assert first and isinstance(first[0], Ready) and first[0].pid == answer["pid"]
+    deadline = time.monotonic() + 60  # our end closed: the zygote exits, as with a launcher gone
+    while procfs.running(answer["pid"]):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)

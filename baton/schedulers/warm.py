@@ -224,9 +224,10 @@ def _imported_top_level() -> dict[str, set[str]]:
 
 
 def serve(listener: socket.socket, started_env: dict[str, str]) -> tuple[Prepare, list[int], int]:
-    """Fork a zygote for each acceptable request; return only in such a fork, with the request
-    , its descriptors (the zygote's socket, stdin, stdout, stderr) and the launcher's pid. `started_env`: the
-    environment the imports saw (torch's adds to it: its inductor cache directory)."""
+    """Fork a zygote for each acceptable request; return only in such a fork, with the request,
+    its descriptors (the zygote's socket, stdin, stdout, stderr) and the launcher's pid.
+    `started_env`: the environment the imports saw (torch's add to it: its inductor cache
+    directory)."""
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
     os.set_blocking(wake_w, False)
@@ -257,6 +258,7 @@ def serve(listener: socket.socket, started_env: dict[str, str]) -> tuple[Prepare
                 pid = os.fork()
                 if pid == 0:
                     child = True
+                    signal.set_wakeup_fd(-1)
                     listener.close()
                     for fd in (wake_r, wake_w):
                         os.close(fd)
@@ -278,18 +280,21 @@ def _receive(conn: socket.socket) -> tuple[Prepare, list[int], int, int]:
     creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     pid, uid, _ = struct.unpack("3i", creds)
     data, fds = b"", []
-    while not data.endswith(b"\n"):
-        chunk, got, _, _ = socket.recv_fds(conn, 1 << 20, 4)
-        fds += got
-        if not chunk:
-            raise ValueError("the connection closed mid-request")
-        data += chunk
-    msg = MESSAGE.validate_json(data)
-    if not isinstance(msg, Prepare) or len(fds) != 4:
+    try:
+        while not data.endswith(b"\n"):
+            chunk, got, _, _ = socket.recv_fds(conn, 1 << 20, 4)
+            fds += got
+            if not chunk:
+                raise ValueError("the connection closed mid-request")
+            data += chunk
+        msg = MESSAGE.validate_json(data)
+        if not isinstance(msg, Prepare) or len(fds) != 4:
+            raise ValueError(f"expected a prepare request with 4 descriptors, got {type(msg).__name__} "
+                             f"with {len(fds)}")
+    except BaseException:
         for fd in fds:
             os.close(fd)
-        raise ValueError(f"expected a prepare request with 4 descriptors, got {type(msg).__name__} "
-                         f"with {len(fds)}")
+        raise
     return msg, fds, uid, pid
 
 
