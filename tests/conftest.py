@@ -12,7 +12,11 @@ def warm_process():
     """One `baton warm` per test worker, as a machine that starts many jobs would run it: each
     job's zygote is its fork (BATON_WARM), where each used to import torch for itself, about
     4 CPU-s a job on a 2-core machine. A job it cannot serve exactly starts its own zygote and
-    says why in its log. tests/test_warm.py tests the warm process itself."""
+    says why in its log. tests/test_warm.py tests the warm process itself. BATON_TEST_WARM=0:
+    none (to compare)."""
+    if os.environ.get("BATON_TEST_WARM") == "0":
+        yield None
+        return
     warm = WarmProcess().wait_ready()
     os.environ["BATON_WARM"] = str(warm.socket)
     yield warm

@@ -30,6 +30,13 @@ ARGS = ["--step-sleep", "0.03"]
 IMPORTS = re.compile(r"the workers' imports, once, ([\d.]+)s")
 
 
+@pytest.fixture
+def warm_process(warm_process):
+    if warm_process is None:
+        pytest.skip("BATON_TEST_WARM=0: the session runs no warm process")
+    return warm_process
+
+
 def _imports_s(job: Job) -> float:
     found = IMPORTS.findall(job.log(tail=None))
     assert found, job.log()

@@ -38,8 +38,8 @@ def how(request, monkeypatch):
     """Whose fork the zygote is: the launcher's own child, or the session's `baton warm`'s."""
     if request.param == "own":
         monkeypatch.delenv("BATON_WARM", raising=False)
-    else:
-        assert os.environ.get("BATON_WARM")
+    elif not os.environ.get("BATON_WARM"):
+        pytest.skip("BATON_TEST_WARM=0: the session runs no warm process")
     return request.param
 
 
