@@ -28,7 +28,8 @@ Path(sys.argv[1]).write_text(json.dumps({
     "argv": sys.argv, "name": __name__, "file": __file__, "path0": sys.path[0], "cwd": os.getcwd(),
     "x": os.environ.get("X"), "inherited": os.environ.get("ZYGOTE_TEST_BASE"), "ppid": os.getppid(),
     "sid": os.getsid(0) == os.getpid(), "cmdline": Path("/proc/self/cmdline").read_bytes().decode(),
-    "torch_loaded": "torch" in sys.modules}))
+    "torch_loaded": "torch" in sys.modules, "random": __import__("random").random(),
+    "numpy_random": __import__("numpy").random.rand()}))
 sys.exit(int(sys.argv[2]))
 '''
 
@@ -73,6 +74,11 @@ def test_a_forked_script_sees_what_python_script_py_would(zygote, tmp_path):
     assert seen["ppid"] == zygote._pid and seen["sid"]
     assert seen["cmdline"].startswith(f"{sys.executable} {script} {out} 3")  # what `ps` shows
     assert seen["torch_loaded"]  # imported once, in the zygote
+    again = tmp_path / "again.json"
+    proc = zygote.spawn([sys.executable, str(script), str(again), "0"], env=_env(X="mine"))
+    assert proc.wait(timeout=60) == 0
+    other = json.loads(again.read_text())  # seeded from the OS, as two fresh pythons would be
+    assert other["random"] != seen["random"] and other["numpy_random"] != seen["numpy_random"]
 
 
 def test_a_module_runs_as_python_dash_m_and_an_error_prints_from_the_scripts_frame(tmp_path, capfd):

@@ -15,7 +15,8 @@ copy of one idle thread, as a DataLoader worker's fork is. What differs from a f
 `python`: the modules imported here are already imported in the worker (their import-time
 reads of the environment saw the job's environment, which lacks only the worker's own
 BATON_* keys: `baton._worker_process_started` redoes what depends on those), and every
-worker shares the zygote's string hash seed.
+worker shares the zygote's string hash seed (`random` and numpy's global generator are
+seeded from the OS again in each: `_seed_from_the_os`).
 
 Run as `python -m baton.schedulers.zygote FD` by `Zygote` only, or forked ready-imported by the
 machine's `baton warm` (`warm`), which then turns into the same. Messages are JSON lines on
@@ -200,6 +201,17 @@ def _reap(sock: socket.socket) -> None:
         send(sock, Exited(pid=pid, code=os.waitstatus_to_exitcode(status), cpu_s=usage.ru_utime + usage.ru_stime))
 
 
+def _seed_from_the_os() -> None:
+    """A fresh python seeds `random`'s generator (and numpy its global one) from the OS when it
+    imports them; a fork holds its parent's. Without this, every worker of a job, and under
+    `baton warm` every job of the machine, drew the same "random" port or run name. torch's
+    default generator starts from a fixed seed in every process: nothing to do there."""
+    if (rnd := sys.modules.get("random")) is not None:
+        rnd.seed()
+    if (nprandom := sys.modules.get("numpy.random")) is not None:
+        nprandom.seed()
+
+
 def become(req: Spawn) -> None:
     """Turn this fresh child into `python script args` / `python -m module args`."""
     if req.new_session:
@@ -215,6 +227,7 @@ def become(req: Spawn) -> None:
     os.environ.update(req.env)
     if "BATON_PARENT_PID" in os.environ:  # the worker dies with its parent, which is this zygote
         os.environ["BATON_PARENT_PID"] = str(os.getppid())
+    _seed_from_the_os()
     import baton
 
     baton._worker_process_started()
