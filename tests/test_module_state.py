@@ -101,8 +101,8 @@ def test_flags_travel_module_by_module_and_buffer_digests_follow_every_change():
         state.set_modes({"other": dst}, modes)
 
 
-def _job(tmp: Path, name: str, spares: int = 1, args: list[str] | None = None) -> Job:
-    return Job(tmp, nproc=NPROC, spares=spares, steps=0, script=SCRIPT, name=name, script_args=args)
+def _job(tmp: Path, name: str, spares: int = 1, args: list[str] | None = None, **leash: int) -> Job:
+    return Job(tmp, nproc=NPROC, spares=spares, steps=0, script=SCRIPT, name=name, script_args=args, **leash)
 
 
 @pytest.fixture(scope="module")
@@ -162,11 +162,14 @@ def test_a_rank_whose_every_new_process_dies_at_once_ends_the_job_instead_of_res
 def test_a_planned_move_whose_every_spare_dies_is_given_up_and_the_job_ends_as_without_it(tmp_path, reference):
     """Each spare taking rank 1 over aborts while it sets up: after the third, the move is
     given up, rank 1 stays where it is, and the run ends bitwise equal to the failure-free one."""
-    # Slower steps (the sleep changes no state): three spares must start and die within the run.
-    job = _job(tmp_path, "gives-up", args=["--joiner-aborts", "setup", "--step-sleep", "0.6"])
+    # The ranks hold two steps before the end (30) until the move is given up: three spares
+    # must start and die within the run, and at 0.6 s a step (a guess) CI's run ended first.
+    job = _job(tmp_path, "gives-up", args=["--joiner-aborts", "setup"], leash=3, leash_cap=28)
     try:
         job.wait_step(2)
         job.client.migrate(1)
+        job.wait_until(lambda st: any("given up" in (e.get("note") or "") for e in job.events()), timeout=150,
+                       what="the move given up")
         assert job.wait(timeout=150) == 0, job.log()
         log = job.log(tail=None)
         assert "the move of rank 1 is given up: 3 spares in a row were lost" in log, log

@@ -37,13 +37,15 @@ def reference(train_reference):
     return train_reference(4, STEPS, ARGS)[0]
 
 
-def _job(tmp_path, slurm: SlurmCluster, extra: list[str] | None = None, step_sleep: float = 0.15) -> Job:
+def _job(tmp_path, slurm: SlurmCluster, extra: list[str] | None = None, step_sleep: float = 0.15,
+         **leash: int) -> Job:
     """2 nodes x 2 ranks + 1 spare node with 2 spares; --no-kill keeps the allocation alive
     when Slurm marks a node down (as a job that wants to survive a node must ask). The
-    sleep per step sets only how long the job runs, not its state (the same reference)."""
+    sleep per step sets only how long the job runs, not its state (the same reference);
+    `leash`, `leash_cap`: see Job."""
     return Job(tmp_path, nproc=2, steps=STEPS, script_args=["--step-sleep", str(step_sleep)], env=slurm.env,
                run_args=["--nodes", "2", "--spare-nodes", "1", *FAST, *(extra or [])],
-               launch=["salloc", "-N3", "--no-kill", "--quiet"])
+               launch=["salloc", "-N3", "--no-kill", "--quiet"], **leash)
 
 
 def _cli(job: Job, *args: str) -> subprocess.CompletedProcess:
@@ -96,9 +98,10 @@ def test_taint_of_a_node_moves_its_ranks_in_one_move_and_they_return_after_untai
     """`baton taint NODE`: both ranks move in one pre-emptive move and Slurm drains the node;
     `baton untaint NODE` resumes it, spares start there, and --return-home moves both ranks
     back in one planned move."""
-    # Long enough for the spares to start on the resumed node and the ranks to move back
-    # before the last step (CI: at 0.15 s a step the job ended while they were starting).
-    job = _job(tmp_path, slurm, extra=["--return-home"], step_sleep=0.35)
+    # The ranks hold two steps before the end until the test has seen them back home: the
+    # spares' start on the resumed node (Slurm job steps) took longer than the job's last
+    # steps on a busy machine, at 0.15 s a step and at 0.35 s (three tests at a time).
+    job = _job(tmp_path, slurm, extra=["--return-home"], leash=4, leash_cap=STEPS - 2)
     node = None
     try:
         st = job.wait_step(5)
