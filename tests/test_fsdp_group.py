@@ -292,8 +292,10 @@ def _move_then_kill(tmp_path: Path, script: Path, nproc: int, args: list[str]) -
     # steps; the kill then came after the last step (CI, exit 0 with no rebuild to see).
     hold_at, hold = int(args[args.index("--steps") + 1]) - 2, tmp_path / "hold"
     hold.touch()
+    # A compiled job's first step compiles on each rank: on a loaded machine one rank's took
+    # over 5 s longer than its peer's, whose all-gather then timed out (--op-timeout 5, CI).
     job = Job(tmp_path, nproc=nproc, spares=2, steps=0, script=script, name="baton", script_args=args,
-              run_args=["--redundancy", "1"],
+              run_args=["--redundancy", "1", *(["--op-timeout", "30"] if "--compile" in args else [])],
               env={"BATON_LOG": "INFO", "PYTHONPATH": str(Path(__file__).resolve().parent / "inject"),
                    "BATON_TEST_HOLD_AT_STEP": str(hold_at), "BATON_TEST_HOLD_FILE": str(hold)})
     try:
