@@ -229,6 +229,16 @@ class Zygote:
         self._children.clear()
 
 
+def start_process(zygote: Zygote | None, argv: list[str], **popen: Any) -> ForkedProcess | subprocess.Popen:
+    """`argv` forked from `zygote` when it can, else (saying so once) as its own process."""
+    if zygote is not None:
+        try:
+            return zygote.spawn(argv, **popen)
+        except ZygoteGone as exc:
+            zygote.fell_back(str(exc))
+    return subprocess.Popen(argv, **popen)
+
+
 def _wait_gone(pid: int, limit_s: float = 10.0) -> None:
     """Until `pid` no longer runs (its parent's death kills it; a moment for the kernel, more
     on a busy machine). Dead and not yet reaped counts as gone: nobody here can reap it."""

@@ -17,7 +17,7 @@ import time
 from concurrent.futures import Future
 from typing import Any, Callable, Protocol
 
-from baton.schedulers.forked import Zygote, ZygoteGone
+from baton.schedulers.forked import Zygote, start_process
 
 
 class Process(Protocol):
@@ -98,17 +98,10 @@ class WorkerProcesses:
         while True:
             argv, popen, done = self._spawns.get()
             try:
-                done.set_result(self._spawn(argv, popen))
+                done.set_result(start_process(self.zygote, argv, **popen))
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
                 done.set_exception(exc)
 
-    def _spawn(self, argv: list[str], popen: dict[str, Any]) -> Process:
-        if self.zygote is not None:
-            try:
-                return self.zygote.spawn(argv, **popen)
-            except ZygoteGone as exc:
-                self.zygote.fell_back(str(exc))
-        return subprocess.Popen(argv, **popen)
 
     def _wait(self, worker_id: str, proc: Process) -> None:
         code = proc.wait()

@@ -71,10 +71,7 @@ class Forked(BaseModel):
     pid: int
 
 
-class Refused(BaseModel):
-    type: Literal["refused"] = "refused"
-    error: str
-
+Refused = zygote.Refused  # the same answer a zygote gives a request it will not serve
 
 Message = Annotated[Union[Prepare, Forked, Refused], Field(discriminator="type")]
 MESSAGE: TypeAdapter[Message] = TypeAdapter(Message)
@@ -174,7 +171,7 @@ def refusal(req: Prepare, peer_uid: int, here: dict[str, str], started_env: dict
     for entry in [req.cwd, *extra]:
         if shadowed := _shadowed(entry, imported):
             return f"{entry} holds {', '.join(shadowed[:5])}, imported here from elsewhere"
-    if "sitecustomize" in sys.modules and any(_holds(e, "sitecustomize") for e in extra):
+    if "sitecustomize" in sys.modules and any("sitecustomize" in _top_level_names(e) for e in extra):
         return "the job's PYTHONPATH has a sitecustomize, and this process ran another"
     return None
 
@@ -189,21 +186,21 @@ def extra_path(started: str, job: str) -> list[str] | None:
     return [os.path.abspath(p) for p in theirs[:len(theirs) - len(ours)]]
 
 
-def _holds(entry: str, name: str) -> bool:
-    """Whether an import of top-level `name` would find it in directory `entry`."""
+def _top_level_names(entry: str) -> set[str]:
+    """The top-level names an import would find in directory `entry` (packages, modules,
+    extensions), read with one listing."""
     try:
         files = os.listdir(entry)
     except OSError:
-        return False
-    return any(f == name or f == f"{name}.py" or f.startswith(f"{name}.") and f.endswith((".so", ".pyc"))
-               for f in files)
+        return set()
+    return {f.split(".", 1)[0] if f.endswith((".py", ".so", ".pyc")) else f for f in files}
 
 
 def _shadowed(entry: str, imported: dict[str, set[str]]) -> list[str]:
     """The imported modules a fresh python would have found in `entry` instead of where they
     were found here (`imported`: each top-level name and the folders it came from)."""
-    here = os.path.realpath(entry)
-    return [name for name, origins in imported.items() if here not in origins and _holds(entry, name)]
+    here, names = os.path.realpath(entry), _top_level_names(entry)
+    return [name for name, origins in imported.items() if name in names and here not in origins]
 
 
 def _imported_top_level() -> dict[str, set[str]]:
@@ -213,13 +210,10 @@ def _imported_top_level() -> dict[str, set[str]]:
     for name, mod in list(sys.modules.items()):
         if "." in name or name in ("__main__", "sitecustomize"):
             continue
-        paths = list(getattr(mod, "__path__", None) or [])  # a package: its folders
-        if not paths and getattr(mod, "__file__", None):
-            paths = [os.path.dirname(mod.__file__)]  # a module: where its file is
-        elif paths:
-            paths = [os.path.dirname(p) for p in paths]
-        if paths:
-            out[name] = {os.path.realpath(p) for p in paths}
+        if paths := list(getattr(mod, "__path__", None) or []):  # a package: the folders holding it
+            out[name] = {os.path.realpath(os.path.dirname(p)) for p in paths}
+        elif file := getattr(mod, "__file__", None):  # a module: the folder of its file
+            out[name] = {os.path.realpath(os.path.dirname(file))}
     return out
 
 
@@ -228,17 +222,12 @@ def serve(listener: socket.socket, started_env: dict[str, str]) -> tuple[Prepare
     its descriptors (the zygote's socket, stdin, stdout, stderr) and the launcher's pid.
     `started_env`: the environment the imports saw (torch's add to it: its inductor cache
     directory)."""
-    wake_r, wake_w = os.pipe()
-    os.set_blocking(wake_r, False)
-    os.set_blocking(wake_w, False)
-    signal.set_wakeup_fd(wake_w)
-    signal.signal(signal.SIGCHLD, lambda *_: None)
+    ends = zygote.ChildEnds()
     here, imported = where_am_i(), _imported_top_level()
     while True:
-        ready, _, _ = select.select([listener, wake_r], [], [])
-        if wake_r in ready:
-            while _drained(wake_r):
-                pass
+        ready, _, _ = select.select([listener, ends.fd], [], [])
+        if ends.fd in ready:
+            ends.drain()
         _reap()
         if listener not in ready:
             continue
@@ -258,10 +247,8 @@ def serve(listener: socket.socket, started_env: dict[str, str]) -> tuple[Prepare
                 pid = os.fork()
                 if pid == 0:
                     child = True
-                    signal.set_wakeup_fd(-1)
+                    ends.close_in_child()
                     listener.close()
-                    for fd in (wake_r, wake_w):
-                        os.close(fd)
                     return req, fds, launcher
                 zygote.send(conn, Forked(pid=pid))
             except (OSError, ValueError) as exc:
@@ -298,13 +285,6 @@ def _receive(conn: socket.socket) -> tuple[Prepare, list[int], int, int]:
     return msg, fds, uid, pid
 
 
-def _drained(fd: int) -> bool:
-    try:
-        return bool(os.read(fd, 512))
-    except BlockingIOError:
-        return False
-
-
 def _reap() -> None:
     while True:
         try:
@@ -318,9 +298,7 @@ def _reap() -> None:
 def become_zygote(req: Prepare, fds: list[int], launcher: int, started_pythonpath: str) -> socket.socket:
     """Turn this fork into the zygote the launcher would have started; its socket to the launcher."""
     os.setsid()  # not in the warm process's session: a signal to that one is not for jobs
-    signal.set_wakeup_fd(-1)
-    for sig in (signal.SIGCHLD, signal.SIGTERM):
-        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the warm process's own handlers
     signal.signal(signal.SIGINT, signal.default_int_handler)
     sock_fd, *stdio = fds
     for target, fd in enumerate(stdio):
@@ -343,7 +321,7 @@ def become_zygote(req: Prepare, fds: list[int], launcher: int, started_pythonpat
     sys.path[0:1] = [req.cwd, *extra]  # as `python -m` puts them: the working directory, then PYTHONPATH's
     tempfile.tempdir = None  # found again from this environment's TMPDIR when next asked
     _fresh_stdio()
-    if any(_holds(e, "sitecustomize") for e in extra):
+    if any("sitecustomize" in _top_level_names(e) for e in extra):
         importlib.import_module("sitecustomize")  # what python's `site` runs at start
     return socket.socket(fileno=sock_fd)
 

@@ -134,20 +134,41 @@ class Lines:
 
 # ------------------------------------------------------------------ the zygote process
 
+class ChildEnds:
+    """A pipe each SIGCHLD writes a byte to (`signal.set_wakeup_fd`): a fork server's select on
+    `fd` wakes when a child ends, as it does on a request."""
+
+    def __init__(self) -> None:
+        self.fd, self._write = os.pipe()
+        os.set_blocking(self.fd, False)
+        os.set_blocking(self._write, False)
+        signal.set_wakeup_fd(self._write)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+
+    def drain(self) -> None:
+        try:
+            while os.read(self.fd, 512):
+                pass
+        except BlockingIOError:
+            pass
+
+    def close_in_child(self) -> None:
+        """In a fork: SIGCHLD back to its default, the pipe closed (after the wake-up fd is off it)."""
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        os.close(self.fd)
+        os.close(self._write)
+
+
 def serve(sock: socket.socket) -> Spawn:
     """Fork a worker for each request and report each one's end; return only in a child."""
-    wake_r, wake_w = os.pipe()
-    os.set_blocking(wake_r, False)
-    os.set_blocking(wake_w, False)
-    signal.set_wakeup_fd(wake_w)
-    signal.signal(signal.SIGCHLD, lambda *_: None)
+    ends = ChildEnds()
     lines = Lines(sock)
     send(sock, Ready(pid=os.getpid()))
     while True:
-        ready, _, _ = select.select([sock, wake_r], [], [])
-        if wake_r in ready:
-            while _drained(wake_r):
-                pass
+        ready, _, _ = select.select([sock, ends.fd], [], [])
+        if ends.fd in ready:
+            ends.drain()
         _reap(sock)
         if sock not in ready:
             continue
@@ -169,9 +190,8 @@ def serve(sock: socket.socket) -> Spawn:
                 if orphan.ask_to_die_with_parent() and os.getppid() != zygote_pid:
                     os._exit(1)
                 gc.enable()
-                signal.set_wakeup_fd(-1)
-                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-                for fd in (wake_r, wake_w, *lines.fds):
+                ends.close_in_child()
+                for fd in lines.fds:
                     os.close(fd)
                 sock.close()
                 if stdout is not None:
@@ -181,13 +201,6 @@ def serve(sock: socket.socket) -> Spawn:
             if stdout is not None:
                 os.close(stdout)
             send(sock, Started(pid=pid))
-
-
-def _drained(fd: int) -> bool:
-    try:
-        return bool(os.read(fd, 512))
-    except BlockingIOError:
-        return False
 
 
 def _reap(sock: socket.socket) -> None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -22,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from baton.schedulers import warm
-from baton.schedulers.forked import Zygote, ZygoteGone
+from baton.schedulers.forked import Zygote, start_process
 from baton.transparent.mode import MODEL_AWARE, mode_of
 from baton.worker.torchrun_env import free_port, torchrun_env
 
@@ -88,7 +87,7 @@ def _run_ranks(args: argparse.Namespace, out: Path) -> int:
     for rank in range(args.nproc):
         env = {**base, **torchrun_env(rank, args.nproc, "127.0.0.1", port, "baton-explain"), ENV_OUT: str(out)}
         argv = [sys.executable, "-m", "baton.transparent.explain", args.script, *args.script_args]
-        procs.append(_start(zygote, argv, env))
+        procs.append(start_process(zygote, argv, env=env, start_new_session=True))  # a session each: killpg
     deadline = time.monotonic() + args.timeout
     codes: list[int | None] = [None] * len(procs)
     try:
@@ -124,16 +123,6 @@ def _zygote(args: argparse.Namespace, env: dict[str, str]) -> Zygote | None:
     zygote = Zygote(sys.executable, env)
     zygote.start()
     return zygote
-
-
-def _start(zygote: Zygote | None, argv: list[str], env: dict[str, str]) -> Any:
-    """A rank's process (a fork of `zygote`, else its own python), in a session of its own."""
-    if zygote is not None:
-        try:
-            return zygote.spawn(argv, env=env, start_new_session=True)
-        except ZygoteGone as exc:
-            zygote.fell_back(str(exc))
-    return subprocess.Popen(argv, env=env, start_new_session=True)
 
 
 class _Explained(BaseException):
