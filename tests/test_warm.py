@@ -80,9 +80,14 @@ def test_a_zygote_forked_by_the_warm_process_trains_moves_and_recovers_as_the_jo
 def test_a_launcher_killed_takes_its_zygote_and_workers_and_a_killed_warm_process_takes_no_job(tmp_path):
     """kill -9 of a launcher: its zygote (the warm process's child) and every worker are gone,
     as with its own zygote. kill -9 of the warm process: the jobs it forked zygotes for go on
-    and end bitwise as without it."""
-    warm_proc = WarmProcess(env={**os.environ, "OMP_NUM_THREADS": "1"}).wait_ready()
-    env = {"BATON_WARM": str(warm_proc.socket)}
+    and end bitwise as without it. As on a CI machine, the warm process starts from a shell
+    without TORCHINDUCTOR_CACHE_DIR and the launchers from a process that imported torch, which
+    wrote the directory into the environment they inherit: they are served all the same."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    shell = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    warm_proc = WarmProcess(env={**shell, "OMP_NUM_THREADS": "1"}).wait_ready()
+    env = {"BATON_WARM": str(warm_proc.socket), "TORCHINDUCTOR_CACHE_DIR": os.path.abspath(default_cache_dir())}
     try:
         doomed = Job(tmp_path, nproc=NPROC, spares=1, steps=1000, script_args=ARGS, env=env, name="doomed")
         survivor = Job(tmp_path, nproc=NPROC, spares=1, steps=STEPS, script_args=ARGS, env=env, name="survivor",
@@ -135,11 +140,13 @@ def test_a_request_the_warm_process_cannot_serve_exactly_is_refused_with_the_rea
     here, env = warm.where_am_i(), {"OMP_NUM_THREADS": "1", "PYTHONPATH": "/opt/lib"}
     imported = {"numpy": {"/site"}, "baton": {str(Path(warm.__file__).parents[2])}}
 
+    filled_in = {"TORCHINDUCTOR_CACHE_DIR": "/tmp/torchinductor_u"}  # what torch's import wrote
+
     def ask(uid: int = os.getuid(), **change) -> str | None:
         req = warm.Prepare(python=sys.executable, env=dict(env), cwd=str(tmp_path), umask=0o022, affinity=[0],
                            place=dict(here))
         req = req.model_copy(update=change)
-        return warm.refusal(req, uid, here, env, imported)
+        return warm.refusal(req, uid, here, env, imported, filled_in)
 
     assert ask() is None
     assert "uid 12345" in ask(uid=12345)
@@ -148,6 +155,9 @@ def test_a_request_the_warm_process_cannot_serve_exactly_is_refused_with_the_rea
     assert "other values of OMP_NUM_THREADS" in ask(env={**env, "OMP_NUM_THREADS": "4"})
     assert "other values of TORCH_LOGS" in ask(env={**env, "TORCH_LOGS": "+dynamo"})
     assert ask(env={**env, "BATON_ANYTHING": "x", "MASTER_PORT": "1"}) is None  # read after start
+    # A launcher whose parent imported torch inherits the directory torch wrote: the same start.
+    assert ask(env={**env, **filled_in}) is None
+    assert "other values of TORCHINDUCTOR_CACHE_DIR" in ask(env={**env, "TORCHINDUCTOR_CACHE_DIR": "/elsewhere"})
     assert "does not end with" in ask(env={**env, "PYTHONPATH": "/elsewhere"})
     extra = tmp_path / "extra"
     extra.mkdir()

@@ -152,16 +152,19 @@ def _read_line(conn: socket.socket) -> Message:
 # ------------------------------------------------------------------ the warm process
 
 def refusal(req: Prepare, peer_uid: int, here: dict[str, str], started_env: dict[str, str],
-            imported: dict[str, set[str]]) -> str | None:
+            imported: dict[str, set[str]], filled_in: dict[str, str] | None = None) -> str | None:
     """Why the warm process cannot fork a zygote that is what `req`'s launcher would have
-    started; None when it can."""
+    started; None when it can. `filled_in`: what the imports added to the environment (torch
+    writes its inductor cache directory there when it first reads it); a launcher that
+    inherited the same value from a process that imported torch started the same."""
     if peer_uid != os.getuid():
         return f"the request came from uid {peer_uid}; this warm process serves uid {os.getuid()} only"
     if req.python != sys.executable:
         return f"it runs {sys.executable}, the launcher {req.python}"
     if elsewhere := [k for k in sorted(here) if req.place.get(k) != here[k]]:
         return f"the launcher runs in another {', '.join(elsewhere)} (a Slurm step, a container?)"
-    differ = [k for k in zygote.read_at_start(req.env, started_env) if k != "PYTHONPATH"]
+    as_started = {k: v for k, v in req.env.items() if (filled_in or {}).get(k) != v}
+    differ = [k for k in zygote.read_at_start(as_started, started_env) if k != "PYTHONPATH"]
     if differ:
         return f"it started with other values of {', '.join(differ)}, read only at start"
     extra = extra_path(started_env.get("PYTHONPATH", ""), req.env.get("PYTHONPATH", ""))
@@ -217,11 +220,11 @@ def _imported_top_level() -> dict[str, set[str]]:
     return out
 
 
-def serve(listener: socket.socket, started_env: dict[str, str]) -> tuple[Prepare, list[int], int]:
+def serve(listener: socket.socket, started_env: dict[str, str],
+          filled_in: dict[str, str]) -> tuple[Prepare, list[int], int]:
     """Fork a zygote for each acceptable request; return only in such a fork, with the request,
     its descriptors (the zygote's socket, stdin, stdout, stderr) and the launcher's pid.
-    `started_env`: the environment the imports saw (torch's add to it: its inductor cache
-    directory)."""
+    `started_env`: the environment the imports saw; `filled_in`: what they added to it."""
     ends = zygote.ChildEnds()
     here, imported = where_am_i(), _imported_top_level()
     while True:
@@ -241,7 +244,7 @@ def serve(listener: socket.socket, started_env: dict[str, str]) -> tuple[Prepare
             child = False
             try:
                 req, fds, uid, launcher = _receive(conn)
-                if (why := refusal(req, uid, here, started_env, imported)) is not None:
+                if (why := refusal(req, uid, here, started_env, imported, filled_in)) is not None:
                     zygote.send(conn, Refused(error=why))
                     continue
                 pid = os.fork()
@@ -360,6 +363,7 @@ def main(socket_path: Path) -> int:
     gc.disable()  # as the zygote: the forks share these pages
     for name in zygote.PRELOADED:
         importlib.import_module(name)
+    filled_in = {k: v for k, v in os.environ.items() if k not in started_env}
     gc.freeze()
     listener = _listen(socket_path)
 
@@ -371,7 +375,7 @@ def main(socket_path: Path) -> int:
     signal.signal(signal.SIGINT, stop)
     print(f"[baton] warm: {', '.join(zygote.PRELOADED)} imported; serving {socket_path} "
           f"(export {ENV_SWITCH}={socket_path})", file=sys.stderr, flush=True)
-    req, fds, launcher = serve(listener, started_env)
+    req, fds, launcher = serve(listener, started_env, filled_in)
     sock = become_zygote(req, fds, launcher, started_env.get("PYTHONPATH", ""))
     zygote.run(sock)
     return 0
