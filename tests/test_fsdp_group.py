@@ -338,6 +338,30 @@ def test_buffers_a_first_forward_registers_reach_each_joiner_with_their_values(t
     assert log.count("registered the buffers the source's forward made") == 2, log[-3000:]
 
 
+def test_buffers_an_abandoned_first_forward_registered_are_dropped_and_made_afresh_when_it_runs_again(tmp_path):
+    """Rank 1 killed in step 0 after the forward in which each RMSNorm registered its running
+    statistics, before its backward: rank 0's backward collective fails and it goes back to
+    the step's start, where those buffers did not exist. They are unregistered, and the step
+    run again makes them afresh, as torchrun's run did. Kept, the rerun updated the abandoned
+    attempt's statistics; the state check found rank 0's shards apart from its snapshot of the
+    boundary and stopped the job (CI, compiled blocks whose slow compile timed a collective
+    out inside step 0)."""
+    args = ["--steps", "12", "--eval-every", "10", "--dropout", "0.1", "--replicas", "1"]
+    reference = _torchrun_llama(tmp_path, 2, args, script=LAZY_STATS)
+    job = Job(tmp_path, nproc=2, spares=1, steps=0, script=LAZY_STATS, name="baton", script_args=args,
+              run_args=["--redundancy", "1"],
+              env={"BATON_LOG": "INFO", "PYTHONPATH": str(Path(__file__).resolve().parent / "inject"),
+                   "BATON_TEST_SIGNAL_MID_STEP": "1:0:SIGKILL", "BATON_TEST_SIGNAL_MARK": str(tmp_path / "mark")})
+    try:
+        events = ended_equal(job, reference, timeout=240)
+        log = job.log(tail=None)
+    finally:
+        job.kill()
+    assert [(e["kind"], e["status"], e["rank"], e["step"]) for e in events] == [("unplanned", "resolved", 1, 0)], events
+    assert "[w0] baton.worker: unregistered the buffers made after the record this rank goes back to: " \
+           "model/layers.0.attention_norm.running_mean" in log, log[-3000:]
+
+
 def test_a_buffer_whose_registration_broke_a_compiled_graph_refuses_moves_and_stops_at_a_loss(tmp_path):
     """Blocks checkpoint-wrapped and compiled, whose RMSNorms register their statistics on the
     first forward: dynamo cannot trace that registration inside the checkpointed region, so

@@ -57,6 +57,7 @@ class Captures:
             "data": self.feed.position_at(pos[0]),
             "modes": self.tracked.modes(),
             "volatile": self.tracked.volatile_buffers(),
+            "late": self.tracked.late_buffer_keys(),
             "setup": self.setup,
         }
 

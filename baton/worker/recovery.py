@@ -127,6 +127,9 @@ class Recovery:
         self.pos, self.at_pos, self.at_pos_rng = pos, bundle, rng_state
 
     def _apply_bundle(self, state: dict[str, Any], data: bool = True) -> None:
+        if "late" in state and (dropped := self.tracked.drop_late_buffers(state["late"])):
+            log.info("unregistered the buffers made after the record this rank goes back to: %s",
+                     ", ".join(dropped[:10]))
         rng.restore(state["rng"], self.tracked.generators)
         buffers = {**self.tracked.local_buffers(), **self.tracked.extra_tensors()}
         missing = self.tracked.extras_missing(state.get("buffers", {}))

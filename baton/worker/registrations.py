@@ -31,3 +31,10 @@ def count() -> int:
         module.register_module_module_registration_hook(_seen)
         _hooked = True
     return _count
+
+
+def removed() -> None:
+    """Something was unregistered (torch has no hook for that): cached walks are redone."""
+    global _count
+    count()
+    _count += 1

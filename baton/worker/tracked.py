@@ -308,6 +308,27 @@ class Tracked:
                 persistent.append(key)
         return {"values": values, "persistent": persistent, "broke_compile": dict(self.compile_watch.broke)}
 
+    def late_buffer_keys(self) -> list[str]:
+        """The keys of the buffers registered since the loop began (what a record notes)."""
+        return [key for key, _, _, _ in self._late_buffer_places()]
+
+    def drop_late_buffers(self, keep: list[str]) -> list[str]:
+        """Unregister the buffers registered since the loop began that `keep` (a record's
+        `late_buffer_keys`) lacks; their keys. An abandoned step's first forward made them after
+        the record this rank goes back to: a rerun that found them would update the abandoned
+        attempt's values where the first run made them afresh (running statistics), and
+        diverge."""
+        kept = set(keep)
+        dropped = []
+        for key, owner, attr, _ in self._late_buffer_places():
+            if key not in kept:
+                del owner._buffers[attr]  # noqa: SLF001 - as delattr does, without a module's own __delattr__
+                owner._non_persistent_buffers_set.discard(attr)  # noqa: SLF001
+                dropped.append(key)
+        if dropped:
+            registrations.removed()
+        return dropped
+
     def _late_buffer_places(self) -> list[tuple[str, torch.nn.Module, str, bool]]:
         """(key, owner, attribute, persistent) of each buffer registered since the loop began,
         in `named_buffers()` order (the list, and its order, DDP broadcasts). Walked again only
