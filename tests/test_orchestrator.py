@@ -99,6 +99,48 @@ def test_boundary_is_retargeted_when_a_rank_is_past_it(tmp_path):
     assert spare_form and spare_form[0]["fetch_from"] == [["127.0.0.1", 1000]] and spare_form[0]["full_state"]
 
 
+def test_a_leaver_serves_its_joiner_as_it_pauses_and_a_failure_before_the_rest_pause_calls_the_move_off(tmp_path):
+    """The leaver's Publish and its joiner's Form go out as the leaver pauses at the agreed
+    boundary: the copy runs while the other ranks finish their step, and they form when they
+    pause (the ledger's boundary phase ends where the copy began). A rank lost after that,
+    before the others paused, calls the move off as one lost before it: the leaver, not yet
+    released, stays (Abort), and the joiner is stopped."""
+    for lost in (False, True):
+        (tmp_path / str(lost)).mkdir()
+        orch, sched = _running(tmp_path / str(lost), world=3)
+        op = orch.handle(m.MigrateRequest(rank=1))["op"]
+        _joiners_ready(orch)
+        target, joiner = orch.op.target_step, orch.op.moves[1].to_worker
+        for w in ("w0", "w1", "w2"):
+            report(orch, w, {"type": "pause_ack", "op": op, "ok": True, "next_step": target})
+        seen = len(_commands(orch, "w0"))
+        report(orch, "w1", {"type": "paused", "op": op, "pos": [target, 0]})
+        assert orch.op.phase == "pausing"
+        assert [c["type"] for c in _commands(orch, "w1")][-1] == "publish"
+        forms = [c for c in _commands(orch, joiner) if c["type"] == "form"]
+        assert len(forms) == 1 and forms[0]["pos"] == [target, 0] and forms[0]["full_state"]
+        assert not any(c["type"] == "form" for c in _commands(orch, "w0")[seen:])
+        if lost:
+            orch.handle(m.WorkerExited(worker_id="w2", returncode=-9))
+            assert orch.op.kind.value == "unplanned" and joiner in sched.killed
+            assert _commands(orch, "w1")[-1]["type"] == "abort"
+            planned = orch.event_list()[0]
+            assert planned["status"] == "failed" and "runs again after it" in planned["note"], planned
+            continue
+        time.sleep(0.05)
+        for w in ("w0", "w2"):
+            report(orch, w, {"type": "paused", "op": op, "pos": [target, 0]})
+        assert orch.op.phase == "forming"
+        assert len([c for c in _commands(orch, joiner) if c["type"] == "form"]) == 1  # not sent twice
+        assert len([c for c in _commands(orch, "w1") if c["type"] == "publish"]) == 1
+        gen = orch.op.generation
+        for w in ("w0", "w2", joiner):
+            report(orch, w, {"type": "formed", "generation": gen, "pos": [target, 0],
+                             **({"phases": {"fetch": 0.01}} if w == joiner else {})})
+        ev = orch.event_list()[0]
+        assert ev["status"] == "resolved" and ev["phases"]["boundary"] == 0.0, ev  # the leaver paused first
+
+
 def test_a_planned_move_pauses_nobody_until_its_joiner_is_at_its_step_loop(tmp_path):
     """The joiner runs the script's setup while the ranks train on: they are asked to pause
     only once it said Ready. A joiner lost in its setup stops nothing (no Abort, no re-form):

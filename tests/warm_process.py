@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -36,6 +37,7 @@ class WarmProcess:
         return self
 
     def stop(self) -> None:
+        """Stop it and remove its folder (its socket and, unless given another, its log)."""
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -43,3 +45,4 @@ class WarmProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        shutil.rmtree(self.socket.parent, ignore_errors=True)

@@ -77,6 +77,9 @@ class Operation:
     caught_up: dict[str, dict[str, Any]] = field(default_factory=dict)
     pre_copy: bool | None = None  # this move's own choice (MigrateRequest.pre_copy); None: the job's
     pre_copy_cost: dict[int, dict[str, Any]] = field(default_factory=dict)
+    # planned: the moves whose leaver was told to serve, and joiner to form, as the leaver paused
+    # (rank -> the boundary it paused at), ahead of the other ranks
+    handed_early: dict[int, tuple[int, int]] = field(default_factory=dict)
     hot_joiners: set[str] = field(default_factory=set)  # joiners whose mirror kept pace when assigned (--hot-spares)
 
     def enter(self, phase: Phase, seconds: float) -> None:

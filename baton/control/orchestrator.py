@@ -909,7 +909,11 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing, PathFa
                 # publishing, the survivors forming, messages)
                 parts = dict(op.joiner_phases)
                 if op.kind != EventKind.UNPLANNED and len(op.paused) > 1:
-                    parts["boundary"] = round(max(op.paused.values()) - first_stop, 4)
+                    # until the copy could begin: when the last rank paused, or the last leaver
+                    # where the leavers served their joiners as they paused (planned._hand_over_early)
+                    early = all(r in op.handed_early for r in op.moves)
+                    began = max(op.paused[r] for r in op.moves) if early else max(op.paused.values())
+                    parts["boundary"] = round(began - first_stop, 4)
                 ev.phases = {**parts, "rest": round(max(0.0, ev.downtime_s - sum(parts.values())), 4)}
             # From what the ranks reported: a step every rank had completed that must run again
             # is lost progress; a step some rank abandoned half way is the in-flight step re-run.

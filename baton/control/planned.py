@@ -48,7 +48,32 @@ class PlannedMoves:
         self.ranks[w.rank].step = rep.pos[0]
         if op.phase == "pausing":
             op.enter("pausing", self._pause_window())  # progress: the others get a full window again
+            self._hand_over_early(op, w.rank, tuple(rep.pos))  # type: ignore[arg-type]
         self._advance_pausing()
+
+    def _hand_over_early(self, op: Operation, rank: int, pos: tuple[int, int]) -> None:
+        """A leaver paused at the agreed boundary serves its joiner at once: the copy runs while
+        the other ranks finish their last step, where it used to wait for the last of them (the
+        ranks' skew after a step's all-reduce: 0.39 s of a 1 GB move's pause on 2 cores). Only
+        where every rank pauses at that very boundary (a model-aware job's step boundary): a
+        no-code job's ranks may stand elsewhere in the script, and its target is the furthest.
+        A failure before the rest pause calls the move off as before: the leaver, not yet
+        released, stays as a survivor, and its joiner is stopped."""
+        move = op.moves.get(rank)
+        if move is None or rank in op.handed_early or self._joiners_walk() or pos != (op.target_step, 0):
+            return
+        op.handed_early[rank] = pos
+        self._hand_over(op, rank, move, pos)
+
+    def _hand_over(self, op: Operation, rank: int, move: Move, pos: tuple[int, int]) -> None:
+        """The leaver serves its state at `pos`; the joiner fetches it and forms the generation."""
+        leaver = self.workers[move.from_worker or ""]
+        self._post(leaver.id, m.Publish(generation=op.generation, pos=pos, leave=True))
+        assert move.to_worker and leaver.transfer_addr
+        self._post(move.to_worker, m.Form(generation=op.generation, pos=pos, fetch_from=[leaver.transfer_addr],
+                                          full_state=True, buddies=self._buddy_addr(rank, op),
+                                          wards=self._ward_addr(rank, op),
+                                          formation_timeout_s=self._formation_timeout(op)))
 
     def _pause_window(self) -> float:
         """How long ranks may take to reach the agreed step after the last sign of progress.
@@ -246,13 +271,12 @@ class PlannedMoves:
                                                wards=self._ward_addr(r, op),
                                                formation_timeout_s=ft))
                 continue
-            leaver = self.workers[move.from_worker or ""]
-            self._post(leaver.id, m.Publish(generation=op.generation, pos=pos, leave=True))
-            assert move.to_worker and leaver.transfer_addr
-            self._post(move.to_worker, m.Form(generation=op.generation, pos=pos, fetch_from=[leaver.transfer_addr],
-                                              full_state=True, buddies=self._buddy_addr(r, op),
-                                              wards=self._ward_addr(r, op),
-                                              formation_timeout_s=ft))
+            if op.handed_early.get(r) == pos:
+                continue
+            if r in op.handed_early:  # cannot happen where it is done (see _hand_over_early); said if it does
+                log.warning("rank %s was handed over at %s, but the ranks paused at %s: handing over again",
+                            r, op.handed_early[r], pos)
+            self._hand_over(op, r, move, pos)
 
     def _retry_lost_moves(self) -> None:
         if not self._may_start_move() or not self._retry_moves:
