@@ -2,6 +2,7 @@ import os
 
 import pytest
 
+from tests.cpu_by_test import pytest_configure, pytest_unconfigure  # noqa: F401 - BATON_TEST_CPU
 from tests.gpt_job import reference_run
 from tests.once import once
 from tests.warm_process import WarmProcess
