@@ -49,7 +49,11 @@ def pytest_configure(config: pytest.Config) -> None:
         print("BATON_TEST_CPU: needs root and the cgroup v1 cpuacct controller; not measured", file=sys.stderr)
         return
     worker = getattr(config, "workerinput", {}).get("workerid", "main")
-    group = CPUACCT / f"baton-tests-{os.getppid() if worker != 'main' else os.getpid()}" / worker
+    # Under the group this process is in (cpuacct counts a group's subgroups): a caller that
+    # measures the whole run by its own group still sees all of it.
+    here = next((line.split(":", 2)[2] for line in Path("/proc/self/cgroup").read_text().splitlines()
+                 if "cpuacct" in line.split(":", 2)[1].split(",")), "/")
+    group = CPUACCT / here.lstrip("/") / f"baton-tests-{os.getppid() if worker != 'main' else os.getpid()}" / worker
     group.mkdir(parents=True, exist_ok=True)
     (group / "cgroup.procs").write_text(str(os.getpid()))
     config.pluginmanager.register(CpuByTest(Path(out), group), "baton-cpu-by-test")
@@ -59,7 +63,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     plugin = config.pluginmanager.get_plugin("baton-cpu-by-test")
     if plugin is None:
         return
-    (CPUACCT / "cgroup.procs").write_text(str(os.getpid()))  # out of the group, which goes once empty
+    (plugin.group.parent.parent / "cgroup.procs").write_text(str(os.getpid()))  # out, so the group can go
     for group in (plugin.group, plugin.group.parent):
         try:
             group.rmdir()
