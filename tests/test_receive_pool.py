@@ -4,7 +4,9 @@ go back to the kernel."""
 
 from __future__ import annotations
 
+import ctypes
 import io
+import os
 import time
 
 import torch
@@ -13,13 +15,20 @@ from baton.transfer.codec import tensors_in
 from baton.transfer.pool import ReceivePool, release_unadopted
 
 
-def _rss_mb() -> float:
-    """Resident memory as the kernel finds it walking the page tables (smaps_rollup), not
-    VmRSS: on kernels before 6.2 VmRSS sums counters each thread caches until it has 64
-    faults to report or exits, and the pool's thread maps 64 MB in 32 huge-page faults (CI
-    read the same VmRSS before and after)."""
-    with open("/proc/self/smaps_rollup") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("Rss:")) / 1024
+def _resident_mb(t: torch.Tensor) -> float:
+    """How much of `t`'s memory is resident, page by page (mincore), not the process's RSS:
+    that depends on what earlier tests in the same worker left mapped (CI read the same
+    process RSS before and after a pool had mapped its 64 MB, in one test order out of
+    several), and on kernels before 6.2 VmRSS lags by each thread's cached fault counts."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = os.sysconf("SC_PAGE_SIZE")
+    start = t.data_ptr() // page * page
+    length = t.data_ptr() + t.numel() * t.element_size() - start
+    pages = (length + page - 1) // page
+    vec = (ctypes.c_ubyte * pages)()
+    if libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(length), vec) != 0:
+        raise OSError(ctypes.get_errno(), "mincore")
+    return sum(b & 1 for b in vec) * page / 2**20
 
 
 def _filled(pool: ReceivePool, timeout: float = 60) -> None:
@@ -30,10 +39,9 @@ def _filled(pool: ReceivePool, timeout: float = 60) -> None:
 
 
 def test_a_pool_maps_its_memory_ahead_and_a_fetch_carves_the_states_tensors_from_it():
-    before = _rss_mb()
     pool = ReceivePool(64 << 20)
     _filled(pool)
-    assert _rss_mb() - before > 60  # mapped: resident before anything is written
+    assert _resident_mb(pool._buf) > 60  # mapped: resident before anything is written
     specs = [(torch.float32, [1000, 1000]), (torch.bfloat16, [3]), (torch.int64, []), (torch.float64, [0, 4]),
              (torch.bfloat16, [1 << 20])]
     tensors = pool.carve(specs)
@@ -67,9 +75,9 @@ def test_the_pages_of_what_the_load_copied_go_back_and_what_it_adopted_stays():
     model = torch.zeros(8 << 20)
     model.copy_(params)  # a module's load copies; an optimizer's keeps the tensor it was given
     state = {"model": {"w": params}, "optimizer": {"state": {0: {"exp_avg": moments}}}}
-    before = _rss_mb()
+    before = _resident_mb(pool._buf)
     freed = release_unadopted(tensors_in(state), [model, moments], pool)
-    assert freed >= (32 << 20) - 8192 and before - _rss_mb() > 25
+    assert freed >= (32 << 20) - 8192 and before - _resident_mb(pool._buf) > 25
     assert moments.eq(3.0).all() and model.eq(1.0).all()
 
 
