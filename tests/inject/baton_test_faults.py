@@ -89,8 +89,8 @@ loop there too and its record of the head it left from has gone to its buddies: 
 takes over at that head while the others stand in the region after the loop.
 
 BATON_TEST_SIGNAL_AFTER_STEP="rank:step:SIGNAME" (with BATON_TEST_SIGNAL_MARK): the same, right
-after that rank's optimizer step in that step: after its last collective, before the next head
-(the lines after the optimizer step never run).
+after that rank's optimizer step in that step, once every other rank has finished its own: after
+its last collective, before the next head (the lines after the optimizer step never run).
 
 BATON_TEST_HOLD_AT_STEP="step" (with BATON_TEST_HOLD_FILE, a file path): while that file
 exists, every rank waits at the boundary before that step, still taking the orchestrator's
@@ -682,8 +682,29 @@ _signal_after_step = os.environ.get("BATON_TEST_SIGNAL_AFTER_STEP")
 if _signal_after_step:
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
-    register_optimizer_step_post_hook(
-        lambda *_: _signal_once_in(_signal_after_step, "step", "after its optimizer step in step", exact=True))
+    def _after_every_rank_stepped(*_: object) -> None:
+        """The signal lands once every other rank has finished its optimizer step of that step
+        too (files beside the mark, at most 60 s): on a busy machine a peer still short of its
+        optimizer step took the Abort there and ran the whole step again, another path than
+        the one the test names (CI: a successor that never ran the step again)."""
+        import time
+
+        from baton.worker import job
+
+        rank, step, _ = _signal_after_step.split(":")
+        rt, mark = job._RUNTIME[0], os.environ["BATON_TEST_SIGNAL_MARK"]
+        if rt is None or rt.scope != "step" or rt.pos[0] != int(step) or os.path.exists(mark):
+            return
+        if rt.rank != int(rank):
+            open(f"{mark}.stepped.{rt.rank}", "w").close()
+            return
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not all(
+                os.path.exists(f"{mark}.stepped.{r}") for r in range(rt.world_size) if r != rt.rank):
+            time.sleep(0.01)
+        _signal_once_in(_signal_after_step, "step", "after its optimizer step in step", exact=True)
+
+    register_optimizer_step_post_hook(_after_every_rank_stepped)
 
 _leaver_dies = os.environ.get("BATON_TEST_LEAVER_DIES_SERVING")
 if _leaver_dies:
