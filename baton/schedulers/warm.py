@@ -152,7 +152,7 @@ def _read_line(conn: socket.socket) -> Message:
 # ------------------------------------------------------------------ the warm process
 
 def refusal(req: Prepare, peer_uid: int, here: dict[str, str], started_env: dict[str, str],
-            imported: dict[str, set[str]], filled_in: dict[str, str] | None = None) -> str | None:
+            imported: dict[str, set[str]], filled_in: dict[str, str]) -> str | None:
     """Why the warm process cannot fork a zygote that is what `req`'s launcher would have
     started; None when it can. `filled_in`: what the imports added to the environment (torch
     writes its inductor cache directory there when it first reads it); a launcher that
@@ -163,7 +163,7 @@ def refusal(req: Prepare, peer_uid: int, here: dict[str, str], started_env: dict
         return f"it runs {sys.executable}, the launcher {req.python}"
     if elsewhere := [k for k in sorted(here) if req.place.get(k) != here[k]]:
         return f"the launcher runs in another {', '.join(elsewhere)} (a Slurm step, a container?)"
-    as_started = {k: v for k, v in req.env.items() if (filled_in or {}).get(k) != v}
+    as_started = {k: v for k, v in req.env.items() if filled_in.get(k) != v}
     differ = [k for k in zygote.read_at_start(as_started, started_env) if k != "PYTHONPATH"]
     if differ:
         return f"it started with other values of {', '.join(differ)}, read only at start"
