@@ -27,17 +27,19 @@ class Job:
                  script_args: list[str] | None = None, run_args: list[str] | None = None,
                  env: dict[str, str] | None = None, name: str = "job", script: Path = TRAIN,
                  run_dir: Path | None = None, launch: list[str] | None = None, out_arg: bool = True,
-                 leash: int = 0, leash_cap: int | None = None):
+                 leash: int = 0, leash_cap: int | None = None, leash_from: int = 0):
         """`leash`: the ranks run at most that many steps ahead of the furthest step the test last saw
         (a wait's status reads move it on), never past `leash_cap` (where they hold, taking
         commands), until `wait` lets go (tests/inject/baton_test_faults.py, BATON_TEST_LEASH): a
         test's faults then land mid-run on a slow machine, where the test itself is starved,
-        and on a fast one, where the run would end first."""
+        and on a fast one, where the run would end first. `leash_from`: the step a resumed run
+        starts at (its ranks show step 0 until they have run one)."""
         self.dir = tmp / name
         self.dir.mkdir(parents=True, exist_ok=True)
         self.leash, self.leash_cap, self.leash_file = leash, leash_cap, self.dir / "leash"
+        self.leash_from = leash_from
         if leash:
-            self.leash_file.write_text(str(leash))
+            self.leash_file.write_text(str(leash_from + leash))
             inject = str(REPO / "tests" / "inject")
             path = [p for p in (env or {}).get("PYTHONPATH", "").split(os.pathsep) if p and p != inject]
             env = {**(env or {}), "PYTHONPATH": os.pathsep.join([inject, *path]),
@@ -110,7 +112,7 @@ class Job:
     def _pull_leash(self, st: dict[str, Any]) -> None:
         if self.leash and self.leash_file.exists() and st.get("ranks"):
             # The furthest rank: a rank unheard for a while (its control link down) shows a stale step.
-            gate = max(r["step"] for r in st["ranks"]) + self.leash
+            gate = max(self.leash_from, *(r["step"] for r in st["ranks"])) + self.leash
             if self.leash_cap is not None:
                 gate = min(gate, self.leash_cap)
             if gate > int(self.leash_file.read_text() or 0):

@@ -23,8 +23,11 @@ from tests.served import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 RESNET = REPO / "baton" / "examples" / "resnet.py"
-COMMON = ["--epochs", "4", "--train-samples", "1024"]
-STEPS_PER_EPOCH = 32  # 1024 samples / 4 ranks / batch 8; a resumed job starts at step 64 (epoch 2)
+COMMON = ["--epochs", "4", "--train-samples", "512"]
+STEPS_PER_EPOCH = 16  # 512 samples / 4 ranks / batch 8; a resumed job starts at step 32 (epoch 2)
+# The jobs are leashed and hold two steps before the end until the test has injected its
+# faults: on a fast machine the last epoch's 16 steps pass quicker than three moves.
+LEASH = {"leash": 4, "leash_cap": 4 * STEPS_PER_EPOCH - 2, "leash_from": 2 * STEPS_PER_EPOCH}
 
 
 def _torchrun(where: Path, args: list[str]) -> None:
@@ -93,14 +96,14 @@ def test_hsdp_with_batchnorm_moves_and_rebuilds_each_ranks_own_statistics(tmp_pa
     job = Job(tmp_path, nproc=4, spares=3, steps=0, script=RESNET, name="hsdp",
               script_args=[*COMMON, "--replicas", "2", "--resume", _resumed_from(reference),
                            "--checkpoint", str(tmp_path / "ckpt"), "--export", "best.pt"],
-              run_args=["--redundancy", "1", "--verify-every", "10"], env={"BATON_LOG": "INFO"})
+              run_args=["--redundancy", "1", "--verify-every", "10"], env={"BATON_LOG": "INFO"}, **LEASH)
     try:
         job.wait_step(2 * STEPS_PER_EPOCH + 4, timeout=120)
         job.client.migrate(0)
-        job.wait_until(lambda s: _resolved(job, 0), timeout=90, what="rank 0's planned move")
+        job.wait_until(lambda s: _resolved(job, 0), timeout=90, what="rank 0's planned move", pull=False)
         slot = next(r["slot"] for r in job.status()["ranks"] if r["rank"] == 3)
         assert job.client.taint(slot, "ecc")["moving_ranks"] == [3]
-        job.wait_until(lambda s: _resolved(job, 3), timeout=90, what="rank 3's pre-emptive move")
+        job.wait_until(lambda s: _resolved(job, 3), timeout=90, what="rank 3's pre-emptive move", pull=False)
         # A joiner holds no snapshot from before it joined: the first loss after a move is
         # rebuildable once the buddies hold the boundary the joiner started at.
         job.wait_step(job.status()["ranks"][0]["step"] + 2, timeout=60)
@@ -124,7 +127,7 @@ def test_fsdp_loses_rank_0_in_validation_and_another_rank_in_training(tmp_path, 
     job = Job(tmp_path, nproc=4, spares=2, steps=0, script=RESNET, name="fsdp",
               script_args=[*COMMON, "--resume", _resumed_from(reference), "--checkpoint",
                            str(tmp_path / "ckpt"), "--export", "best.pt", "--val-sleep", "1.5"],
-              run_args=["--redundancy", "1"], env={"BATON_LOG": "INFO"})
+              run_args=["--redundancy", "1"], env={"BATON_LOG": "INFO"}, **LEASH)
     try:
         job.wait_step(3 * STEPS_PER_EPOCH, timeout=120)  # epoch 2 done: its validation follows
         job.signal_rank(0, signal.SIGKILL)

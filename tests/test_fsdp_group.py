@@ -93,7 +93,11 @@ def _torchrun_llama(tmp: Path, nproc: int, args: list[str], script: Path = LLAMA
 
 # Residual dropout (random draws inside the step) and gradient accumulation over two microbatches
 # (FSDP2 keeps unsharded gradients between them: what a failure mid-step must discard).
-FOUR_ARGS = ["--steps", "36", "--eval-every", "10", "--dropout", "0.1", "--grad-accum", "2", "--batch-size", "4"]
+FOUR_ARGS = ["--steps", "20", "--eval-every", "10", "--dropout", "0.1", "--grad-accum", "2", "--batch-size", "4"]
+# The 4-rank jobs are leashed and never pass step 18 until the test has injected its faults: a
+# short run (a 4-rank step costs ~1.6 CPU-s on 2 cores) whose faults land before its end on a
+# fast machine and on a starved one alike.
+FOUR_LEASH = {"leash": 4, "leash_cap": 18}
 
 
 def _shared_reference(tmp_path_factory, name: str, nproc: int, args: list[str]) -> list[dict[str, torch.Tensor]]:
@@ -120,15 +124,15 @@ def test_fsdp_ranks_move_planned_and_preemptive_then_one_is_rebuilt_from_a_copy_
     on another node does). The job ends with every rank's shards, LR and random stream
     bitwise equal to torchrun's run with no failure."""
     job = Job(tmp_path, nproc=4, spares=3, steps=0, script=LLAMA, name="moves", script_args=FOUR_ARGS,
-              run_args=["--redundancy", "1", "--snapshot-transport", "tcp"], env={"BATON_LOG": "INFO"})
+              run_args=["--redundancy", "1", "--snapshot-transport", "tcp"], env={"BATON_LOG": "INFO"}, **FOUR_LEASH)
     try:
         job.wait_step(3, timeout=120)
         job.client.migrate(0)
-        job.wait_until(lambda s: _resolved(job, 0), timeout=90, what="rank 0's planned move")
+        job.wait_until(lambda s: _resolved(job, 0), timeout=90, what="rank 0's planned move", pull=False)
         slot = next(r["slot"] for r in job.status()["ranks"] if r["rank"] == 2)
         taint = job.client.taint(slot, "ecc")
         assert taint["moving_ranks"] == [2], taint
-        job.wait_until(lambda s: _resolved(job, 2), timeout=90, what="rank 2's pre-emptive move")
+        job.wait_until(lambda s: _resolved(job, 2), timeout=90, what="rank 2's pre-emptive move", pull=False)
         # A joiner holds no snapshot from before it joined: the first loss after a move is
         # rebuildable once the buddies hold the boundary the joiner started at.
         job.wait_step(job.status()["ranks"][0]["step"] + 4, timeout=60)
@@ -155,7 +159,7 @@ def test_lost_fsdp_ranks_are_rebuilt_from_their_buddies_copies_bitwise(tmp_path,
     torchrun's run with no failure. The buddies, on this machine, map their wards'
     snapshots from shared memory, which outlives the killed rank (over TCP: the test above)."""
     job = Job(tmp_path, nproc=4, spares=2, steps=0, script=LLAMA, name="lost", script_args=FOUR_ARGS,
-              run_args=["--redundancy", "1"], env={"BATON_LOG": "INFO"})
+              run_args=["--redundancy", "1"], env={"BATON_LOG": "INFO"}, **FOUR_LEASH)
     try:
         job.wait_step(5, timeout=120)
         job.signal_rank(0, signal.SIGKILL)
@@ -287,25 +291,24 @@ def _move_then_kill(tmp_path: Path, script: Path, nproc: int, args: list[str]) -
     the last rank (under FSDP rebuilt from its buddy's copy, under 2x2 HSDP its shards from the
     other replica group and its own state from its buddy): every rank must end bitwise equal."""
     reference = _torchrun_llama(tmp_path, nproc, args, script=script)
-    # The ranks wait two steps before the end until the test is done with its faults: a planned
-    # move's joiner sets up while the ranks train on, and on a loaded machine it took 17 of 24
-    # steps; the kill then came after the last step (CI, exit 0 with no rebuild to see).
-    hold_at, hold = int(args[args.index("--steps") + 1]) - 2, tmp_path / "hold"
-    hold.touch()
+    # Leashed, and not pulled on while the planned move runs: the ranks wait a few steps ahead
+    # while the joiner sets up (on a loaded machine a compiled joiner's setup took 17 of 24
+    # steps), so two steps remain after the move for its joiner to hold its ward's copy before
+    # the kill (a kill sooner loses the ward with its only copy), and the faults land before
+    # the end of a short run.
+    steps = int(args[args.index("--steps") + 1])
     # A compiled job's first step compiles on each rank: on a loaded machine one rank's took
     # over 5 s longer than its peer's, whose all-gather then timed out (--op-timeout 5, CI).
     job = Job(tmp_path, nproc=nproc, spares=2, steps=0, script=script, name="baton", script_args=args,
               run_args=["--redundancy", "1", *(["--op-timeout", "30"] if "--compile" in args else [])],
-              env={"BATON_LOG": "INFO", "PYTHONPATH": str(Path(__file__).resolve().parent / "inject"),
-                   "BATON_TEST_HOLD_AT_STEP": str(hold_at), "BATON_TEST_HOLD_FILE": str(hold)})
+              env={"BATON_LOG": "INFO"}, leash=2, leash_cap=steps - 1)
     try:
-        job.wait_step(4, timeout=180)
+        job.wait_step(3, timeout=180)
         job.client.migrate(0)
-        job.wait_until(lambda s: _resolved(job, 0), timeout=90, what="rank 0's planned move")
-        job.wait_step(min(job.status()["ranks"][0]["step"] + 2, hold_at), timeout=60)
+        job.wait_until(lambda s: _resolved(job, 0), timeout=180, what="rank 0's planned move", pull=False)
+        job.wait_step(job.status()["ranks"][0]["step"] + 2, timeout=60)
         job.signal_rank(nproc - 1, signal.SIGKILL)
         job.wait_until(lambda s: _resolved(job, nproc - 1), timeout=120, what=f"rank {nproc - 1} rebuilt")
-        hold.unlink()
         events = ended_equal(job, reference, timeout=240)
         log = job.log(tail=None)
     finally:
@@ -316,10 +319,10 @@ def _move_then_kill(tmp_path: Path, script: Path, nproc: int, args: list[str]) -
     return reference, log
 
 
-# Steps: enough that a fault the test injects once the status shows a step (heartbeats lag
-# by up to a second) lands before the end; 4-rank steps on 2 cores take ~0.5 s, 2-rank ~0.05 s.
-@pytest.mark.parametrize("replicas, nproc, titan, steps", [(1, 2, [], 60), (1, 2, ["--compile"], 60),
-                                                          (2, 4, TITAN, 24)],
+# Steps: the jobs are leashed until the faults are in (`_move_then_kill`), so a short run
+# serves; its evaluation (step 10, collectives) comes after the move.
+@pytest.mark.parametrize("replicas, nproc, titan, steps", [(1, 2, [], 14), (1, 2, ["--compile"], 14),
+                                                          (2, 4, TITAN, 14)],
                          ids=["fsdp", "fsdp-compiled", "hsdp-bf16-ac"])
 def test_buffers_a_first_forward_registers_reach_each_joiner_with_their_values(tmp_path, replicas, nproc, titan,
                                                                               steps):
@@ -406,6 +409,6 @@ def test_hsdp_in_torchtitans_shape_moves_and_recovers_bitwise(tmp_path):
     (torch.compile, inductor), then sharded with bf16 parameters and fp32 reductions; two
     microbatches a step. A joiner compiles its blocks afresh in its first step and still ends
     bitwise equal to the failure-free run."""
-    args = ["--steps", "24", "--eval-every", "10", "--grad-accum", "2", "--batch-size", "4", "--replicas", "2",
+    args = ["--steps", "14", "--eval-every", "10", "--grad-accum", "2", "--batch-size", "4", "--replicas", "2",
             *TITAN, "--compile"]
     _move_then_kill(tmp_path, LLAMA, 4, args)

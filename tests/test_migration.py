@@ -194,6 +194,32 @@ def test_leaver_killed_during_a_planned_move(tmp_path, reference):
         job.kill()
 
 
+def test_a_rank_lost_as_soon_as_its_buddy_has_moved_is_rebuilt_bitwise(tmp_path, reference):
+    """Rank 2's buddy (the holder of its own state's copies) is rank 0. Rank 0 moves, planned,
+    and rank 2 is killed -9 the moment the move resolves, before it has run a step beside the
+    joiner, which holds no copy from before it joined. Rank 2 is rebuilt and the job ends
+    bitwise equal to the run without failures. (Under FSDP2 a ward's shards exist only on it
+    and its buddies: lost in that window, they stop the job and say why.)"""
+    job = Job(tmp_path, nproc=NPROC, spares=2, steps=STEPS, script_args=ARGS, run_args=["--redundancy", "1"],
+              leash=2, leash_cap=STEPS - 2)
+    try:
+        job.wait_step(5)
+        job.wait_spare()
+        job.client.migrate(0)
+        # not pulled on meanwhile: the ranks wait at most two steps ahead until the kill
+        job.wait_until(lambda s: any(e["status"] == "resolved" for e in job.events()), timeout=120,
+                       what="rank 0's move", pull=False)
+        job.signal_rank(2, signal.SIGKILL)
+        assert job.wait() == 0, job.log()
+        for got in job.all_rank_params(NPROC):
+            assert bitwise_equal(got, reference), job.log()
+        events = job.events()
+    finally:
+        job.kill()
+    assert [(e["kind"], e["status"], e["rank"], e["steps_lost"]) for e in events] == \
+        [("planned", "resolved", 0, 0), ("unplanned", "resolved", 2, 0)], events
+
+
 def test_planned_move_of_the_only_rank_is_checked_against_the_leavers_digest(tmp_path):
     """A world of one has no replica to compare the joiner with: the leaver's digest of its
     full state is the check, and the move is still exact."""

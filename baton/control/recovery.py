@@ -421,9 +421,7 @@ class Recovery:
             return (f"after a failed collective the ranks stand at different step boundaries ({where}) and "
                     f"hold no snapshot of a common one (--redundancy {self.config.redundancy}): their sharded "
                     "state cannot be brought together")
-        holders = {r: [b for b in self._buddies(r)] for r in lost}
-        copies = "; ".join(f"rank {r}'s copy was on rank(s) {', '.join(map(str, holders[r])) or 'none'}"
-                           for r in lost)
+        copies = "; ".join(self._copies_text(op, survivors, r) for r in lost)
         if self._hsdp(op, survivors):
             orphaned = [r for r in lost if not any(r in op.replicas.get(s, set()) for s in survivors)]
             if orphaned:
@@ -435,6 +433,18 @@ class Recovery:
         return (f"rank(s) {', '.join(map(str, lost))} lost together with every copy of their FSDP2 shards "
                 f"({copies}; --redundancy {self.config.redundancy}): no boundary can be rebuilt. Raise "
                 "--redundancy to survive this many adjacent losses")
+
+    def _copies_text(self, op: Operation, survivors: list[int], lost: int) -> str:
+        """Where `lost`'s copies were, and why a holder that survived has none: a rank that
+        took its place in a move since its ward's last boundary holds no copy before the next."""
+        holders = self._buddies(lost)
+        text = f"rank {lost}'s copy was on rank(s) {', '.join(map(str, holders)) or 'none'}"
+        empty = [b for b in holders if b in survivors and not op.held.get(b, {}).get(lost)]
+        if empty:
+            text += (f" (rank(s) {', '.join(map(str, empty))} survived but held no copy of it yet: a rank "
+                     "that has just taken its place in a move holds its wards' copies only from the boundary "
+                     "it joined at on, and the first had not arrived)")
+        return text
 
     @staticmethod
     def _snapshot_holder(op: Operation, survivors: list[int], lost: int, pos: tuple[int, int]) -> int | None:
