@@ -216,6 +216,33 @@ def test_a_shard_lost_with_its_only_copy_ends_the_job_clearly(tmp_path):
         job.kill()
 
 
+def test_a_ward_lost_before_its_new_buddy_holds_a_copy_stops_the_job_saying_why(tmp_path):
+    """Rank 1's shards have one copy, on its buddy rank 0. Rank 0 moves (planned) while the
+    ranks wait at step 2 (leashed there), and rank 1 is killed -9 at that boundary, before it
+    has run a step beside the joiner: the joiner holds no copy of rank 1's shards yet (it
+    pulls each from the boundary it joined at on) and the leaver's copies went with it. The
+    job stops, non-zero, saying the holder survived without a copy: never a rebuild from
+    nothing, never exit 0."""
+    job = Job(tmp_path, nproc=2, spares=2, steps=0, script=LLAMA, name="window",
+              script_args=["--steps", "40", "--eval-every", "50"], run_args=["--redundancy", "1"], leash=2)
+    try:
+        job.wait_until(lambda s: min(r["step"] for r in s["ranks"]) >= 1 and
+                       sum(x["state"] == "spare" for x in s["spares"]) == 2, timeout=120,
+                       what="the ranks at the leash, two spares ready", pull=False)
+        job.client.migrate(0)
+        job.wait_until(lambda s: _resolved(job, 0), timeout=120, what="rank 0's planned move", pull=False)
+        job.signal_rank(1, signal.SIGKILL)
+        code = job.wait(timeout=120)
+        log = job.log(tail=None)
+        events = job.events()
+    finally:
+        job.kill()
+    assert code != 0, log[-3000:]
+    assert "rank 1's copy was on rank(s) 0 (rank(s) 0 survived but held no copy of it yet" in log, log[-3000:]
+    assert [(e["kind"], e["status"], e["rank"]) for e in events] == \
+        [("planned", "resolved", 0), ("unplanned", "failed", 1)], events
+
+
 @pytest.mark.parametrize("copies", ["buddy", "none-yet"])
 def test_a_survivor_whose_shards_differ_from_its_buddys_copy_stops_the_job(tmp_path, copies):
     """Pure FSDP: no replica holds a rank's shards, so after a recovery each rank's shards are
