@@ -129,6 +129,23 @@ def test_a_rank_lost_after_the_script_froze_batchnorm_is_rebuilt_with_it_frozen(
         job.kill()
 
 
+def test_a_buffer_an_abandoned_first_forward_registered_is_made_afresh_under_ddp(tmp_path, reference):
+    """Rank 1 killed -9 in step 0, after the forward that registered `gain` and before its
+    backward: rank 0's gradient all-reduce fails and it goes back to the step's start, where
+    `gain` did not exist. It is unregistered, the step run again makes it afresh (DDP reads
+    the module's buffers again), and the job ends bitwise equal to the run without failures."""
+    env = {"PYTHONPATH": str(Path(__file__).resolve().parent / "inject"), "BATON_LOG": "INFO",
+           "BATON_TEST_SIGNAL_MID_STEP": "1:0:SIGKILL", "BATON_TEST_SIGNAL_MARK": str(tmp_path / "mark")}
+    job = Job(tmp_path, nproc=NPROC, spares=1, steps=0, script=SCRIPT, name="first", env=env)
+    try:
+        events = check_resolved_exact(job, reference, timeout=120)
+        log = job.log(tail=None)
+    finally:
+        job.kill()
+    assert [(e["kind"], e["rank"], e["step"]) for e in events] == [("unplanned", 1, 0)], events
+    assert "unregistered the buffers made after the record this rank goes back to: model/gain" in log, log[-3000:]
+
+
 def test_a_joiner_whose_non_persistent_buffer_differs_stops_the_job_naming_it(tmp_path):
     job = _job(tmp_path, "skips", args=["--joiner-skips-buffer"])
     try:
