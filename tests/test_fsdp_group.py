@@ -95,7 +95,7 @@ def _torchrun_llama(tmp: Path, nproc: int, args: list[str], script: Path = LLAMA
 # (FSDP2 keeps unsharded gradients between them: what a failure mid-step must discard).
 FOUR_ARGS = ["--steps", "20", "--eval-every", "10", "--dropout", "0.1", "--grad-accum", "2", "--batch-size", "4"]
 # The 4-rank jobs are leashed and never pass step 18 until the test has injected its faults: a
-# short run (a 4-rank step costs ~1.6 CPU-s on 2 cores) whose faults land before its end on a
+# short run (a 4-rank step costs ~0.7 CPU-s on 2 cores) whose faults land before its end on a
 # fast machine and on a starved one alike.
 FOUR_LEASH = {"leash": 4, "leash_cap": 18}
 
@@ -216,6 +216,13 @@ def test_a_shard_lost_with_its_only_copy_ends_the_job_clearly(tmp_path):
         job.kill()
 
 
+def _killed_to_the_end(job: Job, rank: int) -> tuple[int, str, list[dict]]:
+    """kill -9 of `rank`, then the job's exit code, its whole log and its ledger once it ended."""
+    job.signal_rank(rank, signal.SIGKILL)
+    code = job.wait(timeout=120)
+    return code, job.log(tail=None), job.events()
+
+
 def test_a_ward_lost_before_its_new_buddy_holds_a_copy_stops_the_job_saying_why(tmp_path):
     """Rank 1's shards have one copy, on its buddy rank 0. Rank 0 moves (planned) while the
     ranks wait at step 2 (leashed there), and rank 1 is killed -9 at that boundary, before it
@@ -231,10 +238,7 @@ def test_a_ward_lost_before_its_new_buddy_holds_a_copy_stops_the_job_saying_why(
                        what="the ranks at the leash, two spares ready", pull=False)
         job.client.migrate(0)
         job.wait_until(lambda s: _resolved(job, 0), timeout=120, what="rank 0's planned move", pull=False)
-        job.signal_rank(1, signal.SIGKILL)
-        code = job.wait(timeout=120)
-        log = job.log(tail=None)
-        events = job.events()
+        code, log, events = _killed_to_the_end(job, 1)
     finally:
         job.kill()
     assert code != 0, log[-3000:]
@@ -418,10 +422,7 @@ def test_a_buffer_whose_registration_broke_a_compiled_graph_refuses_moves_and_st
         step = job.status()["ranks"][0]["step"]
         job.wait_step(step + 2, timeout=60)  # still training, nothing moved
         assert job.events() == [], job.events()
-        job.signal_rank(1, signal.SIGKILL)
-        code = job.wait(timeout=120)
-        log = job.log(tail=None)
-        events = job.events()
+        code, log, events = _killed_to_the_end(job, 1)
     finally:
         job.kill()
     assert code != 0, log[-3000:]

@@ -201,12 +201,14 @@ def test_a_rank_lost_as_soon_as_its_buddy_has_moved_is_rebuilt_bitwise(tmp_path,
     bitwise equal to the run without failures. (Under FSDP2 a ward's shards exist only on it
     and its buddies: lost in that window, they stop the job and say why.)"""
     job = Job(tmp_path, nproc=NPROC, spares=2, steps=STEPS, script_args=ARGS, run_args=["--redundancy", "1"],
-              leash=2, leash_cap=STEPS - 2)
+              leash=2)
     try:
-        job.wait_step(5)
-        job.wait_spare()
+        # not pulled on: the ranks wait at step 2 (the leash), where the move pauses them and
+        # where they still stand when the kill comes
+        job.wait_until(lambda s: min(r["step"] for r in s["ranks"]) >= 1 and
+                       sum(x["state"] == "spare" for x in s["spares"]) == 2, timeout=120,
+                       what="the ranks at the leash, two spares ready", pull=False)
         job.client.migrate(0)
-        # not pulled on meanwhile: the ranks wait at most two steps ahead until the kill
         job.wait_until(lambda s: any(e["status"] == "resolved" for e in job.events()), timeout=120,
                        what="rank 0's move", pull=False)
         job.signal_rank(2, signal.SIGKILL)
@@ -218,6 +220,7 @@ def test_a_rank_lost_as_soon_as_its_buddy_has_moved_is_rebuilt_bitwise(tmp_path,
         job.kill()
     assert [(e["kind"], e["status"], e["rank"], e["steps_lost"]) for e in events] == \
         [("planned", "resolved", 0, 0), ("unplanned", "resolved", 2, 0)], events
+    assert events[0]["step"] == events[1]["step"], events  # lost at the boundary the move resolved at
 
 
 def test_planned_move_of_the_only_rank_is_checked_against_the_leavers_digest(tmp_path):

@@ -435,15 +435,16 @@ class Recovery:
                 "--redundancy to survive this many adjacent losses")
 
     def _copies_text(self, op: Operation, survivors: list[int], lost: int) -> str:
-        """Where `lost`'s copies were, and why a holder that survived has none: a rank that
-        took its place in a move since its ward's last boundary holds no copy before the next."""
+        """Where `lost`'s copies were, and why a holder that survived has none: a buddy holds
+        its ward's copies only from the first boundary after it took its place (a move's
+        joiner) or after the job began."""
         holders = self._buddies(lost)
         text = f"rank {lost}'s copy was on rank(s) {', '.join(map(str, holders)) or 'none'}"
         empty = [b for b in holders if b in survivors and not op.held.get(b, {}).get(lost)]
         if empty:
-            text += (f" (rank(s) {', '.join(map(str, empty))} survived but held no copy of it yet: a rank "
-                     "that has just taken its place in a move holds its wards' copies only from the boundary "
-                     "it joined at on, and the first had not arrived)")
+            text += (f" (rank(s) {', '.join(map(str, empty))} survived but held no copy of it yet: a buddy "
+                     "holds its wards' copies only from the first boundary after it took its place in a move, "
+                     "or after the job began, and the first had not arrived)")
         return text
 
     @staticmethod
