@@ -57,13 +57,14 @@ def _registered(tmp_path, sched, config: Config) -> Orchestrator:
     return orch
 
 
-def _started(tmp_path, sched, config: Config, loop: dict = LOOP, setup: dict | None = None) -> Orchestrator:
-    """An orchestrator whose workers all registered and whose ranks are at step 10 (rank 0
-    with `setup`, its record of the setup's collectives)."""
+def _started(tmp_path, sched, config: Config, loop: dict = LOOP,
+             setup: dict[int, dict] | None = None) -> Orchestrator:
+    """An orchestrator whose workers all registered and whose ranks are at step 10 (with
+    `setup`, the ranks' records of the setup's collectives, by rank)."""
     orch = _registered(tmp_path, sched, config)
     for r in range(config.world_size):
         report(orch, f"w{r}", {"type": "ready", "loop": loop, "bundle": _bundle(r),
-                               **({"setup": setup} if setup is not None and r == 0 else {})})
+                               **({"setup": setup[r]} if setup is not None and r in setup else {})})
         report(orch, f"w{r}", {"type": "heartbeat", "step": 10})
     return orch
 
@@ -662,16 +663,20 @@ def test_after_a_restart_the_agent_reports_what_died_meanwhile_and_it_is_recover
     assert aborts and aborts[0]["generation"] == again.op.generation
 
 
-def test_a_restarted_control_plane_still_gives_joiners_rank_0s_record_of_the_setups_collectives(tmp_path):
-    sched = RecordingScheduler(4)
-    orch = _started(tmp_path, sched, Config(world_size=2, spares=1), setup={**_bundle(0), "meta": '{"seed": 1234}'})
+def test_a_restarted_control_plane_still_gives_each_joiner_its_ranks_record_of_the_setups_collectives(tmp_path):
+    """Rank 1's setup ran a collective whose result was its own (it sent its record), rank
+    2's did not: a joiner of rank 1 gets rank 1's record, one of rank 2 rank 0's."""
+    sched = RecordingScheduler(6)
+    records = {0: {**_bundle(0), "meta": '{"seed": 1234}'}, 1: {**_bundle(1), "meta": '{"seed": 5678}'}}
+    orch = _started(tmp_path, sched, Config(world_size=3, spares=2), setup=records)
     orch._persist(force=True)
     orch.store.close()
     again = _reloaded(tmp_path, RecordingScheduler(sched.n), orch.config)
-    again.handle(m.AgentSync(live=["w0", "w2"], exited={"w1": -9}))
+    again.handle(m.AgentSync(live=["w0", "w3", "w4"], exited={"w1": -9, "w2": -9}))
     report(again, "w0", {"type": "recover", "generation": again.op.generation, "pos": [10, 0]})
-    assigns = [c for w in again.workers for c in _commands(again, w) if c["type"] == "assign" and c["joiner"]]
-    assert assigns and assigns[-1]["setup"]["meta"] == '{"seed": 1234}', assigns
+    assigns = {c["rank"]: c for w in again.workers for c in _commands(again, w) if c["type"] == "assign" and c["joiner"]}
+    assert sorted(assigns) == [1, 2], assigns
+    assert assigns[1]["setup"]["meta"] == '{"seed": 5678}' and assigns[2]["setup"]["meta"] == '{"seed": 1234}'
 
 
 def test_a_move_in_flight_when_the_control_plane_died_is_taken_up_as_a_recovery(tmp_path):

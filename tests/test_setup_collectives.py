@@ -8,6 +8,7 @@ from __future__ import annotations
 import textwrap
 
 import pytest
+import torch
 
 from tests.jobs import AWARE_TRAINING, Job
 from tests.nocode_runs import NOCODE, differences, exports
@@ -72,6 +73,75 @@ def test_a_successors_setup_collectives_are_answered_with_what_its_rank_saw(tmp_
     code, job = _faulted(tmp_path, script, fault, env={"EXPORT": str(run / "export")})
     assert code == 0 and (tmp_path / "fired").exists(), job.log()
     for rank, (a, b) in enumerate(zip(exports(ref / "export", 2), exports(run / "export", 2))):
+        assert differences(a, b) == [], f"rank {rank}"
+    assert [(e["kind"], e["status"]) for e in job.events()] == [("unplanned", "resolved")]
+
+
+SETUP_BY_RANK = """
+import os, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Subset, TensorDataset
+
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+made = torch.Generator().manual_seed(3)
+data = TensorDataset(torch.randn(256, 8, generator=made), torch.randn(256, 1, generator=made))
+# rank 0 deals the shards out: each rank's own indices and its dropout seed
+order = torch.randperm(len(data), generator=torch.Generator().manual_seed(11)).view(world, -1)
+mine = torch.empty(order.shape[1], dtype=torch.int64)
+dist.scatter(mine, list(order.unbind(0)) if rank == 0 else None, src=0)
+config = [None]
+dist.scatter_object_list(config, [{"seed": 100 + 7 * r, "lr": 0.05, "rank": r} for r in range(world)]
+                         if rank == 0 else None, src=0)
+# every rank tells rank 0 what it holds; rank 0 keeps the sums (the others' tensors change too)
+sizes = [torch.zeros(1) for _ in range(world)] if rank == 0 else None
+dist.gather(torch.tensor([float(len(mine))]), sizes, dst=0)
+total = torch.tensor([float(mine.sum())])
+dist.reduce(total, dst=0)
+# each rank swaps noise seeds with the others and keeps its slice of a reduced statistic
+swapped = torch.empty(world, dtype=torch.int64)
+dist.all_to_all_single(swapped, torch.arange(world, dtype=torch.int64) * 1000 + rank)
+stat = torch.empty(2)
+dist.reduce_scatter_tensor(stat, torch.arange(2.0 * world) * (rank + 1))
+parts = torch.empty(2)
+dist.reduce_scatter(parts, [torch.full((2,), float(rank + 3 * r)) for r in range(world)])
+halves = [torch.empty(1) for _ in range(world)]
+dist.all_to_all(halves, [torch.tensor([float(10 * rank + r)]) for r in range(world)])
+torch.manual_seed(config[0]["seed"] + int(swapped.sum()))
+model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.2), torch.nn.Linear(16, 1)))
+opt = torch.optim.SGD(model.parameters(), lr=config[0]["lr"])
+for epoch in range(6):
+    for x, y in DataLoader(Subset(data, mine.tolist()), batch_size=8, shuffle=True):
+        torch.nn.functional.mse_loss(model(x) + stat.mean(), y).backward()
+        opt.step()
+        opt.zero_grad()
+torch.save({"model": model.module.state_dict(), "rng": torch.get_rng_state(), "mine": mine, "config": config,
+            "sizes": sizes, "total": total, "swapped": swapped, "stat": stat, "parts": parts, "halves": halves},
+           os.path.join(os.environ["EXPORT"], f"rank{rank}.pt"))
+dist.destroy_process_group()
+os._exit(0)
+"""
+
+
+@pytest.mark.parametrize("fault", ["0:30:SIGKILL", "1:30:SIGKILL"])
+def test_a_successors_setup_collectives_whose_result_is_its_ranks_own_are_answered_from_that_ranks_record(
+        tmp_path, torchrun_reference, fault):
+    """A setup that deals each rank its own: a scatter of data shards, a scatter_object_list
+    of configs, a gather and a reduce to rank 0 (whose other ranks' tensors change too),
+    all-to-alls and reduce-scatters (of tensors and of lists: gloo's work for a list's
+    reduce-scatter has no future, which baton's group used to require). Each rank that starts the job keeps its own record; a
+    successor of rank 0 and one of rank 1 are answered from their rank's, and the job ends
+    bit for bit equal to torchrun, the collectives' results included."""
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(SETUP_BY_RANK))
+    ref = torchrun_reference(script, [], env={"EXPORT": "{d}/export"})
+    run = tmp_path / "job"
+    (run / "export").mkdir(parents=True)
+    code, job = _faulted(tmp_path, script, fault, env={"EXPORT": str(run / "export")})
+    assert code == 0 and (tmp_path / "fired").exists(), job.log()
+    theirs = exports(ref / "export", 2)
+    assert not torch.equal(theirs[0]["mine"], theirs[1]["mine"])  # the ranks did get their own
+    for rank, (a, b) in enumerate(zip(theirs, exports(run / "export", 2))):
         assert differences(a, b) == [], f"rank {rank}"
     assert [(e["kind"], e["status"]) for e in job.events()] == [("unplanned", "resolved")]
 

@@ -108,7 +108,8 @@ class Ready(_Msg):
     bundle: BundleText | None = None
     joined: bool = False
     # What the collectives of the rank's setup (before its step loop) gave it: rank 0's goes
-    # to each joiner with its assignment, whose own setup's collectives are answered from it.
+    # to each joiner with its assignment, whose own setup's collectives are answered from it;
+    # another rank sends its own only where a result was its own (a scatter, a reduce).
     setup: BundleText | None = None
 
     @model_validator(mode="after")
@@ -344,7 +345,7 @@ class Assign(_Msg):
     generation: int
     joiner: bool
     loop: LoopInfo | None = None  # a joiner of a script with no code change: the loops to walk down to its place
-    setup: BundleText | None = None  # a joiner: rank 0's record of its setup's collectives (Ready.setup)
+    setup: BundleText | None = None  # a joiner: its rank's record of its setup's collectives, else rank 0's (Ready.setup)
     # a joiner: when the job's step loop began (the orchestrator's clock); files changed since
     # were written by training, and its setup leaves them alone (baton.worker.fence)
     training_since: float | None = None

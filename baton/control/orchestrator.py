@@ -134,7 +134,8 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing, PathFa
         self.loop: m.LoopInfo | None = None  # the loop every rank agreed on
         self.listeners: list[Callable[[str, dict[str, Any]], None]] = []
         self._script_failed = False  # the job ends on the script's own error (not a failure for the ledger)
-        self.setup_record: m.BundleText | None = None  # rank 0's record of its setup's collectives
+        # each rank's record of its setup's collectives: rank 0's, and another's where it differs
+        self.setup_records: dict[int, m.BundleText] = {}
         self.training_since: float | None = None  # when every rank had entered the step loop
         self.lives = 0  # earlier lives of this job's control plane (restarts from its store)
         self.helper_cpu: Callable[[], float] = lambda: 0.0  # CPU of its helper processes (the store)
@@ -524,10 +525,10 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing, PathFa
             info.held = rep.bundle.model_dump()
             self._persist_held(w.rank)
         info.loop = rep.loop.model_dump()
-        if not rep.joined and w.rank == 0:
-            self.setup_record = rep.setup  # handed to every joiner with its assignment
-            if rep.setup is not None:  # kept, like held bundles, for a restarted control plane's joiners
-                self._lock.add(fx.WriteRows([("setup", self.config.job_id, rep.setup.model_dump())]))
+        if not rep.joined and rep.setup is not None:  # handed to the rank's joiners with their assignment
+            self.setup_records[w.rank] = rep.setup
+            # kept, like held bundles, for a restarted control plane's joiners
+            self._lock.add(fx.WriteRows([("setup", str(w.rank), rep.setup.model_dump())]))
         # A joiner skips the script's resume block, so only the loop's shape must agree.
         if self.loop is not None and rep.loop.model_copy(update={"start_step": self.loop.start_step}) != self.loop:
             self._fail(f"rank {w.rank} computed a different loop ({_loop_text(rep.loop)}) than the others "

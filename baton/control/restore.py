@@ -78,8 +78,7 @@ def restore(orch: Orchestrator, store: SqliteStore) -> bool:
         w.last_seen = now  # its silence while we were away was ours, not its
         orch.workers[wid] = w
     held = store.all("held")
-    setup = store.all("setup").get(orch.config.job_id)
-    orch.setup_record = m.BundleText(**setup) if setup is not None else None
+    orch.setup_records = {int(r): m.BundleText(**body) for r, body in store.all("setup").items() if r.isdigit()}
     for key, body in store.all("rank").items():
         r = int(key)
         orch.ranks[r] = RankInfo(**{**body, "state": RankState(body["state"]), "held": held.get(key)})

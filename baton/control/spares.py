@@ -24,7 +24,8 @@ class SparePool:
             op.hot_joiners.add(spare.id)
         self._hot.pop(spare.id, None)
         self._post(spare.id, m.Assign(rank=rank, generation=op.generation, world_size=self.config.world_size,
-                                      joiner=True, loop=self.loop, setup=self.setup_record,
+                                      joiner=True, loop=self.loop,
+                                      setup=self.setup_records.get(rank, self.setup_records.get(0)),
                                       training_since=self.training_since))
 
     def _on_spare_available(self) -> None:

@@ -23,7 +23,7 @@ from baton.control import messages as m
 from baton.transfer.bundles import Bundle, Pos, encode_frame
 from baton.worker import rng
 from baton.worker.bundle import StepCapture
-from baton.worker.collectives import SAME_EVERYWHERE, Record, RecordingGroup
+from baton.worker.collectives import BY_RANK, SAME_EVERYWHERE, Record, RecordingGroup
 from baton.worker.exit import exit_quietly
 from baton.worker.group import CollectiveFailure, solo_group
 from baton.worker.tracked import UsageError
@@ -162,16 +162,18 @@ class Captures:
         from rank 0's record of the setup (the others ran it long ago)."""
         rec = self._setup_answers()
         if not self.joiner:
-            if op in SAME_EVERYWHERE:
+            if op in BY_RANK:
+                rec.by_rank = rec.by_rank or f"dist.{op}"  # this rank's own record goes to its successors
+            if op in SAME_EVERYWHERE or op in BY_RANK:
                 return self.recording_group()
-            rec.not_replayable = rec.not_replayable or f"dist.{op}, whose result differs by rank"
+            rec.not_replayable = rec.not_replayable or f"dist.{op}, which baton does not record"
             return None
-        if op in SAME_EVERYWHERE and rec.answering():
+        if (op in SAME_EVERYWHERE or op in BY_RANK) and rec.answering():
             return self.recording_group()
         if op == "barrier" and not rec.replay:
             return solo_group()  # the others passed this barrier long ago
         if rec.answering():
-            why = f"and {op} has no recorded answer (its result differs by rank)"
+            why = f"and {op} has no recorded answer (point-to-point, or a collective baton does not record)"
         elif rec.not_replayable:
             why = f"and what they got is not kept (their setup ran {rec.not_replayable})"
         else:
@@ -184,21 +186,29 @@ class Captures:
             self._setup_answers_read = True
             text = self.assignment.setup if self.assignment is not None else None
             if text is not None:
-                state = Bundle.from_text(text.model_dump()).state()
-                self.setup_record = Record(replay=Record.replay_of(state), not_replayable=state["not_replayable"])
+                bundle = Bundle.from_text(text.model_dump())
+                state = bundle.state()
+                by_rank = state.get("by_rank", "")
+                if by_rank and bundle.rank != self.rank:
+                    self.stop(f"rank {self.rank}: the record of the setup's collectives handed to this joiner is "
+                              f"rank {bundle.rank}'s, whose setup ran {by_rank} (its result differs by rank): it "
+                              "cannot answer this rank's. The job stops here: restart it from your own checkpoint.")
+                self.setup_record = Record(replay=Record.replay_of(state), not_replayable=state["not_replayable"],
+                                           by_rank=by_rank)
         return self.setup_record
 
     def setup_text(self) -> m.BundleText | None:
-        """This rank's record of its setup's collectives, for the orchestrator to hand to joiners
-        (then dropped here); None when the setup ran none."""
+        """This rank's record of its setup's collectives, for the orchestrator to hand to its
+        joiners (then dropped here); None when the setup ran none, or, on a rank but 0, when
+        every result it holds is the same on every rank (rank 0's serves every joiner)."""
         rec, self.setup_record = self.setup_record, Record()
-        if not rec.ops and not rec.not_replayable:
+        if not rec.ops and not rec.not_replayable or (self.rank != 0 and not rec.by_rank):
             return None
         size = sum(t.numel() * t.element_size() for r in rec.ops for t in r.outputs)
         if size > SETUP_RECORD_MAX:
             rec = Record(not_replayable=f"collectives giving {size >> 20} MiB, more than the "
-                                        f"{SETUP_RECORD_MAX >> 20} MiB baton keeps of a setup")
-        state = {"not_replayable": rec.not_replayable, **rec.served_ops()}
+                                        f"{SETUP_RECORD_MAX >> 20} MiB baton keeps of a setup", by_rank=rec.by_rank)
+        state = {"not_replayable": rec.not_replayable, "by_rank": rec.by_rank, **rec.served_ops()}
         return bundle_text(Bundle.of(self.rank, (0, 0), self.group.generation, 0, state))
 
     def recording_group(self) -> RecordingGroup:

@@ -7,7 +7,10 @@ Each rank records what every collective of such a span gave it. A successor repl
 span gets a survivor's record: its collectives are answered from it, in order, until the
 record runs out, where the survivors stand; there it joins them and the rest runs live.
 Only collectives whose result is the same on every rank can be answered from another rank's
-record (all-reduce, broadcast, all-gather, barrier: `SAME_EVERYWHERE`).
+record (all-reduce, broadcast, all-gather, barrier: `SAME_EVERYWHERE`). Those whose result is
+the rank's own (scatter, gather, reduce, reduce-scatter, all-to-all: `BY_RANK`) are answered
+only from the record of the rank being replaced: in the setup, where each rank's record is
+kept by the orchestrator for its successors.
 """
 
 from __future__ import annotations
@@ -27,6 +30,10 @@ if TYPE_CHECKING:
 # LiveGroup's names for the collectives whose outputs are equal on every rank
 SAME_EVERYWHERE = frozenset({"allreduce", "allreduce_coalesced", "broadcast", "allgather", "allgather_base",
                              "barrier", "all_gather_single", "allgather_into_tensor_coalesced"})
+# ... and those whose outputs are each rank's own (a reduce's non-destination ranks keep what
+# gloo left in their tensor: recorded too, so a successor ends with the same bytes)
+BY_RANK = frozenset({"scatter", "gather", "reduce", "reduce_scatter", "reduce_scatter_single",
+                     "reduce_scatter_tensor_coalesced", "alltoall", "alltoall_base"})
 
 
 @dataclass
@@ -46,6 +53,7 @@ class Record:
     replay: list[Recorded] = field(default_factory=list)
     join: Callable[[], None] | None = None  # a successor's join, run where its answers run out
     not_replayable: str = ""  # the first collective run here whose result differs by rank (or why none is kept)
+    by_rank: str = ""  # a setup's first collective answered with this rank's own result (kept per rank)
 
     def answering(self) -> bool:
         return len(self.ops) < len(self.replay)
@@ -126,6 +134,40 @@ class RecordingGroup(dist.ProcessGroup):
     def barrier(self, opts=None):  # type: ignore[override]  # noqa: ANN001
         opts = opts if opts is not None else dist.BarrierOptions()
         return self._run("barrier", [], [], lambda g: g.barrier(opts))
+
+    # BY_RANK: recorded in a setup only (the guard hands this group out for them nowhere else)
+    def scatter(self, output_tensors, input_tensors, opts=None):  # type: ignore[override]  # noqa: ANN001
+        opts = opts if opts is not None else dist.ScatterOptions()
+        return self._run("scatter", output_tensors, [], lambda g: g.scatter(output_tensors, input_tensors, opts))
+
+    def gather(self, output_tensors, input_tensors, opts=None):  # type: ignore[override]  # noqa: ANN001
+        opts = opts if opts is not None else dist.GatherOptions()
+        outputs = [t for per_input in output_tensors for t in per_input]  # none but on the destination
+        return self._run("gather", outputs, [], lambda g: g.gather(output_tensors, input_tensors, opts))
+
+    def reduce(self, tensors, opts=None):  # type: ignore[override]  # noqa: ANN001
+        opts = opts if opts is not None else dist.ReduceOptions()
+        return self._run("reduce", tensors, tensors, lambda g: g.reduce(tensors, opts))
+
+    def reduce_scatter(self, output_tensors, input_tensors, opts=None):  # type: ignore[override]  # noqa: ANN001
+        opts = opts if opts is not None else dist.ReduceScatterOptions()
+        return self._run("reduce_scatter", output_tensors, [],
+                         lambda g: g.reduce_scatter(output_tensors, input_tensors, opts))
+
+    def _reduce_scatter_base(self, output, input, opts=None):  # type: ignore[override]  # noqa: ANN001,A002
+        opts = opts if opts is not None else dist.ReduceScatterOptions()
+        return self._run("reduce_scatter_base", [output], [],
+                         lambda g: g._reduce_scatter_base(output, input, opts))
+
+    def alltoall(self, output_tensors, input_tensors, opts=None):  # type: ignore[override]  # noqa: ANN001
+        opts = opts if opts is not None else dist.AllToAllOptions()
+        return self._run("alltoall", output_tensors, [], lambda g: g.alltoall(output_tensors, input_tensors, opts))
+
+    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes,  # type: ignore[override]
+                      opts=None):  # noqa: ANN001,A002
+        opts = opts if opts is not None else dist.AllToAllOptions()
+        return self._run("alltoall_base", [output], [],
+                         lambda g: g.alltoall_base(output, input, output_split_sizes, input_split_sizes, opts))
 
     def _run(self, op: str, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
              issue: Callable[[dist.ProcessGroup], dist.Work]) -> dist.Work:

@@ -433,7 +433,11 @@ class LiveGroup(dist.ProcessGroup):
         return self._inner
 
     def _watch(self, work: dist.Work) -> dist.Work:
-        work.get_future().add_done_callback(self._check)
+        try:
+            future = work.get_future()
+        except RuntimeError:  # gloo's works for some collectives (reduce_scatter of lists) carry none
+            return _FailureNotingWork(work, self.note_failure)
+        future.add_done_callback(self._check)
         return work
 
     @selfcost.counted
@@ -521,6 +525,10 @@ class LiveGroup(dist.ProcessGroup):
     def reduce(self, tensors, opts=None):  # type: ignore[override]
         opts = opts if opts is not None else dist.ReduceOptions()
         return self._watch(self._backend("reduce").reduce(tensors, opts))
+
+    def alltoall(self, output_tensors, input_tensors, opts=None):  # type: ignore[override]
+        opts = opts if opts is not None else dist.AllToAllOptions()
+        return self._watch(self._backend("alltoall").alltoall(output_tensors, input_tensors, opts))
 
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):  # type: ignore[override]
         opts = opts if opts is not None else dist.AllToAllOptions()

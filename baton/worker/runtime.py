@@ -169,8 +169,9 @@ class Runtime(Captures, PlannedHandover, ShardRedundancy, Recovery, Joining, Sta
         install_as_world(self.group, store.store)
         ctl.on_abort = lambda: self.group.note_failure("a peer was lost (orchestrator abort)")
         # The script's collectives before its step loop: recorded on the ranks that start the
-        # job (rank 0's record goes to each later joiner with its assignment), answered from
-        # that record in a joiner, whose peers ran them long ago.
+        # job (rank 0's goes to each later joiner with its assignment, a rank's own to its
+        # joiners where a result was the rank's own), answered from it in a joiner, whose peers
+        # ran them long ago.
         self.setup_record = Record()
         self._setup_answers_read = False
         self._recording_group: RecordingGroup | None = None
