@@ -11,7 +11,12 @@ torch.distributed's default group), so:
 - `init_device_mesh(...)` gives a mesh over the live group (its sub-groups live too), and
   `fully_shard(module)` notes the module: the roots among those are the sharded models;
 - `destroy_process_group()` and `os._exit()` first end the job's training (`finish`: a rank
-  lost at the very end is still replaced), then let the script go on or leave.
+  lost at the very end is still replaced), then let the script go on or leave;
+- `dist.get_backend()` says "gloo" (the live group's transport) where torch would name baton's
+  plugin, and `dist.monitored_barrier()`, which torch allows on gloo only, is a barrier of the
+  live group (a rank that does not arrive is baton's to find and replace).
+
+`dist.new_group` needs no patch: torch hands it to the default group (LiveGroup.new_group).
 
 Patches are made on torch's public import paths (`torch.distributed`,
 `torch.nn.parallel`), which the script reads when it imports them; torch's internals keep
@@ -72,6 +77,15 @@ def install(rt: Any, job: Any, on_finish: Callable[[], None]) -> None:
             on_finish()
         _real_exit(code)
 
+    real_get_backend = dist.get_backend
+
+    def get_backend(group: Any = None) -> Any:
+        name = real_get_backend(group)
+        return dist.Backend.GLOO if name == "baton" else name
+
+    def monitored_barrier(group: Any = None, timeout: Any = None, wait_all_ranks: bool = False) -> None:
+        dist.barrier(group=group)
+
     device_mesh.init_device_mesh = init_device_mesh  # type: ignore[assignment]
     dist.init_device_mesh = init_device_mesh  # type: ignore[attr-defined]
     def patch_fsdp(module: Any) -> None:
@@ -84,6 +98,8 @@ def install(rt: Any, job: Any, on_finish: Callable[[], None]) -> None:
     on_import.after_import("torch.distributed._composable.fsdp", patch_fsdp)
     dist.init_process_group = init_process_group  # type: ignore[assignment]
     dist.destroy_process_group = destroy_process_group  # type: ignore[assignment]
+    dist.get_backend = get_backend  # type: ignore[assignment]
+    dist.monitored_barrier = monitored_barrier  # type: ignore[assignment]
     os._exit = leave  # type: ignore[assignment]
     ScriptDDP._baton_rt_for_script = rt
     torch.nn.parallel.DistributedDataParallel = ScriptDDP  # type: ignore[misc]

@@ -39,8 +39,8 @@ from baton.transparent.region import Region, catch_up, load_small_state, small_s
 from baton.transparent.sites import SITES
 from baton.transparent.tail import StepRecord
 from baton.worker import discover, fence, shards, verify
-from baton.worker.collectives import SAME_EVERYWHERE, Record, Recorded
-from baton.worker.group import CollectiveFailure
+from baton.worker.collectives import Record, Recorded, same_everywhere
+from baton.worker.group import CollectiveFailure, LiveGroup
 from baton.worker.exit import exit_quietly
 from baton.worker.job import EXIT_PEER_LOST, Step
 from baton.worker.prefetch import Fetch
@@ -834,38 +834,43 @@ class ScriptRuntime(Runtime):
     def check_forward_placement(self) -> None:
         """A forward may run anywhere: the script's evaluation is a region, not a boundary function."""
 
-    def _guard(self, op: str) -> dist.ProcessGroup | None:
+    def _guard(self, op: str, live: LiveGroup) -> dist.ProcessGroup | None:
         if self.loop_started and self.scope == REGION and self.region is not None:
-            return self._region_collective(op)
+            return self._region_collective(op, live)
         if not self.loop_started:
-            return super()._guard(op)  # its setup's: recorded, or answered in a joiner
+            return super()._guard(op, live)  # its setup's: recorded, or answered in a joiner
         if self.scope != "step":
             return None
         if self.expecting_exit():
             self.not_at_the_exit()
         rec = self.step_record
+        same = same_everywhere(op, live)  # answerable from a survivor's record
         if self.replay is not None:
             assert rec is not None
-            if op in SAME_EVERYWHERE and not rec.answering() and self.replay.stepped:
-                return self.recording_group()  # after the step, where the survivors stand: it joins them here
-            if op not in SAME_EVERYWHERE or not rec.answering():
+            if same and not rec.answering() and self.replay.stepped:
+                return self.recording_group(live)  # after the step, where the survivors stand: it joins them here
+            if not live.whole:
+                self.stop(f"rank {self.rank}: running again the step its predecessor was lost after, the script "
+                          f"calls {_unanswerable(op, live)}, whose result the survivors' record of that step "
+                          "does not hold for this rank. The job stops here: restart it from your own checkpoint.")
+            if not same or not rec.answering():
                 self.stop(f"rank {self.rank}: running again the step its predecessor was lost after, the script "
                           f"calls {op} where the survivors' record of that step has "
                           f"{'nothing more' if not rec.answering() else rec.replay[len(rec.ops)].op}: it took "
                           "another way. The job stops here: restart it from your own checkpoint.")
-            return self.recording_group()
+            return self.recording_group(live)
         if self.committed:  # after the optimizer step (a loss logged, say)
-            if rec is not None and op in SAME_EVERYWHERE:
-                return self.recording_group()  # recorded, retried in place
+            if rec is not None and same:
+                return self.recording_group(live)  # recorded, retried in place
             if rec is not None:
-                rec.not_replayable = rec.not_replayable or op
+                rec.not_replayable = rec.not_replayable or _unanswerable(op, live)
             return None  # live (the loop's first step, or no copies): a loss here stops the job at the head
-        group = super()._guard(op)
+        group = super()._guard(op, live)
         if rec is None:
             return group
-        if op in SAME_EVERYWHERE:
-            return self.recording_group()
-        rec.not_replayable = rec.not_replayable or op
+        if same:
+            return self.recording_group(live)
+        rec.not_replayable = rec.not_replayable or _unanswerable(op, live)
         return group
 
     def collective_record(self) -> tuple[Record, bool]:
@@ -919,7 +924,7 @@ class ScriptRuntime(Runtime):
             return f.value()
         return super().average_bucket(buffer, into=out).then(record)
 
-    def _region_collective(self, op: str) -> dist.ProcessGroup | None:
+    def _region_collective(self, op: str, live: LiveGroup) -> dist.ProcessGroup | None:
         """Where a collective of the region runs: recorded (collectives.RecordingGroup), or
         live only, when its result differs by rank (a loss after it cannot be replayed)."""
         region = self.region
@@ -927,14 +932,14 @@ class ScriptRuntime(Runtime):
         if self.tracked.sharded:  # FSDP2 gathers whole models here: not kept (a region of sharded models is not replayed)
             region.not_replayable = region.not_replayable or "collectives of sharded models"
             return None
-        if op in SAME_EVERYWHERE:
-            return self.recording_group()
+        if same_everywhere(op, live):
+            return self.recording_group(live)
         if len(region.ops) < len(region.replay):
             self.stop(f"rank {self.rank}: the region after the step loop runs {op} here where the survivors ran "
                       f"{region.replay[len(region.ops)].op}: it took another way. The job stops here: restart it "
                       "from your own checkpoint.")
         self._join_if_deferred()
-        region.not_replayable = region.not_replayable or op
+        region.not_replayable = region.not_replayable or _unanswerable(op, live)
         return None
 
     def _check_no_stray_draws(self, where: str) -> None:
@@ -982,3 +987,8 @@ def _stack() -> Iterator[Any]:
     while frame is not None:
         yield frame
         frame = frame.f_back
+
+
+def _unanswerable(op: str, live: LiveGroup) -> str:
+    """A collective a successor cannot be answered from a survivor's record, as a message names it."""
+    return op if live.whole else f"{op} on a group of some ranks (dist.new_group)"

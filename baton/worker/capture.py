@@ -23,9 +23,9 @@ from baton.control import messages as m
 from baton.transfer.bundles import Bundle, Pos, encode_frame
 from baton.worker import rng
 from baton.worker.bundle import StepCapture
-from baton.worker.collectives import BY_RANK, SAME_EVERYWHERE, Record, RecordingGroup
+from baton.worker.collectives import BY_RANK, SAME_EVERYWHERE, Record, RecordingGroup, same_everywhere
 from baton.worker.exit import exit_quietly
-from baton.worker.group import CollectiveFailure, solo_group
+from baton.worker.group import CollectiveFailure, LiveGroup, solo_group
 from baton.worker.tracked import UsageError
 
 log = logging.getLogger("baton.worker")
@@ -136,9 +136,9 @@ class Captures:
             self._gate()
 
     @selfcost.counted
-    def _guard(self, op: str) -> dist.ProcessGroup | None:
+    def _guard(self, op: str, group: LiveGroup) -> dist.ProcessGroup | None:
         if not self.loop_started:
-            return self._setup_collective(op)
+            return self._setup_collective(op, group)
         if self.finished or (self.loop_done and self.scope is None):
             raise UsageError(f"dist.{op} after the step loop: a failure there could not be recovered; "
                              "run it in a `@job.at_end` function")
@@ -150,26 +150,30 @@ class Captures:
             if self.committed:
                 raise UsageError(f"dist.{op} after optimizer.step() in the same step: a step's "
                                  "collectives must all come before it commits")
-            if not self.tracked.sharded:
+            if not self.tracked.sharded and group.whole:
                 self._capture_point()
                 self._gate()
             # A sharded job's rank-local state travels in its shard snapshots (taken at each
-            # boundary, complete): FSDP2's many collectives per step capture nothing.
+            # boundary, complete): FSDP2's many collectives per step capture nothing. Nor does
+            # one of a group of some ranks (dist.new_group): a ward outside it is not there to
+            # push, and every rank's capture points must count alike (the gate matches them);
+            # the step's collectives of the whole job capture after it.
         return None
 
-    def _setup_collective(self, op: str) -> dist.ProcessGroup | None:
+    def _setup_collective(self, op: str, group: LiveGroup) -> dist.ProcessGroup | None:
         """A collective before the step loop: recorded (collectives), or, in a joiner, answered
-        from rank 0's record of the setup (the others ran it long ago)."""
+        from its rank's record of the setup, else rank 0's (the others ran it long ago)."""
         rec = self._setup_answers()
+        recorded = op in SAME_EVERYWHERE or op in BY_RANK
         if not self.joiner:
-            if op in BY_RANK:
-                rec.by_rank = rec.by_rank or f"dist.{op}"  # this rank's own record goes to its successors
-            if op in SAME_EVERYWHERE or op in BY_RANK:
-                return self.recording_group()
+            if recorded and not same_everywhere(op, group):  # this rank's own record goes to its successors
+                rec.by_rank = rec.by_rank or (f"dist.{op}" if group.whole else f"dist.{op} on a group of some ranks")
+            if recorded:
+                return self.recording_group(group)
             rec.not_replayable = rec.not_replayable or f"dist.{op}, which baton does not record"
             return None
-        if (op in SAME_EVERYWHERE or op in BY_RANK) and rec.answering():
-            return self.recording_group()
+        if recorded and rec.answering():
+            return self.recording_group(group)
         if op == "barrier" and not rec.replay:
             return solo_group()  # the others passed this barrier long ago
         if rec.answering():
@@ -211,10 +215,12 @@ class Captures:
         state = {"not_replayable": rec.not_replayable, "by_rank": rec.by_rank, **rec.served_ops()}
         return bundle_text(Bundle.of(self.rank, (0, 0), self.group.generation, 0, state))
 
-    def recording_group(self) -> RecordingGroup:
-        if self._recording_group is None:
-            self._recording_group = RecordingGroup(self)
-        return self._recording_group
+    def recording_group(self, group: LiveGroup) -> RecordingGroup:
+        """What records (or answers) the script's collectives on `group`, the world or a sub-group."""
+        recording = self._recording_groups.get(id(group))
+        if recording is None:
+            recording = self._recording_groups[id(group)] = RecordingGroup(self, group)
+        return recording
 
     def collective_record(self) -> tuple[Record, bool]:
         """The record the script's collective goes to, and whether a lost peer is retried in place."""

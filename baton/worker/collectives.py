@@ -7,8 +7,9 @@ Each rank records what every collective of such a span gave it. A successor repl
 span gets a survivor's record: its collectives are answered from it, in order, until the
 record runs out, where the survivors stand; there it joins them and the rest runs live.
 Only collectives whose result is the same on every rank can be answered from another rank's
-record (all-reduce, broadcast, all-gather, barrier: `SAME_EVERYWHERE`). Those whose result is
-the rank's own (scatter, gather, reduce, reduce-scatter, all-to-all: `BY_RANK`) are answered
+record (all-reduce, broadcast, all-gather, barrier over the whole job: `same_everywhere`).
+Those whose result is the rank's own (scatter, gather, reduce, reduce-scatter, all-to-all:
+`BY_RANK`, and any collective of a group of some ranks only, `dist.new_group`) are answered
 only from the record of the rank being replaced: in the setup, where each rank's record is
 kept by the orchestrator for its successors.
 """
@@ -25,6 +26,7 @@ import torch._C._distributed_c10d as _c10d
 from baton.worker.group import _Done
 
 if TYPE_CHECKING:
+    from baton.worker.group import LiveGroup
     from baton.worker.runtime import Runtime
 
 # LiveGroup's names for the collectives whose outputs are equal on every rank
@@ -34,6 +36,12 @@ SAME_EVERYWHERE = frozenset({"allreduce", "allreduce_coalesced", "broadcast", "a
 # gloo left in their tensor: recorded too, so a successor ends with the same bytes)
 BY_RANK = frozenset({"scatter", "gather", "reduce", "reduce_scatter", "reduce_scatter_single",
                      "reduce_scatter_tensor_coalesced", "alltoall", "alltoall_base"})
+
+
+def same_everywhere(op: str, group: "LiveGroup") -> bool:
+    """Whether every rank of the job gets this collective's result: one of SAME_EVERYWHERE on
+    a group of every rank (on a group of some, only its members do)."""
+    return op in SAME_EVERYWHERE and group.whole
 
 
 @dataclass
@@ -96,18 +104,18 @@ class RecordingGroup(dist.ProcessGroup):
     a step's optimizer step), the survivor recovers in place and issues the collective again
     (`retry`); before a step's optimizer step, the failure goes on to the loop's head."""
 
-    def __init__(self, rt: "Runtime"):
-        super().__init__(rt.group.rank(), rt.group.size())
-        self.rt = rt
+    def __init__(self, rt: "Runtime", live: "LiveGroup"):
+        super().__init__(live.rank(), live.size())
+        self.rt, self.live = rt, live  # the live group (the world, or a sub-group) it runs them on
 
     def getBackendName(self) -> str:  # noqa: N802 (torch's name)
         return "baton-recording"
 
     def rank(self) -> int:
-        return self.rt.group.rank()
+        return self.live.rank()
 
     def size(self) -> int:
-        return self.rt.group.size()
+        return self.live.size()
 
     def allreduce(self, tensors, opts=None):  # type: ignore[override]  # noqa: ANN001
         opts = opts if opts is not None else dist.AllreduceOptions()
@@ -182,7 +190,7 @@ class RecordingGroup(dist.ProcessGroup):
         saved = [t.detach().clone() for t in inputs] if retry else []  # gloo reduces in place
         while True:
             try:
-                issue(rt.group._backend()).wait()
+                issue(self.live._backend()).wait()
                 break
             except (RuntimeError, dist.DistError) as exc:
                 rt.group.note_failure(exc)

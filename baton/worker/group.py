@@ -207,13 +207,15 @@ class LiveGroup(dist.ProcessGroup):
     the generation, and breaking the transport breaks all of them."""
 
     def __init__(self, rank: int, world_size: int, members: list[int] | None = None,
-                 parent: "LiveGroup | None" = None):
+                 parent: "LiveGroup | None" = None, name: str = ""):
         super().__init__(rank, world_size)
         self._rank = rank
         self._world = world_size
         self.members = list(members) if members is not None else list(range(world_size))
         self._parent = parent
+        self._name = name  # a script's own group (dist.new_group): its order among them, alike on every rank
         self._children: list[LiveGroup] = []
+        self._new_groups = 0  # dist.new_group calls so far (every rank makes them, members or not)
         self._inner: dist.ProcessGroup | None = None
         # Backends of past generations are never destroyed: ~ProcessGroupGloo joins its
         # threads with the GIL held and can deadlock against a callback waiting for the GIL.
@@ -230,10 +232,11 @@ class LiveGroup(dist.ProcessGroup):
         self.failed = threading.Event()  # set when any collective of this generation failed
         self.issued_at = 0.0  # when the latest collective was issued (a failed one: where this rank blocked)
         self.last_error: str = ""
-        # Called with the op name before every collective the script issues (not baton's own):
-        # the step loop uses it to capture this rank's bundle and enforce where collectives go.
-        # It may return another group to run the call on (a joiner's startup barrier: its own).
-        self._guard: Callable[[str], dist.ProcessGroup | None] | None = None
+        # Called with the op name and the group it runs on before every collective the script
+        # issues (not baton's own): the step loop uses it to capture this rank's bundle and
+        # enforce where collectives go. It may return another group to run the call on (a
+        # joiner's startup barrier: its own).
+        self._guard: Callable[[str, LiveGroup], dist.ProcessGroup | None] | None = None
         self._internal = threading.local()
         if parent is not None:
             self.failed, self._internal = parent.failed, parent._internal
@@ -243,12 +246,18 @@ class LiveGroup(dist.ProcessGroup):
         return self._parent.root if self._parent is not None else self
 
     @property
-    def guard(self) -> Callable[[str], dist.ProcessGroup | None] | None:
+    def guard(self) -> Callable[[str, "LiveGroup"], dist.ProcessGroup | None] | None:
         return self.root._guard
 
     @guard.setter
-    def guard(self, fn: Callable[[str], dist.ProcessGroup | None] | None) -> None:
+    def guard(self, fn: Callable[[str, "LiveGroup"], dist.ProcessGroup | None] | None) -> None:
         self.root._guard = fn
+
+    @property
+    def whole(self) -> bool:
+        """Whether every rank of the job is a member (a collective's result is then the same
+        on every rank, where it is on every member)."""
+        return len(self.members) == self.root._world
 
     def subgroup(self, members: list[int]) -> "LiveGroup":
         """The live group of these world ranks (this rank among them), registered with
@@ -264,14 +273,32 @@ class LiveGroup(dist.ProcessGroup):
         if members == self.members:
             return self
         for child in self._children:
-            if child.members == members:
+            if child.members == members and not child._name:
                 return child
-        child = LiveGroup(members.index(self._rank), len(members), members=members, parent=self)
-        self._children.append(child)
+        child = self._child(members)
         world_store = dist.distributed_c10d._world.pg_map[self][1]
         dist.distributed_c10d._register_pg_in_world(
             child, _BACKEND_NAME, world_store, f"baton:{child.tag}", f"cpu:{_BACKEND_NAME}",
             rank_mapping={r: i for i, r in enumerate(members)})
+        return child
+
+    def new_group(self, ranks: list[int] | None, timeout: Any = None, pg_options: Any = None,
+                  group_name: str | None = None, group_desc: str | None = None) -> "LiveGroup | None":
+        """`dist.new_group(ranks)` (and `new_subgroups`) in a script: torch 2.13 hands the call to
+        the default group, registers what it returns, and returns NON_GROUP_MEMBER for None. A
+        live sub-group of its own, as torch's is a communicator of its own, even for members
+        another group has too. Every rank of the job calls it, in the same order (torch's rule),
+        so its count names the group alike on every rank, a joiner's setup included."""
+        assert self._parent is None, "sub-groups are made from the world group"
+        self._new_groups += 1
+        members = sorted(int(r) for r in (ranks if ranks is not None else range(self._world)))
+        if self._rank not in members:
+            return None
+        return self._child(members, name=f"new{self._new_groups}")
+
+    def _child(self, members: list[int], name: str = "") -> "LiveGroup":
+        child = LiveGroup(members.index(self._rank), len(members), members=members, parent=self, name=name)
+        self._children.append(child)
         if self._inner is not None and self._store is not None:  # created mid-generation
             before = _socket_fds()
             child._form_backend(self._store, self.generation, self._op_timeout_s, self.paths)
@@ -280,7 +307,7 @@ class LiveGroup(dist.ProcessGroup):
 
     @property
     def tag(self) -> str:
-        return "-".join(map(str, self.members))
+        return self._name or "-".join(map(str, self.members))
 
     def _form_backend(self, store: RendezvousClient, generation: int, op_timeout_s: float,
                       paths: tuple[str, ...] = ()) -> None:
@@ -423,7 +450,7 @@ class LiveGroup(dist.ProcessGroup):
     def _backend(self, op: str = "") -> dist.ProcessGroup:
         self.root.issued_at = time.time()
         if op and self.guard is not None and not getattr(self._internal, "depth", 0):
-            substitute = self.guard(op)
+            substitute = self.guard(op, self)
             if substitute is not None:
                 return substitute
         if self._inner is None or self.failed.is_set():

@@ -174,7 +174,7 @@ class Runtime(Captures, PlannedHandover, ShardRedundancy, Recovery, Joining, Sta
         # ran them long ago.
         self.setup_record = Record()
         self._setup_answers_read = False
-        self._recording_group: RecordingGroup | None = None
+        self._recording_groups: dict[int, RecordingGroup] = {}  # by id of the live group they run on
         self.prefetch: Prefetch | None = None
         if joiner:  # a joiner's state can be on its way while the script builds its model
             # Not with --hot-spares: a hot spare's mirror (given after this) holds that state.
