@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from baton import torchrun_flags
 from baton.rundir import RunDir, default_dir
 
 
@@ -16,7 +17,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                        description="Start an embedded orchestrator, N ranks and K warm spares.")
     p.add_argument("--nproc", "--nproc-per-node", "--nproc_per_node", dest="nproc", type=int, required=True,
                    help="ranks per node (the world size on one node)")
-    p.add_argument("--nodes", "--nnodes", type=int, default=None,
+    p.add_argument("--nodes", "--nnodes", type=torchrun_flags.nodes, default=None,
                    help="nodes holding ranks (Slurm): world size = nodes x nproc-per-node")
     p.add_argument("--spare-nodes", type=int, default=None,
                    help="nodes holding only warm spares, nproc-per-node each (Slurm; replaces --spares)")
@@ -112,6 +113,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-tail-copies", action="store_true",
                    help="no code change: do not copy each step's parameters and gradient buckets (a rank lost "
                         "after its last collective of a step then stops the job instead of being replaced)")
+    torchrun_flags.add_to(p)
     p.add_argument("script", help="training script")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     p.set_defaults(func=cmd_run)
@@ -224,6 +226,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     script_args = list(args.script_args)
     if script_args and script_args[0] == "--":
         script_args = script_args[1:]
+    refused, notes = torchrun_flags.review(args)
+    if refused is not None:
+        return _fail(refused, 2)
+    for note in notes:
+        print(note, file=sys.stderr, flush=True)
     mode = _mode(args, script_args)
     if isinstance(mode, int):
         return mode

@@ -337,7 +337,11 @@ def _move_then_kill(tmp_path: Path, script: Path, nproc: int, args: list[str]) -
         job.wait_step(3, timeout=180)
         job.client.migrate(0)
         job.wait_until(lambda s: _resolved(job, 0), timeout=180, what="rank 0's planned move", pull=False)
-        job.wait_step(job.status()["ranks"][0]["step"] + 2, timeout=60)
+        # The move's boundary is extrapolated from the ranks' heartbeats and may land past the
+        # leash (seen once beside a full test run: the compiled HSDP job's move at step 12 of 14,
+        # asked for at step 3; the wait below then timed out at the cap). Never wait past the
+        # cap, where the ranks hold until the end.
+        job.wait_step(min(job.status()["ranks"][0]["step"] + 2, steps - 1), timeout=60)
         job.signal_rank(nproc - 1, signal.SIGKILL)
         job.wait_until(lambda s: _resolved(job, nproc - 1), timeout=120, what=f"rank {nproc - 1} rebuilt")
         events = ended_equal(job, reference, timeout=240)
