@@ -1,6 +1,7 @@
 """Collectives a script runs before its step loop (a seed broadcast from rank 0, an
-all_gather_object, a barrier): the ranks that start the job record what each gave them,
-rank 0's record goes to every spare with its assignment, and a spare's own setup
+all_gather_object, a barrier; a scatter of shards, a reduce to rank 0): the ranks that start
+the job record what each gave them, rank 0's record goes to every spare with its assignment
+(a rank's own to its successors where a result was the rank's own), and a spare's own setup
 collectives are answered from it (its peers ran them long ago), in both modes."""
 
 from __future__ import annotations
@@ -11,20 +12,9 @@ import pytest
 import torch
 
 from tests.jobs import AWARE_TRAINING, Job
-from tests.nocode_runs import NOCODE, differences, exports
+from tests.nocode_runs import NOCODE, exports, killed_in_step
 
 INJECT = NOCODE.parent / "inject"
-
-
-def _faulted(tmp_path, script, fault: str, env: dict[str, str]) -> tuple[int, Job]:
-    job = Job(tmp_path, nproc=2, spares=1, script=script, out_arg=False, name="job",
-              env={"PYTHONPATH": str(INJECT), "BATON_TEST_SIGNAL_MID_STEP": fault,
-                   "BATON_TEST_SIGNAL_MARK": str(tmp_path / "fired"), **env})
-    try:
-        return job.wait(timeout=170), job
-    finally:
-        job.kill()
-
 
 SETUP_COLLECTIVES = """
 import os, torch, torch.distributed as dist
@@ -65,15 +55,7 @@ def test_a_successors_setup_collectives_are_answered_with_what_its_rank_saw(tmp_
     successor's are answered from rank 0's record of them (handed over with its assignment),
     so a new rank 0 does not pick a seed of its own and a new rank 1 does not wait for peers
     that ran them long ago; both end bit for bit equal to torchrun."""
-    script = tmp_path / "script.py"
-    script.write_text(textwrap.dedent(SETUP_COLLECTIVES))
-    ref = torchrun_reference(script, [], env={"EXPORT": "{d}/export"})
-    run = tmp_path / "job"
-    (run / "export").mkdir(parents=True)
-    code, job = _faulted(tmp_path, script, fault, env={"EXPORT": str(run / "export")})
-    assert code == 0 and (tmp_path / "fired").exists(), job.log()
-    for rank, (a, b) in enumerate(zip(exports(ref / "export", 2), exports(run / "export", 2))):
-        assert differences(a, b) == [], f"rank {rank}"
+    _, _, job = killed_in_step(tmp_path, torchrun_reference, SETUP_COLLECTIVES, fault, where="MID_STEP")
     assert [(e["kind"], e["status"]) for e in job.events()] == [("unplanned", "resolved")]
 
 
@@ -129,20 +111,13 @@ def test_a_successors_setup_collectives_whose_result_is_its_ranks_own_are_answer
     """A setup that deals each rank its own: a scatter of data shards, a scatter_object_list
     of configs, a gather and a reduce to rank 0 (whose other ranks' tensors change too),
     all-to-alls and reduce-scatters (of tensors and of lists: gloo's work for a list's
-    reduce-scatter has no future, which baton's group used to require). Each rank that starts the job keeps its own record; a
-    successor of rank 0 and one of rank 1 are answered from their rank's, and the job ends
-    bit for bit equal to torchrun, the collectives' results included."""
-    script = tmp_path / "script.py"
-    script.write_text(textwrap.dedent(SETUP_BY_RANK))
-    ref = torchrun_reference(script, [], env={"EXPORT": "{d}/export"})
-    run = tmp_path / "job"
-    (run / "export").mkdir(parents=True)
-    code, job = _faulted(tmp_path, script, fault, env={"EXPORT": str(run / "export")})
-    assert code == 0 and (tmp_path / "fired").exists(), job.log()
+    reduce-scatter has no future, which baton's group used to require). Each rank that
+    starts the job keeps its own record; a successor of rank 0 and one of rank 1 are answered
+    from their rank's, and the job ends bit for bit equal to torchrun, the collectives'
+    results included."""
+    ref, _, job = killed_in_step(tmp_path, torchrun_reference, SETUP_BY_RANK, fault, where="MID_STEP")
     theirs = exports(ref / "export", 2)
     assert not torch.equal(theirs[0]["mine"], theirs[1]["mine"])  # the ranks did get their own
-    for rank, (a, b) in enumerate(zip(theirs, exports(run / "export", 2))):
-        assert differences(a, b) == [], f"rank {rank}"
     assert [(e["kind"], e["status"]) for e in job.events()] == [("unplanned", "resolved")]
 
 
