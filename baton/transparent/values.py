@@ -107,7 +107,7 @@ def restore_container(current: Any, saved: Any, where: str) -> None:
         if _holds_records(saved):
             restore_list(current, saved, where)
         else:
-            current[:] = saved
+            current[:] = fresh(saved)
     elif isinstance(current, dict) and isinstance(saved, dict) and not is_record(saved):
         restore_dict(current, saved, where)
     else:
@@ -131,6 +131,22 @@ def rebound(captured: Any, current: Any, where: str) -> Any:
     if isinstance(captured, dict) and isinstance(current, dict) and _holds_records(captured):
         restore_dict(current, captured, where)
         return current
+    return fresh(captured)
+
+
+def fresh(captured: Any) -> Any:
+    """A captured value to bind again, its tensors copied: what the script then changes in
+    place (`total += loss`) must not reach the record it came from, which the rank goes back
+    to if the step fails again (a joiner's first step: the record is the state it joined
+    with; any rank's step that fails twice)."""
+    if isinstance(captured, torch.Tensor):
+        return captured.clone()
+    if isinstance(captured, list):
+        return [fresh(x) for x in captured]
+    if type(captured) is tuple:
+        return tuple(fresh(x) for x in captured)
+    if isinstance(captured, dict) and not is_record(captured):
+        return {k: fresh(v) for k, v in captured.items()}
     return captured
 
 

@@ -213,9 +213,9 @@ class LiveGroup(dist.ProcessGroup):
         self._world = world_size
         self.members = list(members) if members is not None else list(range(world_size))
         self._parent = parent
-        self._name = name  # a script's own group (dist.new_group): its order among them, alike on every rank
+        self._name = name  # a script's own group (dist.new_group), named alike on each of its members
         self._children: list[LiveGroup] = []
-        self._new_groups = 0  # dist.new_group calls so far (every rank makes them, members or not)
+        self._new_groups: dict[tuple[int, ...], int] = {}  # the script's groups made so far, by members
         self._inner: dist.ProcessGroup | None = None
         # Backends of past generations are never destroyed: ~ProcessGroupGloo joins its
         # threads with the GIL held and can deadlock against a callback waiting for the GIL.
@@ -287,14 +287,16 @@ class LiveGroup(dist.ProcessGroup):
         """`dist.new_group(ranks)` (and `new_subgroups`) in a script: torch 2.13 hands the call to
         the default group, registers what it returns, and returns NON_GROUP_MEMBER for None. A
         live sub-group of its own, as torch's is a communicator of its own, even for members
-        another group has too. Every rank of the job calls it, in the same order (torch's rule),
-        so its count names the group alike on every rank, a joiner's setup included."""
+        another group has too. Its members make the groups they share in the same order
+        (torch's rule), a joiner's setup too, so the members and how many groups of them came
+        before name it alike on each (the ranks outside it may not call at all:
+        `use_local_synchronization=True`)."""
         assert self._parent is None, "sub-groups are made from the world group"
-        self._new_groups += 1
         members = sorted(int(r) for r in (ranks if ranks is not None else range(self._world)))
         if self._rank not in members:
             return None
-        return self._child(members, name=f"new{self._new_groups}")
+        nth = self._new_groups[tuple(members)] = self._new_groups.get(tuple(members), 0) + 1
+        return self._child(members, name=f"new{'-'.join(map(str, members))}.{nth}")
 
     def _child(self, members: list[int], name: str = "") -> "LiveGroup":
         child = LiveGroup(members.index(self._rank), len(members), members=members, parent=self, name=name)
