@@ -289,8 +289,7 @@ class LiveGroup(dist.ProcessGroup):
         live sub-group of its own, as torch's is a communicator of its own, even for members
         another group has too. Its members make the groups they share in the same order
         (torch's rule), a joiner's setup too, so the members and how many groups of them came
-        before name it alike on each (the ranks outside it may not call at all:
-        `use_local_synchronization=True`)."""
+        before name it alike on each, whatever the ranks outside it did meanwhile."""
         assert self._parent is None, "sub-groups are made from the world group"
         members = sorted(int(r) for r in (ranks if ranks is not None else range(self._world)))
         if self._rank not in members:
