@@ -78,6 +78,26 @@ def test_a_comm_hook_baton_cannot_move_is_refused_before_training(tmp_path, regi
     assert expect in log and "registered" not in log, log[-3000:]
 
 
+FSDP1 = """
+import torch, torch.distributed as dist
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+dist.init_process_group("gloo")
+model = FSDP(torch.nn.Linear(4, 1))
+print("wrapped", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_fsdp1_is_refused_where_the_script_wraps_its_model(tmp_path):
+    """FSDP1's flat shards are each rank's own and baton keeps no copy: a lost rank could not
+    be rebuilt, so the script stops at the wrap, saying why and what to use (FSDP2's
+    fully_shard, or --no-migration). (On this CPU machine FSDP1 itself would refuse to run.)"""
+    log = _stopped(tmp_path, "fsdp1.py", FSDP1)
+    assert "FullyShardedDataParallel (FSDP1) is not supported with no code change" in log, log[-3000:]
+    assert 'fsdp1.py", line 6' in log and "wrapped" not in log, log[-3000:]
+
+
 TWO_PHASES = """
 import torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP

@@ -10,6 +10,7 @@ torch.distributed's default group), so:
   torchrun's, rank 0's parameters broadcast at construction as DDP does) and tracks the model;
 - `init_device_mesh(...)` gives a mesh over the live group (its sub-groups live too), and
   `fully_shard(module)` notes the module: the roots among those are the sharded models;
+  FSDP1's `FullyShardedDataParallel(...)` is refused, saying why and what to use;
 - `destroy_process_group()` and `os._exit()` first end the job's training (`finish`: a rank
   lost at the very end is still replaced), then let the script go on or leave;
 - `dist.get_backend()` says "gloo" (the live group's transport) where torch would name baton's
@@ -92,6 +93,9 @@ def install(rt: Any, job: Any, on_finish: Callable[[], None]) -> None:
         if not original_shard:
             original_shard.append(module.fully_shard)
         module.fully_shard = fully_shard
+        fsdp1 = getattr(module, "FullyShardedDataParallel", None)
+        if fsdp1 is not None:  # on the class: every path the script imports it by
+            fsdp1.__init__ = _refuse_fsdp1
 
     # FSDP2's public paths, patched as the script imports them (on_import: a DDP script never pays for them)
     on_import.after_import("torch.distributed.fsdp", patch_fsdp)
@@ -103,6 +107,10 @@ def install(rt: Any, job: Any, on_finish: Callable[[], None]) -> None:
     os._exit = leave  # type: ignore[assignment]
     ScriptDDP._baton_rt_for_script = rt
     torch.nn.parallel.DistributedDataParallel = ScriptDDP  # type: ignore[misc]
+
+
+def _refuse_fsdp1(self: Any, *args: Any, **kwargs: Any) -> None:
+    raise UsageError(ddp_rules.FSDP1)
 
 
 _DDP_PARAMS = inspect.signature(DistributedDataParallel.__init__)
