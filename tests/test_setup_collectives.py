@@ -89,6 +89,19 @@ parts = torch.empty(2)
 dist.reduce_scatter(parts, [torch.full((2,), float(rank + 3 * r)) for r in range(world)])
 halves = [torch.empty(1) for _ in range(world)]
 dist.all_to_all(halves, [torch.tensor([float(10 * rank + r)]) for r in range(world)])
+# point to point: rank 0 hands rank 1 a token; a ring exchange, posted both ways before waiting
+token = torch.tensor([float(100 + rank)])
+if rank == 0:
+    dist.send(token * 2, dst=1)
+else:
+    dist.recv(token, src=0)
+ring = torch.empty(1)
+for req in [dist.isend(torch.tensor([float(rank)]), (rank + 1) % world), dist.irecv(ring, (rank - 1) % world)]:
+    req.wait()
+batched = torch.empty(1)
+for req in dist.batch_isend_irecv([dist.P2POp(dist.isend, torch.tensor([7.0 * rank]), (rank + 1) % world),
+                                   dist.P2POp(dist.irecv, batched, (rank - 1) % world)]):
+    req.wait()
 torch.manual_seed(config[0]["seed"] + int(swapped.sum()))
 model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.2), torch.nn.Linear(16, 1)))
 opt = torch.optim.SGD(model.parameters(), lr=config[0]["lr"])
@@ -98,7 +111,8 @@ for epoch in range(6):
         opt.step()
         opt.zero_grad()
 torch.save({"model": model.module.state_dict(), "rng": torch.get_rng_state(), "mine": mine, "config": config,
-            "sizes": sizes, "total": total, "swapped": swapped, "stat": stat, "parts": parts, "halves": halves},
+            "sizes": sizes, "total": total, "swapped": swapped, "stat": stat, "parts": parts, "halves": halves,
+            "token": token, "ring": ring, "batched": batched},
            os.path.join(os.environ["EXPORT"], f"rank{rank}.pt"))
 dist.destroy_process_group()
 os._exit(0)
@@ -111,7 +125,9 @@ def test_a_successors_setup_collectives_whose_result_is_its_ranks_own_are_answer
     """A setup that deals each rank its own: a scatter of data shards, a scatter_object_list
     of configs, a gather and a reduce to rank 0 (whose other ranks' tensors change too),
     all-to-alls and reduce-scatters (of tensors and of lists: gloo's work for a list's
-    reduce-scatter has no future, which baton's group used to require). Each rank that
+    reduce-scatter has no future, which baton's group used to require), a send and receive,
+    a ring of isend/irecv and a batch_isend_irecv (a successor's sends skipped, its receives
+    answered). Each rank that
     starts the job keeps its own record; a successor of rank 0 and one of rank 1 are answered
     from their rank's, and the job ends bit for bit equal to torchrun, the collectives'
     results included."""

@@ -35,7 +35,7 @@ SAME_EVERYWHERE = frozenset({"allreduce", "allreduce_coalesced", "broadcast", "a
 # ... and those whose outputs are each rank's own (a reduce's non-destination ranks keep what
 # gloo left in their tensor: recorded too, so a successor ends with the same bytes)
 BY_RANK = frozenset({"scatter", "gather", "reduce", "reduce_scatter", "reduce_scatter_single",
-                     "reduce_scatter_tensor_coalesced", "alltoall", "alltoall_base"})
+                     "reduce_scatter_tensor_coalesced", "alltoall", "alltoall_base", "send", "recv"})
 
 
 def same_everywhere(op: str, group: "LiveGroup") -> bool:
@@ -177,6 +177,25 @@ class RecordingGroup(dist.ProcessGroup):
         return self._run("alltoall_base", [output], [],
                          lambda g: g.alltoall_base(output, input, output_split_sizes, input_split_sizes, opts))
 
+    # Point-to-point, in a setup: a send records nothing (a successor skips it: its peer
+    # received long ago), a receive what arrived. Neither is waited for here: a script's
+    # isend and irecv may pair up only once both are posted (an exchange between two ranks).
+    def send(self, tensors, dst, tag=0):  # type: ignore[override]  # noqa: ANN001
+        record, _ = self.rt.collective_record()
+        if record.answering():
+            record.answer(self.rt, "send", [])
+            return _Done([])
+        record.ops.append(Recorded("send", []))
+        return self.live._backend().send(tensors, dst, tag)
+
+    def recv(self, tensors, src, tag=0):  # type: ignore[override]  # noqa: ANN001
+        record, _ = self.rt.collective_record()
+        if record.answering():
+            record.answer(self.rt, "recv", tensors)
+            return _Done(tensors)
+        slot = record.reserve()
+        return _RecordedWhenDone(self.live._backend().recv(tensors, src, tag), record, slot, "recv", tensors)
+
     def _run(self, op: str, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
              issue: Callable[[dist.ProcessGroup], dist.Work]) -> dist.Work:
         rt = self.rt
@@ -205,3 +224,26 @@ class RecordingGroup(dist.ProcessGroup):
                     return _Done(outputs)
         record.ops.append(Recorded(op, [t.detach().clone() for t in outputs]))
         return _Done(outputs)
+
+
+class _RecordedWhenDone(dist.Work):
+    """A collective's work whose outputs go into its slot of the record once it is waited on."""
+
+    def __init__(self, inner: dist.Work, record: Record, slot: int, op: str, outputs: list[torch.Tensor]):
+        super().__init__()
+        self._inner, self._record, self._slot, self._op, self._outputs = inner, record, slot, op, outputs
+
+    def wait(self, timeout=None) -> bool:  # type: ignore[override]  # noqa: ANN001
+        done = self._inner.wait() if timeout is None else self._inner.wait(timeout)
+        if self._record.ops[self._slot] is PENDING:
+            self._record.ops[self._slot] = Recorded(self._op, [t.detach().clone() for t in self._outputs])
+        return done
+
+    def is_completed(self) -> bool:
+        return self._inner.is_completed()
+
+    def is_success(self) -> bool:
+        return self._inner.is_success()
+
+    def exception(self):  # noqa: ANN201
+        return self._inner.exception()
