@@ -11,11 +11,6 @@ import torch.distributed as dist
 SUB_GROUP = ("DistributedDataParallel(process_group=...) over a sub-group is not supported with no code change "
              "yet: use the default (world) group")
 DEVICE_MESH = "DistributedDataParallel(device_mesh=...) is not supported with no code change yet"
-FSDP1 = ("FullyShardedDataParallel (FSDP1) is not supported with no code change: its flat shards are each rank's "
-         "own and baton keeps no copy of them, so a lost rank could not be rebuilt. Shard with FSDP2 instead "
-         "(`from torch.distributed.fsdp import fully_shard`: each block, then the root), which baton moves and "
-         "rebuilds bit for bit, or run it as it is with `baton run --no-migration` (a failure then ends the job "
-         "promptly, and you restart from your own checkpoint)")
 BUILTIN_HOOK = ("a built-in comm hook runs in C++ on DDP's own group, not baton's live group, so it is not "
                 "supported with no code change; register the Python hook instead (register_comm_hook(None, "
                 "default_hooks.fp16_compress_hook) for FP16_COMPRESS)")

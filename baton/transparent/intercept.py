@@ -109,8 +109,15 @@ def install(rt: Any, job: Any, on_finish: Callable[[], None]) -> None:
     torch.nn.parallel.DistributedDataParallel = ScriptDDP  # type: ignore[misc]
 
 
+FSDP1 = ("FullyShardedDataParallel (FSDP1) is not supported with no code change: its flat shards are each rank's "
+         "own and baton keeps no copy of them, so a lost rank could not be rebuilt. Shard with FSDP2 instead "
+         "(`from torch.distributed.fsdp import fully_shard`: each block, then the root), which baton moves and "
+         "rebuilds bit for bit, or run it as it is with `baton run --no-migration` (a failure then ends the job "
+         "promptly, and you restart from your own checkpoint)")
+
+
 def _refuse_fsdp1(self: Any, *args: Any, **kwargs: Any) -> None:
-    raise UsageError(ddp_rules.FSDP1)
+    raise UsageError(FSDP1)
 
 
 _DDP_PARAMS = inspect.signature(DistributedDataParallel.__init__)

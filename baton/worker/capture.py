@@ -177,7 +177,7 @@ class Captures:
         if op == "barrier" and not rec.replay:
             return solo_group()  # the others passed this barrier long ago
         if rec.answering():
-            why = f"and {op} has no recorded answer (point-to-point, or a collective baton does not record)"
+            why = f"and {op} has no recorded answer (a collective baton does not record)"
         elif rec.not_replayable:
             why = f"and what they got is not kept (their setup ran {rec.not_replayable})"
         else:
