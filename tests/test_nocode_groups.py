@@ -8,6 +8,7 @@ job saying so, never exit 0 with other state."""
 from __future__ import annotations
 
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -62,7 +63,7 @@ os._exit(0)
 """
 
 
-def _job(tmp_path, env: dict[str, str], **leash: int) -> tuple[Job, object]:
+def _job(tmp_path, env: dict[str, str], **leash: int) -> tuple[Job, Path]:
     script = tmp_path / "script.py"
     script.write_text(textwrap.dedent(GROUPS))
     run = tmp_path / "job"

@@ -182,30 +182,38 @@ class RecordingGroup(dist.ProcessGroup):
     # isend and irecv may pair up only once both are posted (an exchange between two ranks).
     def send(self, tensors, dst, tag=0):  # type: ignore[override]  # noqa: ANN001
         record, _ = self.rt.collective_record()
-        if record.answering():
-            record.answer(self.rt, "send", [])
-            return _Done([])
+        answered = self._answered(record, "send", [])
+        if answered is not None:
+            return answered
         record.ops.append(Recorded("send", []))
         return self.live._backend().send(tensors, dst, tag)
 
     def recv(self, tensors, src, tag=0):  # type: ignore[override]  # noqa: ANN001
         record, _ = self.rt.collective_record()
-        if record.answering():
-            record.answer(self.rt, "recv", tensors)
-            return _Done(tensors)
+        answered = self._answered(record, "recv", tensors)
+        if answered is not None:
+            return answered
         slot = record.reserve()
         return _RecordedWhenDone(self.live._backend().recv(tensors, src, tag), record, slot, "recv", tensors)
+
+    def _answered(self, record: Record, op: str, outputs: list[torch.Tensor]) -> dist.Work | None:
+        """A successor's next answer from `record`, done at once; None where it runs live (where
+        its answers ran out, it first joins the survivors, who stand there)."""
+        if record.answering():
+            record.answer(self.rt, op, outputs)
+            return _Done(outputs)
+        if record.join is not None:
+            join, record.join = record.join, None
+            join()
+        return None
 
     def _run(self, op: str, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
              issue: Callable[[dist.ProcessGroup], dist.Work]) -> dist.Work:
         rt = self.rt
         record, retry = rt.collective_record()
-        if record.answering():
-            record.answer(rt, op, outputs)
-            return _Done(outputs)
-        if record.join is not None:  # a successor: its record ends here, where the survivors stand
-            join, record.join = record.join, None
-            join()
+        answered = self._answered(record, op, outputs)
+        if answered is not None:
+            return answered
         saved = [t.detach().clone() for t in inputs] if retry else []  # gloo reduces in place
         while True:
             try:
