@@ -169,13 +169,18 @@ def test_a_rank_lost_again_after_its_move_draws_what_its_predecessor_drew(tmp_pa
     compare(ref, run)
 
 
-def test_a_rank_lost_in_the_step_its_buddy_was_replaced_at_is_rebuilt_bit_for_bit(tmp_path):
+@pytest.mark.parametrize("shape", ["trainer", "accumulating"])
+def test_a_rank_lost_in_the_step_its_buddy_was_replaced_at_is_rebuilt_bit_for_bit(tmp_path, shape):
     """Rank 1 moves (planned); rank 0, its buddy, is killed -9 in the very next step, before
     its backward. Its record of that head is the first it sends the new process, on a new
     connection (opened slowly here, as over a busy network): had it not reached that buddy
     before the step went on, the rank's place would be held by no live process and the job
-    could only stop. It is rebuilt from there, and every rank ends equal to torchrun's."""
-    name, args, _, _ = SHAPES["trainer"]
+    could only stop. It is rebuilt from there, and every rank ends equal to torchrun's. The
+    joiner's first step fails with it and runs again from the state it joined with: in the
+    accumulating shape, after its first micro-batch added its loss in place to the sum the
+    loop carries (a joined state bound as the script's own tensor ran that step again from
+    the sum: exit 0 with another history)."""
+    name, args, _, _ = SHAPES[shape]
     ref, run, job = _torchrun_then_job(tmp_path, name, args, {"BATON_TEST_SIGNAL_MID_STEP": "0:rebuddied:SIGKILL",
                                                               "BATON_TEST_SLOW_NEW_BUDDY": "1.5"}, leash=4)
     try:

@@ -1,7 +1,7 @@
 """A classifier trainer in the shape many recipes share (imagenet's main.py, timm's train.py):
 an epoch loop calling train() and validate(), BatchNorm and dropout, fp16 autocast with a
 dynamic loss scale (GradScaler), gradient accumulation over micro-batches with DDP's
-no_sync(), clipping, a OneCycle schedule stepped per optimizer step, a validation that
+no_sync(), a loss summed on the device in place (no sync a batch), clipping, a OneCycle schedule stepped per optimizer step, a validation that
 all-reduces its counts, rank 0 saving a checkpoint each epoch and a resume block that loads
 it when present. Written for torchrun; CPU and gloo so that it runs anywhere (`--device cuda`:
 the model, the batches, autocast and the scaler on the GPU, still over gloo, which reduces
@@ -40,6 +40,7 @@ class AverageMeter:
 def train(loader, model, optimizer, scheduler, scaler, accum, epoch, device):
     model.train()
     losses, skipped = AverageMeter("loss"), 0
+    seen = torch.zeros((), dtype=torch.float64, device=device)  # the epoch's summed loss, kept on the device (no sync a batch)
     for i, (x, y) in enumerate(loader):
         x, y = x.to(device), y.to(device)
         syncing = (i + 1) % accum == 0
@@ -48,6 +49,7 @@ def train(loader, model, optimizer, scheduler, scaler, accum, epoch, device):
                 loss = F.cross_entropy(model(x), y) / accum
             scaler.scale(loss).backward()
         losses.update(loss.item() * accum, x.size(0))
+        seen += loss.detach() * accum * x.size(0)
         if not syncing:
             continue
         scaler.unscale_(optimizer)
@@ -58,7 +60,7 @@ def train(loader, model, optimizer, scheduler, scaler, accum, epoch, device):
         skipped += scaler.get_scale() < scale  # the gradients overflowed: that step was skipped
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
-    return losses.avg, skipped
+    return losses.avg, skipped, seen
 
 
 def validate(loader, model, device):
@@ -108,11 +110,11 @@ def main():
     history, skipped = [], 0
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch)
-        loss, skipped_now = train(loader, model, optimizer, scheduler, scaler, args.accum, epoch, device)
+        loss, skipped_now, seen = train(loader, model, optimizer, scheduler, scaler, args.accum, epoch, device)
         acc = validate(val_loader, model, device)
         skipped += skipped_now
         best_acc = max(best_acc, acc)
-        history.append([loss, acc])
+        history.append([loss, acc, seen.item()])
         if rank == 0:
             torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
                         "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(), "epoch": epoch,
