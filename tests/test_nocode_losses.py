@@ -831,6 +831,75 @@ def test_a_rank_lost_as_its_step_loop_ends_is_replaced_at_that_head(tmp_path, to
     assert [(e["kind"], e["status"]) for e in job.events()] == [("unplanned", "resolved")], job.events()
 
 
+LAST_INDEX_READ_AFTER = """
+import os, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+rank = dist.get_rank()
+model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.2), torch.nn.Linear(16, 1)))
+opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+data = TensorDataset(torch.randn(128, 8), torch.randn(128, 1))
+sampler = DistributedSampler(data)
+means, tags = [], []
+for epoch in range(4):
+    sampler.set_epoch(epoch)
+    running = 0.0
+    for i, (x, y) in enumerate(DataLoader(data, batch_size=8, sampler=sampler)):
+        tag = f"e{epoch}b{i}"
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        running += loss.item()
+    mean = torch.tensor([running / (i + 1)]){after}  # the loop's own target, read after it
+    dist.all_reduce(mean)  # the epoch's mean loss over the ranks: the survivor waits here
+    means.append(float(mean))
+    tags.append(tag)
+torch.save({"model": model.module.state_dict(), "opt": opt.state_dict(), "rng": torch.get_rng_state(),
+            "means": torch.tensor(means), "tags": ",".join(tags)},
+           os.path.join(os.environ["EXPORT"], f"rank{rank}.pt"))
+dist.destroy_process_group()
+os._exit(0)  # past gloo's exit-time abort with torch 2.13 (baton/examples/plain_exit.py), as tests/nocode do
+"""
+
+
+def test_a_successor_at_the_head_where_its_loop_ends_gets_the_loop_index_the_code_after_reads(
+        tmp_path, torchrun_reference):
+    """As above, in a loop whose code after it reads the loop's own target (`running / (i + 1)`,
+    the last index: only the predecessor's last item bound it). The head carries it, so the
+    successor taking over there gets it back as its loop ends, runs the epoch's all-reduce
+    with the survivor and every rank ends equal to torchrun's (it stopped the job before)."""
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(LAST_INDEX_READ_AFTER.replace("{after}", "")))
+    ref = torchrun_reference(script, [], env={"EXPORT": "{d}/export"})
+    run = tmp_path / "job"
+    (run / "export").mkdir(parents=True)
+    code, job = faulted(tmp_path, script, "1:8:SIGKILL", where="AT_EXIT",
+                        env={"EXPORT": str(run / "export"), "BATON_LOG": "INFO"})
+    log = job.log(None)
+    assert code == 0 and (tmp_path / "fired").exists(), log[-4000:]
+    assert "this one ends its loop at its next draw" in log, log[-4000:]
+    compare(ref, run)
+    assert [(e["kind"], e["status"]) for e in job.events()] == [("unplanned", "resolved")], job.events()
+
+
+def test_a_successor_at_the_head_where_its_loop_ends_stops_where_the_code_after_reads_the_last_batch(tmp_path):
+    """The same, the code after the loop reading the last batch (`x`) too: a tensor the head
+    does not carry (a copy of every batch at every head), so the successor stops the job,
+    naming it, rather than go on with its own."""
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(LAST_INDEX_READ_AFTER.replace("{after}", " + 0 * x.sum()")))
+    (tmp_path / "export").mkdir()
+    code, job = faulted(tmp_path, script, "1:8:SIGKILL", where="AT_EXIT", env={"EXPORT": str(tmp_path / "export")})
+    log = job.log(None)
+    assert code != 0 and (tmp_path / "fired").exists(), log[-4000:]
+    assert "where the loop's items ran out, and its target x, read after the loop" in log, log[-4000:]
+    assert [e["kind"] for e in job.events()][-1] == "divergence", job.events()
+
+
 _SPLIT = """
 import os, random, sys, torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP

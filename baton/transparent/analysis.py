@@ -18,6 +18,7 @@ from pydantic import BaseModel
 
 from baton.transparent import ddp_rules, extras, refusals
 from baton.transparent.carried import Kind, classify
+from baton.transparent.values import scalars
 from baton.transparent.loops import ActiveLoop
 from baton.transparent.nest import FrameLoops, Found, Nest, Place
 from baton.transparent.sites import Statement
@@ -197,8 +198,12 @@ def _carried(frame_loops: FrameLoops) -> tuple[list[CarriedReport], list[refusal
     live = {n for loop in frame_loops.loops for n in loop.site.live}
     for name in bound:
         if name in items:
-            out.append(CarriedReport(loop=where, name=name, kind="item",
-                                     detail="loop item"))
+            if name not in live:
+                out.append(CarriedReport(loop=where, name=name, kind="item", detail="loop item"))
+            else:  # read after the loop: the last item's, which a successor arriving where the loop ends needs
+                scalar = name in values and bool(scalars((name,), values))
+                out.append(CarriedReport(loop=where, name=name, kind="item_kept" if scalar else "item_read_after",
+                                         detail="loop item, read after the loop"))
             continue
         if name not in live and name not in {n for loop in frame_loops.loops for n in loop.site.mutated}:
             out.append(CarriedReport(loop=where, name=name, kind="dead", detail="overwritten before it is read"))

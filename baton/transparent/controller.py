@@ -125,9 +125,12 @@ class StepLoopController:
             # lists and dicts made before the loop that it changes in place (`history.append(x)`)
             changed = values.containers(tuple(n for n in loop.site.mutated if n not in bound), scope)
             it = loop.iterable
+            carried = values.carried_names(bound, scope)
+            if loop is not exiting:  # its targets the code after it reads, where its items run out here
+                carried.update(values.scalars(tuple(n for n in loop.site.targets if n in loop.site.live), scope))
             entry = {"key": loop.site.key, "iteration": loop.iterations,
                      "range": [it.start, it.stop, it.step] if isinstance(it, range) else None,
-                     "values": values.carried_names(bound, scope), "records": records, "containers": changed,
+                     "values": carried, "records": records, "containers": changed,
                      "rng": loop.head_rng if loop is not self.step_loop and loop is not exiting else None}
             if loop is exiting:
                 entry["exit"] = _exit_of(loop)
@@ -165,13 +168,15 @@ class StepLoopController:
         predecessor stood after the loop's last item), the values the head would have rebound
         go to the code right after the loop instead (`restore_exit`), and the objects are put
         back now, before the region's state is taken (`left`). A value only the predecessor's
-        last item bound (the loop's own target read after the loop) or an else clause, which
-        runs before that code, cannot be handed back: the job stops rather than go on without."""
+        last item bound (the loop's own target read after the loop) goes with them where it is
+        a number or a string (`i` of `for i, batch in ...`; the head carried it); one that is
+        not (the last batch), or an else clause, which runs before that code, cannot be handed
+        back: the job stops rather than go on without."""
         entry = self._pending.pop(id(loop), None)
         if entry is None:
             return
         site = loop.site
-        unbound = [n for n in site.targets if n in site.live]
+        unbound = [n for n in site.targets if n in site.live and n not in entry["values"]]
         if unbound or site.has_else:
             what = f"its target {', '.join(unbound)}, read after the loop," if unbound else "its else clause"
             self.rt.stop(f"rank {self.rt.rank}: this process took its rank over at the head of {site.where} where "

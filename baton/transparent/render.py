@@ -22,6 +22,8 @@ _KIND_TEXT = {
     "setup": "rebuilt by the successor's setup",
     "later": "checked when bound",
     "item": "drawn again",
+    "item_kept": "drawn again; the last one's kept for the code after the loop",
+    "item_read_after": "drawn again; not kept (a copy per item): a successor arriving as the loop ends stops",
     "dead": "not carried",
     "refused": "REFUSED",
 }

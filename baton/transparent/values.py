@@ -156,6 +156,20 @@ def containers(names: tuple[str, ...], values: dict[str, Any]) -> dict[str, Any]
             if isinstance(values.get(name), (list, dict)) and classify(values[name]).kind in CARRIED_KINDS}
 
 
+def scalars(names: tuple[str, ...], values: dict[str, Any]) -> dict[str, Any]:
+    """Of `names`, those holding numbers, strings, booleans or None (or tuples of them),
+    captured: a loop's own targets the code after it reads (`i` of `for i, batch in ...`),
+    which only the last item bound. A tensor there (the last batch) is not taken: it would
+    cost a copy of every item at every head."""
+    return {name: values[name] for name in names if name in values and _scalar(values[name])}
+
+
+def _scalar(obj: Any) -> bool:
+    if type(obj) is tuple:
+        return len(obj) <= 8 and all(_scalar(x) for x in obj)
+    return obj is None or type(obj) in (int, float, str, bool)
+
+
 def carried_names(names: tuple[str, ...], values: dict[str, Any]) -> dict[str, Any]:
     """Of a loop's bound names, those holding what can be carried, captured (the rest: the
     setup's objects the loop rebinds, such as a model, stay the successor's own)."""
