@@ -310,6 +310,103 @@ def test_a_rank_lost_after_a_step_loop_that_ended_by_a_break_is_replaced_bit_for
     assert [(e["kind"], e["status"]) for e in job.events()] == [("unplanned", "resolved")], job.events()
 
 
+RETURNS_OUT = """
+import os, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, TensorDataset
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(0)
+model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.1), torch.nn.Linear(16, 1)))
+opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+g = torch.Generator().manual_seed(100 + rank)
+data_x, data_y = torch.randn(512, 8, generator=g), torch.randn(512, 1, generator=g)
+loader = DataLoader(TensorDataset(data_x, data_y), batch_size=16, shuffle=True, generator=g)
+
+
+def train(max_steps):
+    it, best, history = 0, float("inf"), []
+    for epoch in range(10):  # 32 batches an epoch; training returns at max_steps, in the second
+        for x, y in loader:
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            best = min(best, loss.item())
+            history.append(loss.detach())
+            it += 1
+            if it >= max_steps:
+                return it, best, torch.stack(history).mean()
+            if not torch.isfinite(loss):
+                break  # a loop that can also break: which way it ended is what the spare must know
+    return -1, best, torch.zeros(())
+
+
+it, best, mean = train(40)
+# after training: a last evaluation with a collective, then rank 0's checkpoint
+model.eval()
+with torch.no_grad():
+    val = torch.nn.functional.mse_loss(model(data_x[:64]), data_y[:64]).detach()
+dist.all_reduce(val)
+final = {"model": model.module.state_dict(), "opt": opt.state_dict(), "rng": torch.get_rng_state(), "it": it,
+         "best": best, "mean": mean, "val": val}
+if rank == 0:
+    torch.save(final, os.path.join(os.environ["OUT"], "ckpt.pt"))
+torch.save(final, os.path.join(os.environ["EXPORT"], f"rank{rank}.pt"))
+dist.destroy_process_group()
+os._exit(0)  # past gloo's exit-time abort with torch 2.13 (baton/examples/plain_exit.py), as tests/nocode do
+"""
+
+
+RETURNS_THE_MODEL = RETURNS_OUT.replace("torch.stack(history).mean()\n", "torch.stack(history).mean(), model\n") \
+    .replace("torch.zeros(())\n", "torch.zeros(()), model\n").replace("it, best, mean = train(40)",
+                                                                     "it, best, mean, model = train(40)")
+RETURNS_AN_OBJECT = RETURNS_OUT.replace("torch.stack(history).mean()\n", "torch.stack(history).mean(), loader\n") \
+    .replace("torch.zeros(())\n", "torch.zeros(()), loader\n").replace("it, best, mean = train(40)",
+                                                                      "it, best, mean, _ = train(40)")
+
+
+@pytest.mark.parametrize("source, where, fault", [(RETURNS_OUT, "IN_REGION", "1:36:SIGKILL"),
+                                                  (RETURNS_THE_MODEL, "IN_SAVE", "0:36:SIGKILL")])
+def test_a_rank_lost_after_a_step_loop_that_ended_by_a_return_is_replaced_bit_for_bit(tmp_path, torchrun_reference,
+                                                                                    source, where, fault):
+    """The step loop, in a function, ends by a `return` of its counters and a tensor in the
+    epoch loop's second pass (its body can also break); the rank is lost in the evaluation
+    after it or while rank 0 writes its checkpoint. The spare walks to the loop, returns at
+    once what its predecessor returned (nothing drawn), takes the rank over there and runs
+    the rest: every rank and the checkpoint end equal to torchrun's (it stopped the job
+    before: which of the two ways the loop ended was not known). Where it returns the model
+    too, the successor returns its own."""
+    assert source.count(", model\n") == 2 or source is RETURNS_OUT
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(source))
+    ref = torchrun_reference(script, [], env={"EXPORT": "{d}/export", "OUT": "{d}"})
+    run = tmp_path / "job"
+    (run / "export").mkdir(parents=True)
+    code, job = faulted(tmp_path, script, fault, where=where, env={"EXPORT": str(run / "export"), "OUT": str(run)})
+    assert code == 0 and (tmp_path / "fired").exists(), job.log()
+    compare(ref, run)
+    written = [torch.load(d / "ckpt.pt", weights_only=False) for d in (ref, run)]
+    assert differences(*written) == [] and written[1]["it"] == 40
+    assert [(e["kind"], e["status"]) for e in job.events()] == [("unplanned", "resolved")], job.events()
+
+
+def test_a_rank_lost_after_a_step_loop_that_returned_an_object_stops_the_job(tmp_path):
+    """The same loop returning its DataLoader too, an object baton does not carry: the spare
+    cannot return what its predecessor did, and the job stops, naming it."""
+    assert RETURNS_AN_OBJECT.count(", loader\n") == 2
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(RETURNS_AN_OBJECT))
+    (tmp_path / "export").mkdir()
+    code, job = faulted(tmp_path, script, "1:36:SIGKILL", where="IN_REGION",
+                        env={"EXPORT": str(tmp_path / "export"), "OUT": str(tmp_path)})
+    log = job.log(None)
+    assert code != 0 and (tmp_path / "fired").exists(), log[-4000:]
+    assert "had ended by a return of a value that cannot be carried" in log, log[-4000:]
+    assert [e["kind"] for e in job.events()][-1] == "divergence", job.events()
+
+
 @pytest.mark.parametrize("name, args, fault", [
     ("imagenet_main.py", ["--epochs", "4"], "1:10:SIGKILL"),
     ("nanogpt_train.py", ["--max_iters=40", "--eval_interval=20"], "0:15:SIGKILL"),

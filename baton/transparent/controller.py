@@ -134,6 +134,13 @@ class StepLoopController:
                      "rng": loop.head_rng if loop is not self.step_loop and loop is not exiting else None}
             if loop is exiting:
                 entry["exit"] = _exit_of(loop)
+                if entry["exit"] == "return":
+                    tracked = {id(obj): name for name, obj in self._returnable().items()}
+                    returned = values.returned(loop.return_value, tracked)
+                    if returned is None:
+                        entry["exit"] = "return_uncarried"
+                    else:
+                        entry["returned"] = returned[0]
             path.append(entry)
         return {"path": path, "setup": self.setup, "globals": _declared_globals()}
 
@@ -199,6 +206,20 @@ class StepLoopController:
         self._restoring_done()
         return None
 
+    def return_value(self, loop: ActiveLoop) -> Any:
+        """A successor leaving its step loop by a return, as its predecessor did: the objects
+        put back as that loop left them, and the value it returned."""
+        entry = self._pending_exit.pop(loop.site.id)
+        self._hand_back(entry, loop.frame)
+        self._restoring_done()
+        return values.returned_again(entry["returned"], self._returnable())
+
+    def _returnable(self) -> dict[str, Any]:
+        """The objects whose state moves, which a step loop's return may hand on by name: a
+        successor returns its own (the model as the script holds it: its DDP wrapper too)."""
+        tracked = self.rt.tracked
+        return {**tracked.objects, **{f"$ddp{i}": ddp for i, ddp in enumerate(tracked.ddps)}}
+
     def restore_exit(self, sid: int, frame: Any) -> dict[str, Any] | None:
         self._ran_out_on_arrival = None
         entry = self._pending_exit.pop(sid, None)
@@ -239,7 +260,8 @@ class StepLoopController:
         LOOPS.restoring = True
         return True
 
-_EXITS = {"return_or_break": "by a break or a return (its body has both: which one is not known)",
+_EXITS = {"return_uncarried": "by a return of a value that cannot be carried (an object of its own; numbers, "
+                             "strings, tensors, containers of them, and the model, optimizer or scheduler can)",
           "exception": "by an exception", "ran_out": "by its test, with an else clause"}
 
 
@@ -249,7 +271,7 @@ def _exit_of(loop: ActiveLoop) -> str:
         return "ran_out"
     if loop.raised:
         return "exception"
-    return "return_or_break" if loop.site.returns else "break"
+    return "return" if loop.returned else "break"
 
 
 _GLOBAL_MODULES: dict[str, Any] = {}  # file -> the module whose functions declare globals (found once)
@@ -382,16 +404,18 @@ class _CatchUp:
         that one ended (nothing drawn), then take the rank over right after it (`arrive_at_exit`).
         A for loop whose iterator ran out runs its else clause; one left by a break, or a while
         loop (whose else clause, where it has one, ran only if its test ended it), breaks at
-        this head."""
+        this head; one left by a return returns from this head what its predecessor returned."""
         how = entry["exit"]
         exact = self.depth == len(self.c.nest_keys) - 1 and (
-            how == "break" or (how == "ran_out" and (loop.site.kind == "for" or not loop.site.has_else)))
+            how in ("break", "return") or (how == "ran_out" and (loop.site.kind == "for" or not loop.site.has_else)))
         if not exact:
             raise Divergence(f"rank {self.c.rt.rank} was lost after its step loop ({loop.site.where}) had ended "
                              f"{_EXITS.get(how, how)}: a successor cannot leave the loop the same way. The job "
                              "stops here: restart it from your own checkpoint.")
         if loop.site.kind == "for" and how == "ran_out":
             loop.exhausted = True
+        elif how == "return":
+            loop.returning = True  # its function returns the predecessor's value (`return_value`)
         else:
             loop.breaking = True  # a for loop's head draws nothing then
         self.exiting = loop

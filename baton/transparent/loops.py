@@ -47,6 +47,9 @@ class ActiveLoop:
     ran_out: bool = False  # a for loop's iterator ran out, a while loop's test was false (not a break, ...)
     breaking: bool = False  # leave by a break at the next head (a successor: its predecessor did)
     raised: bool = False  # left with an exception on its way out
+    returned: bool = False  # left by a `return` of its body (with `return_value`)
+    return_value: Any = field(default=None, repr=False)
+    returning: bool = False  # leave by a `return` at the next head (a successor: its predecessor did)
     counted: "_Counted | None" = field(default=None, repr=False)  # a for loop's iterator (positioned by a successor)
     head_rng: Any = field(default=None, repr=False)  # the random streams at this iteration's head (nest loops)
 
@@ -69,6 +72,8 @@ class Controller(Protocol):
     def left(self, loop: ActiveLoop) -> None: ...
 
     def restore_exit(self, sid: int, frame: FrameType) -> dict[str, Any] | None: ...
+
+    def return_value(self, loop: ActiveLoop) -> Any: ...
 
 
 class _Counted:
@@ -104,7 +109,8 @@ class _Counted:
         if loop.exhausted:
             loop.exhausted = False
             raise StopIteration
-        if loop.breaking and loop.site.placeholder is not DRAW:
+        loop.returned = False  # (a return a `finally` of the body cancelled)
+        if (loop.breaking or loop.returning) and loop.site.placeholder is not DRAW:
             return loop.site.placeholder  # nothing drawn: the head breaks right after (a successor, as its predecessor)
         try:
             loop.item = item = next(self._it)
@@ -183,6 +189,7 @@ class Loops:
             with selfcost.inside():
                 self.controller.before_item(loop)
         loop.iterations += 1
+        loop.returned = False
         return True
 
     def ran_out(self, sid: int) -> None:
@@ -194,6 +201,27 @@ class Loops:
         loop = self._current(sid, sys._getframe(1))
         breaking, loop.breaking = loop.breaking, False
         return breaking
+
+    def returning(self, sid: int) -> bool:
+        """At a head, after `restore`: leave the loop's function by a return now (once)."""
+        loop = self._current(sid, sys._getframe(1))
+        returning, loop.returning = loop.returning, False
+        return returning
+
+    def return_value(self, sid: int) -> Any:
+        """What that return returns: the predecessor's value."""
+        loop = self._current(sid, sys._getframe(1))
+        assert self.controller is not None
+        with selfcost.inside():
+            return self.controller.return_value(loop)
+
+    def returned(self, value: Any) -> Any:
+        """A `return` in a loop's body, on its way out: every loop of its frame is left by it."""
+        frame = sys._getframe(1)
+        for loop in self.running:
+            if loop.frame is frame:
+                loop.returned, loop.return_value = True, value
+        return value
 
     def restore(self, sid: int) -> dict[str, Any] | None:
         if self.controller is None:

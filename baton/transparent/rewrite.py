@@ -164,9 +164,25 @@ def _restore(site: LoopSite, at: ast.AST) -> list[ast.stmt]:
     the cost of one attribute read."""
     names = [n for n in site.assigned if n not in site.targets]
     assign = "".join(f"\n        if {n!r} in __baton_v__: {n} = __baton_v__[{n!r}]" for n in names)
+    ret = f"\n    if {HOOKS}.returning({site.id}):\n        return {HOOKS}.return_value({site.id})" if site.returns else ""
     return _stmts(f"if {HOOKS}.restoring:\n    __baton_v__ = {HOOKS}.restore({site.id})\n"
                   f"    if __baton_v__ is not None:\n        pass{assign}\n    del __baton_v__\n"
-                  f"    if {HOOKS}.breaking({site.id}):\n        break", at)
+                  f"    if {HOOKS}.breaking({site.id}):\n        break{ret}", at)
+
+
+def _note_returns(body: list[ast.stmt]) -> None:
+    """Each `return` of the loop's own function in its body reports its value on the way out
+    (`return x` becomes `return __baton_loops__.returned(x)`), so the loop's exit says it was a
+    return and with what: a successor taking the rank over after it returns the same."""
+    for node in _own_nodes(body):
+        if isinstance(node, ast.Return) and not _is_hook(node.value, "returned"):
+            value = node.value if node.value is not None else ast.copy_location(ast.Constant(None), node)
+            node.value = ast.copy_location(_hook_call("returned", value), node)
+
+
+def _is_hook(node: ast.AST | None, method: str) -> bool:
+    return isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == method and \
+        isinstance(node.func.value, ast.Name) and node.func.value.id == HOOKS
 
 
 def _restore_after(site: LoopSite, at: ast.AST) -> list[ast.stmt]:
@@ -240,6 +256,7 @@ class _Instrument(ast.NodeTransformer):
         site = self._site(node, "for", f"for {ast.unparse(node.target)} in {ast.unparse(node.iter)}",
                           [node.target, *node.body, *node.orelse], resumable=True)
         self.generic_visit(node)
+        _note_returns(node.body)
         node.iter = ast.copy_location(_hook_call("iterate", ast.Constant(site.id), node.iter), node.iter)
         node.body = [*_restore(site, node), _absorbing(node.body, site, node)]
         return self._wrapped(node, site)
@@ -252,6 +269,7 @@ class _Instrument(ast.NodeTransformer):
         site = self._site(node, "while", f"while {ast.unparse(node.test)}", [*node.body, *node.orelse],
                           resumable=resumable)
         self.generic_visit(node)
+        _note_returns(node.body)
         if not resumable:
             head = ast.copy_location(_hook_call("head", ast.Constant(site.id)), node.test)
             node.test = ast.copy_location(ast.BoolOp(op=ast.And(), values=[head, node.test]), node.test)

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from baton.transparent.carried import CARRIED_KINDS, classify
+from baton.transparent.carried import CARRIED_KINDS, Kind, classify
 
 RECORD = "$record"
 
@@ -168,6 +168,33 @@ def _scalar(obj: Any) -> bool:
     if type(obj) is tuple:
         return len(obj) <= 8 and all(_scalar(x) for x in obj)
     return obj is None or type(obj) in (int, float, str, bool)
+
+
+TRACKED = "$tracked"
+
+
+def returned(obj: Any, tracked: dict[int, str]) -> tuple[Any] | None:
+    """What a step loop's `return` returned, captured (in a 1-tuple: None is a value): values
+    (numbers, strings, tensors, and containers of them), and the objects whose state moves
+    (`tracked`, by id: `return model`), by name, for the successor's own; None where it
+    cannot be carried (another object: the successor has none of its own to put it in)."""
+    if id(obj) in tracked:
+        return ({TRACKED: tracked[id(obj)]},)
+    if type(obj) is tuple and any(id(x) in tracked for x in obj):
+        parts = [returned(x, tracked) for x in obj]
+        return None if None in parts else (tuple(p[0] for p in parts if p is not None),)
+    if classify(obj).kind not in (Kind.PLAIN, Kind.TENSOR, Kind.ARRAY):
+        return None
+    return (value(obj),)
+
+
+def returned_again(captured: Any, objects: dict[str, Any]) -> Any:
+    """A captured return value for a successor to return: its own objects for the tracked."""
+    if isinstance(captured, dict) and TRACKED in captured:
+        return objects[captured[TRACKED]]
+    if type(captured) is tuple:
+        return tuple(returned_again(x, objects) for x in captured)
+    return fresh(captured)
 
 
 def carried_names(names: tuple[str, ...], values: dict[str, Any]) -> dict[str, Any]:
