@@ -90,6 +90,10 @@ def test_a_planned_move_a_taint_and_a_lost_rank_end_bitwise_equal_to_torchrun(tm
     assert [(e["kind"], e["rank"], e["status"], e["steps_lost"]) for e in events] == [
         ("planned", 1, "resolved", 0), ("pre-emptive", 0, "resolved", 0),
         ("unplanned", int(victim), "resolved", 0)], events
+    # where each move's pause went, in the ledger: the joiner's walk to its place (the state
+    # arriving meanwhile), its load, form and check, the boundary, the rest
+    for e in events:
+        assert {"walk_and_fetch", "load", "form", "verify", "rest"} <= set(e["phases"] or {}), e
     # the survivor was in the victim's step (that step runs again) or, where the kill landed as
     # it stood at a head or in a region without collectives, not; the states above are the check
     assert events[2]["steps_rerun"] in (0, 1), events[2]

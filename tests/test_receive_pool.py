@@ -66,6 +66,18 @@ def test_a_state_larger_than_the_pool_is_not_carved_and_the_pool_stays_for_anoth
     assert pool.carve([(torch.float32, [1 << 19])]) is not None
 
 
+def test_a_fetch_of_small_tensors_only_leaves_the_pool_to_the_next():
+    """A no-code planned move fetches its predecessor's own record first (random streams,
+    scalars: nothing large enough to carve), then the replicated state: the first once took
+    the pool, and the 100 MB that followed landed in fresh memory inside the pause (its
+    chunks 0.18 s against 0.06 s, a move 2.5x the model-aware port's)."""
+    pool = ReceivePool(8 << 20)
+    small = pool.carve([(torch.uint8, [5056]), (torch.int64, [])])
+    assert small is not None and not pool.used and not any(pool.holds(t) for t in small)
+    big = pool.carve([(torch.float32, [1 << 20])])
+    assert big is not None and pool.used and pool.holds(big[0])
+
+
 def test_the_pages_of_what_the_load_copied_go_back_and_what_it_adopted_stays():
     pool = ReceivePool(96 << 20)
     _filled(pool)

@@ -93,7 +93,9 @@ class ReceivePool:
 
     def carve(self, specs: list[tuple[torch.dtype, list[int]]]) -> list[torch.Tensor] | None:
         """Tensors of these dtypes and shapes, the large ones laid out in the pool (the others
-        new), or None when they do not fit or the pool was used. Consumes the pool."""
+        new), or None when they do not fit or the pool was used. Consumes the pool, unless
+        none is large enough to be carved: a no-code joiner's first fetch (its predecessor's
+        own record, small tensors only) leaves it to the replicated state that follows."""
         spans: list[tuple[int, int] | None] = []  # each tensor's (offset, bytes) in the pool, or not in it
         end = 0
         for dtype, shape in specs:
@@ -104,6 +106,8 @@ class ReceivePool:
             end = (end + ALIGN - 1) // ALIGN * ALIGN
             spans.append((end, n))
             end += n
+        if end == 0:
+            return [torch.empty(shape, dtype=dtype) for dtype, shape in specs]
         with self._lock:
             if self._used or end > self.nbytes:
                 return None

@@ -114,6 +114,7 @@ class ScriptRuntime(Runtime):
         self.tail_copies = os.environ.get("BATON_TAIL_COPIES", "1") != "0"
         self.step_record: StepRecord | None = None
         self.prev_record: StepRecord | None = None
+        self.form_at = 0.0  # when a joiner's Form arrived (its part of the pause begins: `_walk_began`)
         self.copies = tail.CopyPool()  # the tensors of records dropped, for the next records' copies
         self.replay: _Replay | None = None  # a successor running again the step its predecessor was lost after
         self.in_tail = False  # recovering in a collective after a step's optimizer step
@@ -397,15 +398,22 @@ class ScriptRuntime(Runtime):
         when this returns, which is what the walk to its place reads; the replicas' state
         arrives meanwhile, and `fetched_state` waits for it where the joiner loads it."""
         cmd = self.wait_for(m.Form)
+        self.form_at = time.perf_counter()
         fetched = self.prefetch.take(cmd) if self.prefetch is not None else None
         if fetched is None and not (cmd.full_state or cmd.snapshot):
             state, stats = {_FETCHING: Fetch(cmd, self._fetch_for, f"baton-join-fetch-{cmd.generation}")}, FetchStats()
         elif fetched is None and cmd.full_state and not cmd.snapshot:
             # A planned move: the predecessor's own record now (the walk reads it), the rest
-            # while the script walks to the rank's place.
-            state, stats = self._fetch_state(cmd.fetch_from, cmd.generation, tuple(cmd.pos),  # type: ignore[arg-type]
-                                             cmd.formation_timeout_s, kind=FETCH_OWN)
-            state[_FETCHING] = Fetch(cmd, self._fetch_for, f"baton-join-fetch-{cmd.generation}")
+            # while the script walks to the rank's place (asked for first: its connection and
+            # manifest then overlap this fetch, ~20 ms of the pause).
+            rest = Fetch(cmd, self._fetch_for, f"baton-join-fetch-{cmd.generation}")
+            try:
+                state, stats = self._fetch_state(cmd.fetch_from, cmd.generation,  # type: ignore[arg-type]
+                                                 tuple(cmd.pos), cmd.formation_timeout_s, kind=FETCH_OWN)
+            except BaseException:
+                rest.done.wait()  # not left fetching into this process while it leaves
+                raise
+            state[_FETCHING] = rest
         else:
             state, stats = fetched if fetched is not None else self._fetch_for(cmd)
         if not (cmd.full_state or cmd.snapshot):
@@ -444,6 +452,11 @@ class ScriptRuntime(Runtime):
         ledger counts apart (a planned move's joiner waits for the ranks to reach it)."""
         if not self.setup_s:  # not taken yet (at the walk's first head, or at its place)
             self.setup_s = time.perf_counter() - self.assigned_at
+
+    def _walk_began(self) -> float:
+        """Where a joiner's part of the pause began: its Form, or the end of its setup (a
+        rebuild's Form comes with its assignment, before the setup the ledger counts apart)."""
+        return max(self.form_at, self.assigned_at + self.setup_s)
 
     def _take_place(self) -> None:
         """A joiner at its rank's place in the script: its step loop's hooks set up, the
@@ -522,11 +535,15 @@ class ScriptRuntime(Runtime):
             # The target cannot move under a successor that has already walked to it: stop loudly.
             raise Divergence(f"rank {self.rank}: joining generation {gen} failed after catching up to "
                              f"{target} ({exc}); the job cannot go on bit for bit") from exc
+        t_verified = time.perf_counter()
         log.info("joined generation %s at %s: fetch and walk %.3fs (%d bytes), place %.3fs, load %.3fs, form %.3fs, "
                  "verify %.3fs", gen, self.pos, t_arrived - t0, stats.bytes, t_fetched - t_arrived,
-                 t_loaded - t_fetched, t_formed - t_loaded, time.perf_counter() - t_formed)
+                 t_loaded - t_fetched, t_formed - t_loaded, t_verified - t_formed)
+        phases = {"walk_and_fetch": t_arrived - self._walk_began(), "place": t_fetched - t_arrived,
+                  "load": t_loaded - t_fetched, "form": t_formed - t_loaded, "verify": t_verified - t_formed}
         self.ctl.report(m.Formed(generation=gen, pos=self.pos, bytes=stats.bytes, seconds=round(stats.seconds, 4),
-                                 setup_s=round(self.setup_s, 4), fetch_wait_s=round(t_fetched - t0, 4)))
+                                 setup_s=round(self.setup_s, 4), fetch_wait_s=round(t_fetched - t0, 4),
+                                 phases={k: round(max(0.0, v), 4) for k, v in phases.items()}))
         self.joiner = False
         self._start_step(dict(bundle_state))
 
@@ -686,17 +703,23 @@ class ScriptRuntime(Runtime):
         """A successor that ran code of its rank again (`ran`: what) forms the generation with
         the survivors where it caught up with them, checks, and reports (as _join())."""
         gen = cmd.generation
+        t_ran = time.perf_counter()
         try:
             self._clear_abort(gen)
             self.form(cmd)
+            t_formed = time.perf_counter()
             self.verify_state(gen, None)
         except (CollectiveFailure, dist.DistError, TransferError, OSError, Divergence) as exc:
             self.stop(f"rank {self.rank}: joining generation {gen} failed after running {ran} ({exc}); the job "
                       "cannot go on bit for bit")
+        t_verified = time.perf_counter()
         log.info("joined generation %s at %s after running %s", gen, self.pos, ran)
+        phases = {"walk_and_fetch": t_fetched - self._walk_began(), "run_again": t_ran - t_fetched,
+                  "form": t_formed - t_ran, "verify": t_verified - t_formed}
         self.ctl.report(m.Formed(generation=gen, pos=self.pos, bytes=stats.bytes, seconds=round(stats.seconds, 4),
                                  setup_s=round(self.setup_s, 4), fetch_wait_s=round(t_fetched - t0, 4),
-                                 ran_again=f"ran {ran} ({time.perf_counter() - t_fetched:.3f}s)"))
+                                 ran_again=f"ran {ran} ({t_ran - t_fetched:.3f}s)",
+                                 phases={k: round(max(0.0, v), 4) for k, v in phases.items()}))
         self.joiner = False
 
     def _served_parts(self, state: dict[str, Any]) -> dict[bytes, dict[str, Any]]:

@@ -46,6 +46,7 @@ from baton.worker.collectives import Record, RecordingGroup
 from baton.worker.compile_watch import describe
 from baton.worker.control import ControlChannel, cpu_report
 from baton.worker.data import DataFeed
+from baton.worker.ddp import ddp_layout_known
 from baton.worker.exit import exit_quietly
 from baton.worker.group import CollectiveFailure, LiveGroup, install_as_world
 from baton.worker.handover import PlannedHandover
@@ -444,6 +445,8 @@ class Runtime(Captures, PlannedHandover, ShardRedundancy, Recovery, Joining, Sta
         """What the step registered inside compiled code (compile_watch); the orchestrator
         learns, with the next heartbeat, that this rank can no longer move bit for bit."""
         self.tracked.note_step_end()
+        for ddp in self.tracked.ddps:
+            ddp_layout_known(ddp)
         broke = self.tracked.compile_watch.broke
         if broke and "unmovable" not in self.ctl.heartbeat:
             self.ctl.heartbeat["unmovable"] = describe(broke)[:2000]
