@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tests.jobs import Job
-from tests.nocode_runs import INJECT, NOCODE, compare, differences, faulted, killed_in_step, torchrun
+from tests.nocode_runs import INJECT, NOCODE, compare, differences, exports, faulted, killed_in_step, torchrun
 
 
 def test_gradient_buckets_are_recorded_in_the_order_issued_whatever_order_they_complete_in():
@@ -995,6 +995,73 @@ def test_a_successor_at_the_head_where_its_loop_ends_stops_where_the_code_after_
     assert code != 0 and (tmp_path / "fired").exists(), log[-4000:]
     assert "where the loop's items ran out, and its target x, read after the loop" in log, log[-4000:]
     assert [e["kind"] for e in job.events()][-1] == "divergence", job.events()
+
+
+WITH_ELSE = """
+import os, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+rank = dist.get_rank()
+model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.2), torch.nn.Linear(16, 1)))
+opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+data = TensorDataset(torch.randn(128, 8), torch.randn(128, 1))
+sampler = DistributedSampler(data)
+means, epochs_closed, it = [], 0, 0
+for epoch in range(4):
+    sampler.set_epoch(epoch)
+    running = 0.0
+    {loop}
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        running += loss.item()
+        it += 1
+    else:  # the epoch's close, on what its loop carried
+        epochs_closed += 1
+        means.append(running * epochs_closed)
+        running = -running
+    mean = torch.tensor([running])
+    dist.all_reduce(mean)  # the epoch's sum over the ranks: the survivor waits here
+    means.append(float(mean))
+torch.save({"model": model.module.state_dict(), "opt": opt.state_dict(), "rng": torch.get_rng_state(),
+            "means": torch.tensor(means), "closed": epochs_closed, "it": it},
+           os.path.join(os.environ["EXPORT"], f"rank{rank}.pt"))
+dist.destroy_process_group()
+os._exit(0)  # past gloo's exit-time abort with torch 2.13 (baton/examples/plain_exit.py), as tests/nocode do
+"""
+FOR_ELSE = "for x, y in DataLoader(data, batch_size=8, sampler=sampler):  # 8 steps an epoch"
+WHILE_ELSE = ("while it < 8 * (epoch + 1):  # nanoGPT's random batches, 8 an epoch\n"
+              "        ix = torch.randint(0, 128, (8,))\n"
+              "        x, y = data.tensors[0][ix], data.tensors[1][ix]")
+
+
+@pytest.mark.parametrize("loop, where, fault", [(FOR_ELSE, "AT_EXIT", "1:8:SIGKILL"),
+                                                (FOR_ELSE, "IN_REGION", "0:8:SIGKILL"),
+                                                (WHILE_ELSE, "IN_REGION", "1:8:SIGKILL")])
+def test_a_rank_lost_as_or_after_a_step_loop_with_an_else_clause_ends_is_replaced_bit_for_bit(
+        tmp_path, torchrun_reference, loop, where, fault):
+    """The step loop has an else clause that closes the epoch on what the loop carried. A
+    rank lost as a `for` loop's items run out (its successor takes over at that head): the
+    successor runs the clause itself, with the head's values. A rank lost in the region
+    after it (the predecessor ran the clause before its record of the exit): the successor
+    leaves its loop by a break, the clause's changes coming with that record (a `while`
+    loop's too). Every rank ends equal to torchrun's. The first and the last stopped the job
+    before; in the second the successor ran the clause again (its changes then overwritten
+    by the record; a collective there would have had no group yet)."""
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(WITH_ELSE.replace("{loop}", loop)))
+    ref = torchrun_reference(script, [], env={"EXPORT": "{d}/export"})
+    run = tmp_path / "job"
+    (run / "export").mkdir(parents=True)
+    code, job = faulted(tmp_path, script, fault, where=where, env={"EXPORT": str(run / "export")})
+    assert code == 0 and (tmp_path / "fired").exists(), job.log(None)[-4000:]
+    compare(ref, run)
+    assert exports(run / "export", 2)[0]["closed"] == 4
+    assert [(e["kind"], e["status"]) for e in job.events()] == [("unplanned", "resolved")], job.events()
 
 
 _SPLIT = """

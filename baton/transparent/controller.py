@@ -177,18 +177,18 @@ class StepLoopController:
         back now, before the region's state is taken (`left`). A value only the predecessor's
         last item bound (the loop's own target read after the loop) goes with them where it is
         a number or a string (`i` of `for i, batch in ...`; the head carried it); one that is
-        not (the last batch), or an else clause, which runs before that code, cannot be handed
-        back: the job stops rather than go on without."""
+        not (the last batch) cannot be handed back: the job stops rather than go on without.
+        An else clause, which runs before that code, takes them at its top (rewrite.py)."""
         entry = self._pending.pop(id(loop), None)
         if entry is None:
             return
         site = loop.site
         unbound = [n for n in site.targets if n in site.live and n not in entry["values"]]
-        if unbound or site.has_else:
-            what = f"its target {', '.join(unbound)}, read after the loop," if unbound else "its else clause"
+        if unbound:
             self.rt.stop(f"rank {self.rt.rank}: this process took its rank over at the head of {site.where} where "
-                         f"the loop's items ran out, and {what} would run with what only its predecessor held. "
-                         "The job stops here: restart it from your own checkpoint.")
+                         f"the loop's items ran out, and its target {', '.join(unbound)}, read after the loop, would "
+                         "run with what only its predecessor held. The job stops here: restart it from your own "
+                         "checkpoint.")
         self._ran_out_on_arrival = (loop, self._hand_back(entry, loop.frame))
         self._pending_exit[site.id] = entry
 
@@ -262,7 +262,7 @@ class StepLoopController:
 
 _EXITS = {"return_uncarried": "by a return of a value that cannot be carried (an object of its own; numbers, "
                              "strings, tensors, containers of them, and the model, optimizer or scheduler can)",
-          "exception": "by an exception", "ran_out": "by its test, with an else clause"}
+          "exception": "by an exception"}
 
 
 def _exit_of(loop: ActiveLoop) -> str:
@@ -402,17 +402,17 @@ class _CatchUp:
     def _end(self, loop: ActiveLoop, entry: dict[str, Any]) -> None:
         """The predecessor was lost after its step loop had ended: end this one at once, as
         that one ended (nothing drawn), then take the rank over right after it (`arrive_at_exit`).
-        A for loop whose iterator ran out runs its else clause; one left by a break, or a while
-        loop (whose else clause, where it has one, ran only if its test ended it), breaks at
-        this head; one left by a return returns from this head what its predecessor returned."""
+        A for loop whose iterator ran out ends as it did; one left by a break, or a loop with an
+        else clause (which the predecessor ran before its record of the exit: what it changed
+        is in that record, handed back right after the loop), breaks at this head; one left by
+        a return returns from this head what its predecessor returned."""
         how = entry["exit"]
-        exact = self.depth == len(self.c.nest_keys) - 1 and (
-            how in ("break", "return") or (how == "ran_out" and (loop.site.kind == "for" or not loop.site.has_else)))
+        exact = self.depth == len(self.c.nest_keys) - 1 and how in ("break", "return", "ran_out")
         if not exact:
             raise Divergence(f"rank {self.c.rt.rank} was lost after its step loop ({loop.site.where}) had ended "
                              f"{_EXITS.get(how, how)}: a successor cannot leave the loop the same way. The job "
                              "stops here: restart it from your own checkpoint.")
-        if loop.site.kind == "for" and how == "ran_out":
+        if loop.site.kind == "for" and how == "ran_out" and not loop.site.has_else:
             loop.exhausted = True
         elif how == "return":
             loop.returning = True  # its function returns the predecessor's value (`return_value`)

@@ -259,6 +259,8 @@ class _Instrument(ast.NodeTransformer):
         _note_returns(node.body)
         node.iter = ast.copy_location(_hook_call("iterate", ast.Constant(site.id), node.iter), node.iter)
         node.body = [*_restore(site, node), _absorbing(node.body, site, node)]
+        if node.orelse:  # a successor arriving at the head where the items run out: its else clause reads them
+            node.orelse = [*_restore_after(site, node), *node.orelse]
         return self._wrapped(node, site)
 
     def visit_While(self, node: ast.While) -> list[ast.stmt]:
