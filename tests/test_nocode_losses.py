@@ -241,7 +241,7 @@ def test_a_region_collective_that_completed_on_some_ranks_only_is_answered_from_
     assert job.events() == []  # no rank lost, no spare used: every rank re-formed where it stood
 
 
-BREAKS_OUT = """
+_LOADER_SETUP = """
 import os, torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, TensorDataset
@@ -254,7 +254,21 @@ opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
 g = torch.Generator().manual_seed(100 + rank)
 data_x, data_y = torch.randn(512, 8, generator=g), torch.randn(512, 1, generator=g)
 loader = DataLoader(TensorDataset(data_x, data_y), batch_size=16, shuffle=True, generator=g)
-it, best = 0, float("inf")
+"""
+_EVAL_THEN_SAVE = """# after the loop: a last evaluation with a collective, then rank 0's checkpoint
+model.eval()
+with torch.no_grad():
+    val = torch.nn.functional.mse_loss(model(data_x[:64]), data_y[:64]).detach()
+dist.all_reduce(val)
+final = {"model": model.module.state_dict(), "opt": opt.state_dict(), "rng": torch.get_rng_state(), "it": it,
+         "best": best, "val": val{extra}}
+if rank == 0:
+    torch.save(final, os.path.join(os.environ["OUT"], "ckpt.pt"))
+torch.save(final, os.path.join(os.environ["EXPORT"], f"rank{rank}.pt"))
+dist.destroy_process_group()
+os._exit(0)  # past gloo's exit-time abort with torch 2.13 (baton/examples/plain_exit.py), as tests/nocode do
+"""
+BREAKS_OUT = _LOADER_SETUP + """it, best = 0, float("inf")
 {loop}
     loss = torch.nn.functional.mse_loss(model(x), y)
     loss.backward()
@@ -266,19 +280,7 @@ it, best = 0, float("inf")
         break
 else:
     it = -1  # never: the loop ends by its break
-# after the loop: a last evaluation with a collective, then rank 0's checkpoint
-model.eval()
-with torch.no_grad():
-    val = torch.nn.functional.mse_loss(model(data_x[:64]), data_y[:64]).detach()
-dist.all_reduce(val)
-final = {{"model": model.module.state_dict(), "opt": opt.state_dict(), "rng": torch.get_rng_state(), "it": it,
-          "best": best, "val": val}}
-if rank == 0:
-    torch.save(final, os.path.join(os.environ["OUT"], "ckpt.pt"))
-torch.save(final, os.path.join(os.environ["EXPORT"], f"rank{{rank}}.pt"))
-dist.destroy_process_group()
-os._exit(0)  # past gloo's exit-time abort with torch 2.13 (baton/examples/plain_exit.py), as tests/nocode do
-"""
+""" + _EVAL_THEN_SAVE.replace("{extra}", "")
 WHILE_TRUE = """while True:  # nanoGPT's shape: random batches, a counter, a break at the end
     ix = torch.randint(0, 512, (16,))
     x, y = data_x[ix], data_y[ix]"""
@@ -297,8 +299,15 @@ def test_a_rank_lost_after_a_step_loop_that_ended_by_a_break_is_replaced_bit_for
     spare walks to the loop, leaves it by a break at once (nothing drawn, its else clause
     not run), takes the rank over at the loop's exit and runs the region: every rank and
     the checkpoint end equal to torchrun's."""
+    _lost_after_the_loop(tmp_path, torchrun_reference, BREAKS_OUT.replace("{loop}", loop), where, fault, steps=24)
+
+
+def _lost_after_the_loop(tmp_path, torchrun_reference, source: str, where: str, fault: str, steps: int) -> None:
+    """`source` (writing $OUT/ckpt.pt on rank 0 and each rank's state to $EXPORT) under
+    torchrun and under baton with the fault: the job ended 0 after one resolved loss, and
+    every rank and the checkpoint (its `it`: `steps`) equal torchrun's."""
     script = tmp_path / "script.py"
-    script.write_text(textwrap.dedent(BREAKS_OUT.format(loop=loop)))
+    script.write_text(textwrap.dedent(source))
     ref = torchrun_reference(script, [], env={"EXPORT": "{d}/export", "OUT": "{d}"})
     run = tmp_path / "job"
     (run / "export").mkdir(parents=True)
@@ -306,24 +315,11 @@ def test_a_rank_lost_after_a_step_loop_that_ended_by_a_break_is_replaced_bit_for
     assert code == 0 and (tmp_path / "fired").exists(), job.log()
     compare(ref, run)
     written = [torch.load(d / "ckpt.pt", weights_only=False) for d in (ref, run)]
-    assert differences(*written) == [] and written[1]["it"] == 24
+    assert differences(*written) == [] and written[1]["it"] == steps
     assert [(e["kind"], e["status"]) for e in job.events()] == [("unplanned", "resolved")], job.events()
 
 
-RETURNS_OUT = """
-import os, torch, torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, TensorDataset
-
-dist.init_process_group("gloo")
-rank = dist.get_rank()
-torch.manual_seed(0)
-model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.1), torch.nn.Linear(16, 1)))
-opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-g = torch.Generator().manual_seed(100 + rank)
-data_x, data_y = torch.randn(512, 8, generator=g), torch.randn(512, 1, generator=g)
-loader = DataLoader(TensorDataset(data_x, data_y), batch_size=16, shuffle=True, generator=g)
-
+RETURNS_OUT = _LOADER_SETUP + """
 
 def train(max_steps):
     it, best, history = 0, float("inf"), []
@@ -344,19 +340,7 @@ def train(max_steps):
 
 
 it, best, mean = train(40)
-# after training: a last evaluation with a collective, then rank 0's checkpoint
-model.eval()
-with torch.no_grad():
-    val = torch.nn.functional.mse_loss(model(data_x[:64]), data_y[:64]).detach()
-dist.all_reduce(val)
-final = {"model": model.module.state_dict(), "opt": opt.state_dict(), "rng": torch.get_rng_state(), "it": it,
-         "best": best, "mean": mean, "val": val}
-if rank == 0:
-    torch.save(final, os.path.join(os.environ["OUT"], "ckpt.pt"))
-torch.save(final, os.path.join(os.environ["EXPORT"], f"rank{rank}.pt"))
-dist.destroy_process_group()
-os._exit(0)  # past gloo's exit-time abort with torch 2.13 (baton/examples/plain_exit.py), as tests/nocode do
-"""
+""" + _EVAL_THEN_SAVE.replace("{extra}", ', "mean": mean')
 
 
 RETURNS_THE_MODEL = RETURNS_OUT.replace("torch.stack(history).mean()\n", "torch.stack(history).mean(), model\n") \
@@ -379,17 +363,7 @@ def test_a_rank_lost_after_a_step_loop_that_ended_by_a_return_is_replaced_bit_fo
     before: which of the two ways the loop ended was not known). Where it returns the model
     too, the successor returns its own."""
     assert source.count(", model\n") == 2 or source is RETURNS_OUT
-    script = tmp_path / "script.py"
-    script.write_text(textwrap.dedent(source))
-    ref = torchrun_reference(script, [], env={"EXPORT": "{d}/export", "OUT": "{d}"})
-    run = tmp_path / "job"
-    (run / "export").mkdir(parents=True)
-    code, job = faulted(tmp_path, script, fault, where=where, env={"EXPORT": str(run / "export"), "OUT": str(run)})
-    assert code == 0 and (tmp_path / "fired").exists(), job.log()
-    compare(ref, run)
-    written = [torch.load(d / "ckpt.pt", weights_only=False) for d in (ref, run)]
-    assert differences(*written) == [] and written[1]["it"] == 40
-    assert [(e["kind"], e["status"]) for e in job.events()] == [("unplanned", "resolved")], job.events()
+    _lost_after_the_loop(tmp_path, torchrun_reference, source, where, fault, steps=40)
 
 
 def test_a_rank_lost_after_a_step_loop_that_returned_an_object_stops_the_job(tmp_path):
@@ -928,7 +902,7 @@ def test_a_rank_lost_as_its_step_loop_ends_is_replaced_at_that_head(tmp_path, to
     assert [(e["kind"], e["status"]) for e in job.events()] == [("unplanned", "resolved")], job.events()
 
 
-LAST_INDEX_READ_AFTER = """
+_SAMPLED_SETUP = """
 import os, torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
@@ -940,7 +914,8 @@ model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.2), t
 opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 data = TensorDataset(torch.randn(128, 8), torch.randn(128, 1))
 sampler = DistributedSampler(data)
-means, tags = [], []
+"""
+LAST_INDEX_READ_AFTER = _SAMPLED_SETUP + """means, tags = [], []
 for epoch in range(4):
     sampler.set_epoch(epoch)
     running = 0.0
@@ -997,19 +972,7 @@ def test_a_successor_at_the_head_where_its_loop_ends_stops_where_the_code_after_
     assert [e["kind"] for e in job.events()][-1] == "divergence", job.events()
 
 
-WITH_ELSE = """
-import os, torch, torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
-
-dist.init_process_group("gloo")
-torch.manual_seed(0)
-rank = dist.get_rank()
-model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.2), torch.nn.Linear(16, 1)))
-opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-data = TensorDataset(torch.randn(128, 8), torch.randn(128, 1))
-sampler = DistributedSampler(data)
-means, epochs_closed, it = [], 0, 0
+WITH_ELSE = _SAMPLED_SETUP + """means, epochs_closed, it = [], 0, 0
 for epoch in range(4):
     sampler.set_epoch(epoch)
     running = 0.0
