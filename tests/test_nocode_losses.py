@@ -351,19 +351,43 @@ RETURNS_AN_OBJECT = RETURNS_OUT.replace("torch.stack(history).mean()\n", "torch.
                                                                       "it, best, mean, _ = train(40)")
 
 
-@pytest.mark.parametrize("source, where, fault", [(RETURNS_OUT, "IN_REGION", "1:36:SIGKILL"),
-                                                  (RETURNS_THE_MODEL, "IN_SAVE", "0:36:SIGKILL")])
+RETURNS_FROM_ELSE = _LOADER_SETUP + """
+
+def train(max_epochs):
+    it, best = 0, float("inf")
+    for epoch in range(10):
+        for x, y in loader:  # 32 batches an epoch
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            best = min(best, loss.item())
+            it += 1
+        else:  # the epoch's close: training ends after max_epochs, from here
+            if epoch + 1 >= max_epochs:
+                return it, best
+    return -1, best
+
+
+it, best = train(2)
+""" + _EVAL_THEN_SAVE.replace("{extra}", "")
+
+
+@pytest.mark.parametrize("source, where, fault, steps", [(RETURNS_OUT, "IN_REGION", "1:36:SIGKILL", 40),
+                                                         (RETURNS_THE_MODEL, "IN_SAVE", "0:36:SIGKILL", 40),
+                                                         (RETURNS_FROM_ELSE, "IN_REGION", "1:60:SIGKILL", 64)])
 def test_a_rank_lost_after_a_step_loop_that_ended_by_a_return_is_replaced_bit_for_bit(tmp_path, torchrun_reference,
-                                                                                    source, where, fault):
+                                                                                    source, where, fault, steps):
     """The step loop, in a function, ends by a `return` of its counters and a tensor in the
     epoch loop's second pass (its body can also break); the rank is lost in the evaluation
     after it or while rank 0 writes its checkpoint. The spare walks to the loop, returns at
     once what its predecessor returned (nothing drawn), takes the rank over there and runs
     the rest: every rank and the checkpoint end equal to torchrun's (it stopped the job
     before: which of the two ways the loop ended was not known). Where it returns the model
-    too, the successor returns its own."""
-    assert source.count(", model\n") == 2 or source is RETURNS_OUT
-    _lost_after_the_loop(tmp_path, torchrun_reference, source, where, fault, steps=40)
+    too, the successor returns its own; where the loop's else clause returns (the epoch's
+    close), the successor returns at its loop's head, the clause not run again."""
+    assert source.count(", model\n") == 2 or source is not RETURNS_THE_MODEL
+    _lost_after_the_loop(tmp_path, torchrun_reference, source, where, fault, steps=steps)
 
 
 def test_a_rank_lost_after_a_step_loop_that_returned_an_object_stops_the_job(tmp_path):

@@ -267,11 +267,11 @@ _EXITS = {"return_uncarried": "by a return of a value that cannot be carried (an
 
 def _exit_of(loop: ActiveLoop) -> str:
     """How the step loop ended, for a successor to end its own the same way."""
-    if loop.ran_out:
-        return "ran_out"
     if loop.raised:
         return "exception"
-    return "return" if loop.returned else "break"
+    if loop.returned:  # from its body, or from its else clause once its items ran out
+        return "return"
+    return "ran_out" if loop.ran_out else "break"
 
 
 _GLOBAL_MODULES: dict[str, Any] = {}  # file -> the module whose functions declare globals (found once)

@@ -171,7 +171,8 @@ def _restore(site: LoopSite, at: ast.AST) -> list[ast.stmt]:
 
 
 def _note_returns(body: list[ast.stmt]) -> None:
-    """Each `return` of the loop's own function in its body reports its value on the way out
+    """Each `return` of the loop's own function in its body (or its else clause) reports its
+    value on the way out
     (`return x` becomes `return __baton_loops__.returned(x)`), so the loop's exit says it was a
     return and with what: a successor taking the rank over after it returns the same."""
     for node in _own_nodes(body):
@@ -256,7 +257,7 @@ class _Instrument(ast.NodeTransformer):
         site = self._site(node, "for", f"for {ast.unparse(node.target)} in {ast.unparse(node.iter)}",
                           [node.target, *node.body, *node.orelse], resumable=True)
         self.generic_visit(node)
-        _note_returns(node.body)
+        _note_returns(node.body + node.orelse)
         node.iter = ast.copy_location(_hook_call("iterate", ast.Constant(site.id), node.iter), node.iter)
         node.body = [*_restore(site, node), _absorbing(node.body, site, node)]
         if node.orelse:  # a successor arriving at the head where the items run out: its else clause reads them
@@ -271,7 +272,7 @@ class _Instrument(ast.NodeTransformer):
         site = self._site(node, "while", f"while {ast.unparse(node.test)}", [*node.body, *node.orelse],
                           resumable=resumable)
         self.generic_visit(node)
-        _note_returns(node.body)
+        _note_returns(node.body + node.orelse)
         if not resumable:
             head = ast.copy_location(_hook_call("head", ast.Constant(site.id)), node.test)
             node.test = ast.copy_location(ast.BoolOp(op=ast.And(), values=[head, node.test]), node.test)
@@ -295,7 +296,7 @@ class _Instrument(ast.NodeTransformer):
         return SITES.add(lambda sid: LoopSite(
             id=sid, file=self.filename, line=node.lineno, col=node.col_offset, kind=kind, scope=scope,
             header=_short(header), targets=targets, assigned=assigned, mutated=mutated, reads=reads,
-            live=tuple(n for n in assigned if n in live), returns=_returns(node.body), has_else=bool(node.orelse),
+            live=tuple(n for n in assigned if n in live), returns=_returns(node.body) or _returns(node.orelse), has_else=bool(node.orelse),
             placeholder=_placeholder(node.target) if isinstance(node, ast.For) else None,
             resumable=resumable, body=tuple(_statement(s) for s in node.body)))
 
