@@ -47,7 +47,7 @@ class ActiveLoop:
     ran_out: bool = False  # a for loop's iterator ran out, a while loop's test was false (not a break, ...)
     breaking: bool = False  # leave by a break at the next head (a successor: its predecessor did)
     raised: bool = False  # left with an exception on its way out
-    returned: bool = False  # left by a `return` of its body (with `return_value`)
+    returned: bool = False  # left by a `return` of its body or else clause (with `return_value`)
     return_value: Any = field(default=None, repr=False)
     returning: bool = False  # leave by a `return` at the next head (a successor: its predecessor did)
     counted: "_Counted | None" = field(default=None, repr=False)  # a for loop's iterator (positioned by a successor)

@@ -172,9 +172,9 @@ def _restore(site: LoopSite, at: ast.AST) -> list[ast.stmt]:
 
 def _note_returns(body: list[ast.stmt]) -> None:
     """Each `return` of the loop's own function in its body (or its else clause) reports its
-    value on the way out
-    (`return x` becomes `return __baton_loops__.returned(x)`), so the loop's exit says it was a
-    return and with what: a successor taking the rank over after it returns the same."""
+    value on the way out (`return x` becomes `return __baton_loops__.returned(x)`), so the
+    loop's exit says it was a return and with what: a successor taking the rank over after
+    it returns the same."""
     for node in _own_nodes(body):
         if isinstance(node, ast.Return) and not _is_hook(node.value, "returned"):
             value = node.value if node.value is not None else ast.copy_location(ast.Constant(None), node)
@@ -296,7 +296,8 @@ class _Instrument(ast.NodeTransformer):
         return SITES.add(lambda sid: LoopSite(
             id=sid, file=self.filename, line=node.lineno, col=node.col_offset, kind=kind, scope=scope,
             header=_short(header), targets=targets, assigned=assigned, mutated=mutated, reads=reads,
-            live=tuple(n for n in assigned if n in live), returns=_returns(node.body) or _returns(node.orelse), has_else=bool(node.orelse),
+            live=tuple(n for n in assigned if n in live), returns=_returns(node.body) or _returns(node.orelse),
+            has_else=bool(node.orelse),
             placeholder=_placeholder(node.target) if isinstance(node, ast.For) else None,
             resumable=resumable, body=tuple(_statement(s) for s in node.body)))
 
