@@ -268,14 +268,15 @@ torch.save(final, os.path.join(os.environ["EXPORT"], f"rank{rank}.pt"))
 dist.destroy_process_group()
 os._exit(0)  # past gloo's exit-time abort with torch 2.13 (baton/examples/plain_exit.py), as tests/nocode do
 """
+_STEP = """loss = torch.nn.functional.mse_loss(model(x), y)
+loss.backward()
+opt.step()
+opt.zero_grad(set_to_none=True)
+best = min(best, loss.item())
+"""  # the loop-exit scripts' step
 BREAKS_OUT = _LOADER_SETUP + """it, best = 0, float("inf")
 {loop}
-    loss = torch.nn.functional.mse_loss(model(x), y)
-    loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    best = min(best, loss.item())
-    it += 1
+""" + textwrap.indent(_STEP, " " * 4) + """    it += 1
     if it >= 24:
         break
 else:
@@ -325,12 +326,7 @@ def train(max_steps):
     it, best, history = 0, float("inf"), []
     for epoch in range(10):  # 32 batches an epoch; training returns at max_steps, in the second
         for x, y in loader:
-            loss = torch.nn.functional.mse_loss(model(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            best = min(best, loss.item())
-            history.append(loss.detach())
+""" + textwrap.indent(_STEP, " " * 12) + """            history.append(loss.detach())
             it += 1
             if it >= max_steps:
                 return it, best, torch.stack(history).mean()
@@ -357,12 +353,7 @@ def train(max_epochs):
     it, best = 0, float("inf")
     for epoch in range(10):
         for x, y in loader:  # 32 batches an epoch
-            loss = torch.nn.functional.mse_loss(model(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            best = min(best, loss.item())
-            it += 1
+""" + textwrap.indent(_STEP, " " * 12) + """            it += 1
         else:  # the epoch's close: training ends after max_epochs, from here
             if epoch + 1 >= max_epochs:
                 return it, best

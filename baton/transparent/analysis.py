@@ -201,7 +201,7 @@ def _carried(frame_loops: FrameLoops) -> tuple[list[CarriedReport], list[refusal
             if name not in live:
                 out.append(CarriedReport(loop=where, name=name, kind="item", detail="loop item"))
             else:  # read after the loop: the last item's, which a successor arriving where the loop ends needs
-                scalar = name in values and bool(scalars((name,), values))
+                scalar = bool(scalars((name,), values))
                 out.append(CarriedReport(loop=where, name=name, kind="item_kept" if scalar else "item_read_after",
                                          detail="loop item, read after the loop"))
             continue

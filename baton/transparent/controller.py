@@ -127,7 +127,7 @@ class StepLoopController:
             it = loop.iterable
             carried = values.carried_names(bound, scope)
             if loop is not exiting:  # its targets the code after it reads, where its items run out here
-                carried.update(values.scalars(tuple(n for n in loop.site.targets if n in loop.site.live), scope))
+                carried.update(values.scalars(loop.site.targets_read_after, scope))
             entry = {"key": loop.site.key, "iteration": loop.iterations,
                      "range": [it.start, it.stop, it.step] if isinstance(it, range) else None,
                      "values": carried, "records": records, "containers": changed,
@@ -183,7 +183,7 @@ class StepLoopController:
         if entry is None:
             return
         site = loop.site
-        unbound = [n for n in site.targets if n in site.live and n not in entry["values"]]
+        unbound = [n for n in site.targets_read_after if n not in entry["values"]]
         if unbound:
             self.rt.stop(f"rank {self.rt.rank}: this process took its rank over at the head of {site.where} where "
                          f"the loop's items ran out, and its target {', '.join(unbound)}, read after the loop, would "

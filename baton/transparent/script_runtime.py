@@ -543,7 +543,7 @@ class ScriptRuntime(Runtime):
                   "load": t_loaded - t_fetched, "form": t_formed - t_loaded, "verify": t_verified - t_formed}
         self.ctl.report(m.Formed(generation=gen, pos=self.pos, bytes=stats.bytes, seconds=round(stats.seconds, 4),
                                  setup_s=round(self.setup_s, 4), fetch_wait_s=round(t_fetched - t0, 4),
-                                 phases={k: round(max(0.0, v), 4) for k, v in phases.items()}))
+                                 phases=_rounded(phases)))
         self.joiner = False
         self._start_step(dict(bundle_state))
 
@@ -719,7 +719,7 @@ class ScriptRuntime(Runtime):
         self.ctl.report(m.Formed(generation=gen, pos=self.pos, bytes=stats.bytes, seconds=round(stats.seconds, 4),
                                  setup_s=round(self.setup_s, 4), fetch_wait_s=round(t_fetched - t0, 4),
                                  ran_again=f"ran {ran} ({t_ran - t_fetched:.3f}s)",
-                                 phases={k: round(max(0.0, v), 4) for k, v in phases.items()}))
+                                 phases=_rounded(phases)))
         self.joiner = False
 
     def _served_parts(self, state: dict[str, Any]) -> dict[bytes, dict[str, Any]]:
@@ -1017,3 +1017,8 @@ def _stack() -> Iterator[Any]:
 def _unanswerable(op: str, live: LiveGroup) -> str:
     """A collective a successor cannot be answered from a survivor's record, as a message names it."""
     return op if live.whole else f"{op} on a group of some ranks (dist.new_group)"
+
+
+def _rounded(phases: dict[str, float]) -> dict[str, float]:
+    """A joiner's phases as the ledger takes them (Formed.phases: non-negative, to 0.1 ms)."""
+    return {k: round(max(0.0, v), 4) for k, v in phases.items()}

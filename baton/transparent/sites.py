@@ -9,6 +9,7 @@ they are instrumented; rewritten code refers to them by that number.
 
 from __future__ import annotations
 
+import functools
 import threading
 from dataclasses import dataclass, field
 from typing import Callable
@@ -42,12 +43,18 @@ class LoopSite:
     reads: tuple[str, ...]  # names the loop reads (a module-level loop's meters are globals it reads)
     resumable: bool = True  # False: a while loop whose else clause jumps (kept in its plain form)
     live: tuple[str, ...] = ()  # of `assigned`, those holding what is read after the head (liveness)
-    returns: bool = False  # its body holds a `return` (an exit that is not a break nor its end)
+    returns: bool = False  # its body or else clause holds a `return` (an exit that is not a break nor its end)
     # What a for loop's target unpacks without drawing an item (None for `x`, (None, None) for
     # `x, y`), or DRAW where it cannot be built (a starred, attribute or subscript target).
     placeholder: object = None
     has_else: bool = False  # an else clause: what an exit at its end, not by a break, runs
     body: tuple[Statement, ...] = field(default=(), compare=False)
+
+    @functools.cached_property
+    def targets_read_after(self) -> tuple[str, ...]:
+        """Its own targets that the code after it reads (`i` of `for i, batch in ...`): only its
+        last item bound them, so each head carries those it can (controller.script_section)."""
+        return tuple(n for n in self.targets if n in self.live)
 
     @property
     def where(self) -> str:

@@ -182,7 +182,7 @@ def returned(obj: Any, tracked: dict[int, str]) -> tuple[Any] | None:
         return ({TRACKED: tracked[id(obj)]},)
     if type(obj) is tuple and any(id(x) in tracked for x in obj):
         parts = [returned(x, tracked) for x in obj]
-        return None if None in parts else (tuple(p[0] for p in parts if p is not None),)
+        return None if any(p is None for p in parts) else (tuple(p[0] for p in parts),)  # type: ignore[index]
     if classify(obj).kind not in (Kind.PLAIN, Kind.TENSOR, Kind.ARRAY):
         return None
     return (value(obj),)

@@ -129,9 +129,8 @@ def export_layout(ddp: LiveDDP) -> list[list[int]] | None:
         ddp._has_rebuilt_buckets = True
     if not getattr(ddp, "_has_rebuilt_buckets", False):
         return None
-    cached = getattr(ddp, "_baton_layout", None)
-    if cached is not None and cached[0] is ddp.reducer:
-        return cached[1]
+    if _layout_cached(ddp):
+        return ddp._baton_layout[1]
     index = _natural_index(ddp)
     layout = [[index[id(p)] for p in b.parameters()] for b in ddp.reducer._get_zeros_like_grad_buckets()]
     ddp._baton_layout = (ddp.reducer, layout)
@@ -142,8 +141,14 @@ def ddp_layout_known(ddp: LiveDDP) -> None:
     """Read the rebuilt layout once, at the end of the step it was rebuilt in, so that a
     move's pause finds it known (2M parameters: 18 ms of zero-filled buckets there, where a
     leaver exports its state; once per reducer, at the cost of a step's end)."""
-    if getattr(ddp, "_has_rebuilt_buckets", False) and getattr(ddp, "_baton_layout", (None,))[0] is not ddp.reducer:
+    if getattr(ddp, "_has_rebuilt_buckets", False) and not _layout_cached(ddp):
         export_layout(ddp)
+
+
+def _layout_cached(ddp: LiveDDP) -> bool:
+    """Whether `_baton_layout` holds this reducer's layout (a rebuilt reducer has its own)."""
+    cached = getattr(ddp, "_baton_layout", None)
+    return cached is not None and cached[0] is ddp.reducer
 
 
 def _natural_index(ddp: LiveDDP) -> dict[int, int]:
