@@ -712,20 +712,33 @@ if _leaver_dies:
 
     from baton.transfer import server as _server
 
+    import threading as _threading
+
     _wait_published = _server.TransferServer._wait_published
+    _send_state = _server.TransferServer._send_state
+    _own_sent = _threading.Event()
+
+    def _note_own_sent(self, conn, state, chunks, views):  # noqa: ANN001, ANN202
+        _send_state(self, conn, state, chunks, views)  # returns once the successor acknowledged every chunk
+        own = self._published.get(_server.FETCH_OWN)
+        if own is not None and own[1] is state:
+            _own_sent.set()
 
     def _die_serving_the_rest(self, generation, kind=_server.FETCH):  # noqa: ANN001, ANN202
         """A planned move's leaver (no-code mode) dies once its successor has its own record
-        and asks for the rest: the successor is walking to the rank's place by then."""
+        and asks for the rest: the successor is walking to the rank's place by then. (It asks
+        for the rest first, to overlap the two: the death waits until the own record is sent.)"""
         mark = os.environ["BATON_TEST_SIGNAL_MARK"]
         own = self._published.get(_server.FETCH_OWN)
         if kind == _server.FETCH and own is not None and own[0] == generation and not os.path.exists(mark):
+            _own_sent.wait(60)
             open(mark, "w").close()
             print(f"injected: SIGKILL to a leaver serving generation {generation}", file=sys.stderr, flush=True)
             os.kill(os.getpid(), _signal.SIGKILL)
         return _wait_published(self, generation, kind)
 
     _server.TransferServer._wait_published = _die_serving_the_rest
+    _server.TransferServer._send_state = _note_own_sent
 
 _link_down = os.environ.get("BATON_TEST_LINK_DOWN_MID_STEP")
 if _link_down:
