@@ -77,6 +77,7 @@ def _moves(c: Contender, w: Workload, run_dir: Path, move_at: int, kill_at: int,
     absorbed = unplanned.get("status") == "resolved"  # else the job stopped, saying it could not be exact
     return {"ledger": ledger, "state_bytes": planned.get("state_bytes"),
             "planned_downtime_s": planned.get("downtime_s"), "planned_setup_s": planned.get("joiner_setup_s"),
+            "planned_phases": planned.get("phases"), "unplanned_phases": unplanned.get("phases"),
             "unplanned_downtime_s": unplanned.get("downtime_s"), "unplanned_setup_s": unplanned.get("joiner_setup_s"),
             "unplanned_stall_s": killed["regained"] - killed["t"] if absorbed and killed and killed["regained"] else None,
             "kill_absorbed": absorbed,

@@ -45,18 +45,18 @@ def _cli(job: Job, *args: str) -> subprocess.CompletedProcess:
 
 
 def _torchrun_then_job(tmp_path: Path, name: str, args: list[str], env: dict[str, str],
-                       leash: int = 0) -> tuple[Path, Path, Job]:
+                       leash: int = 0, cap: int = CAP) -> tuple[Path, Path, Job]:
     """`name` with `args` ({d}: the run's folder) run under torchrun for the reference, then
     started under `baton run` with two spares and `env` (tests/inject on its path), each
     exporting its ranks' state: the two folders, and the job (`leash`: its ranks run at most
-    that many steps past what the test last saw, never past CAP until it lets go)."""
+    that many steps past what the test last saw, never past `cap` until it lets go)."""
     ref, run = tmp_path / "torchrun", tmp_path / "baton"
     ref.mkdir()
     torchrun(NOCODE / name, [a.format(d=ref) for a in args] + ["--export", str(ref / "export")], 2, ref)
     job = Job(tmp_path, nproc=2, spares=2, script=NOCODE / name, out_arg=False, name="baton",
               script_args=[a.format(d=run) for a in args] + ["--export", str(run / "export")],
               env={"PYTHONPATH": str(INJECT), "BATON_TEST_SIGNAL_MARK": str(tmp_path / "fired"), **env},
-              leash=leash, leash_cap=CAP if leash else None)
+              leash=leash, leash_cap=cap if leash else None)
     return ref, run, job
 
 
@@ -142,6 +142,33 @@ def test_a_leaver_lost_while_its_successor_walks_to_its_place_is_rebuilt_bit_for
     assert (tmp_path / "fired").exists(), log[-3000:]
     assert [(e["kind"], e["status"], e["rank"]) for e in events][-1] == ("unplanned", "resolved", 1), events
     assert events[0]["kind"] == "planned" and events[0]["status"] == "failed", events
+    compare(ref, run)
+
+
+def test_a_planned_moves_ranks_pause_only_once_its_joiner_is_through_its_setup(tmp_path):
+    """A joiner whose script takes seconds to set up (building a large model): the ranks
+    train on meanwhile and pause only once it stands at its step loop's outermost loop
+    (SetupDone), as a model-aware joiner's prepare. Its setup is in the ledger, not in the
+    move's downtime (which had been at least the setup: the ranks paused at once)."""
+    name, args = "trainer_ddp.py", ["30", "4", "--snapshot-path", "{d}/snapshot.pt"]  # 240 steps; the ranks
+    # hold at step 200 at the latest (a cap they reached in the setup would hold them short of the target)
+    ref, run, job = _torchrun_then_job(tmp_path, name, args, {"BATON_TEST_SLOW_JOINER_SETUP": "2"},
+                                       leash=4, cap=200)
+    try:
+        st = job.wait_step(8, timeout=120)
+        moved = _cli(job, "migrate", "--rank", "1")
+        assert moved.returncode == 0, moved.stderr
+        step_asked = max(r["step"] for r in st["ranks"])
+        _resolved(job, 1)
+        assert job.wait(timeout=170) == 0, job.log()
+        events = job.events()
+    finally:
+        job.kill()
+    [planned] = events
+    assert (planned["kind"], planned["status"], planned["steps_lost"]) == ("planned", "resolved", 0), planned
+    assert planned["joiner_setup_s"] >= 2, planned
+    assert planned["downtime_s"] < planned["joiner_setup_s"], planned
+    assert planned["step"] > step_asked, planned  # the ranks trained on while it set up
     compare(ref, run)
 
 

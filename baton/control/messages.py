@@ -119,6 +119,15 @@ class Ready(_Msg):
         return self
 
 
+class SetupDone(_Msg):
+    """A no-code joiner ran its script's setup to the head of its step loop's outermost loop,
+    where it waits for the Form naming its rank's place (and walks there from this head): a
+    planned move pauses the ranks only now, so the pause does not wait for the setup."""
+
+    type: Literal["setup_done"] = "setup_done"
+    setup_s: Annotated[float, Field(ge=0, allow_inf_nan=False)]
+
+
 class UnitDone(_Msg):
     """A boundary function finished on this rank; `bundle` describes `pos` (after it)."""
 
@@ -303,7 +312,7 @@ class HotState(_Following):
     bytes_per_step: NonNegativeInt = 0  # the records of one training step on the wire (median of 3)
 
 
-Report = Annotated[Union[Heartbeat, Ready, UnitDone, PauseAck, Paused, Recover, Formed, Verified, Finished,
+Report = Annotated[Union[Heartbeat, Ready, SetupDone, UnitDone, PauseAck, Paused, Recover, Formed, Verified, Finished,
                          UserError, Left, PathChanged, PathsReady, PathsFound, CaughtUp, PreCopyCost, HotState],
                    Field(discriminator="type")]
 REPORT = TypeAdapter(Report)

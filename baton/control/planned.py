@@ -6,8 +6,8 @@ Pausing before the joiners are at their step loop would make the ranks wait for 
 joiners' setup (building and placing the model: seconds for a large one) inside the move's
 downtime; so a planned move of a model-aware job first prepares (phase `prepare`, until
 every joiner said Ready, or --formation-timeout, after which the ranks pause for them
-anyway). A no-code joiner walks the script to the rank's place, which the pause decides: it
-prefetches what it can meanwhile (baton/worker/prefetch.py).
+anyway). A no-code joiner is ready once its setup reached the outermost loop around its
+step loop (SetupDone): it walks down from there to the rank's place, which the pause decides.
 
 A rank already past the proposed boundary says so and the boundary moves; a move whose
 joiner is lost runs again with another spare once the job has re-formed without it.
@@ -124,16 +124,21 @@ class PlannedMoves:
             self._assign_joiner(spare, rank, op)
             self.ranks[rank].state = RankState.MIGRATING
         self.op = op
-        if op.moves and not self._joiners_walk():
+        if op.moves:
             self._emit("migration-prepare", {"kind": kind.value, "ranks": ranks, "cause": cause})
-        else:  # nobody joins (a data path back), or joiners that need the boundary to get there
+        else:  # nobody joins (a data path back)
             self._begin_agree(op)
         return op
 
     def _joiners_walk(self) -> bool:
         """A no-code job's joiner reaches its step loop only by walking the script to the
-        rank's place, which its Form names: it cannot be ready before the ranks pause."""
+        rank's place, which its Form names."""
         return self.loop is not None and self.loop.style == "script"
+
+    def _on_setup_done(self, w: Worker, rep: m.SetupDone) -> None:
+        """A no-code joiner's setup is over: it is as ready as it can be before the pause."""
+        if self._joiners_walk():
+            self._on_joiner_ready(w)
 
     def _on_joiner_ready(self, w: Worker) -> None:
         """A joiner reached its step loop: once all of the move's have, the ranks pause."""

@@ -452,6 +452,8 @@ class ScriptRuntime(Runtime):
         ledger counts apart (a planned move's joiner waits for the ranks to reach it)."""
         if not self.setup_s:  # not taken yet (at the walk's first head, or at its place)
             self.setup_s = time.perf_counter() - self.assigned_at
+            # A planned move pauses the ranks only now (a rebuild's orchestrator ignores it)
+            self.ctl.report(m.SetupDone(setup_s=round(self.setup_s, 4)))
 
     def _walk_began(self) -> float:
         """Where a joiner's part of the pause began: its Form, or the end of its setup (a

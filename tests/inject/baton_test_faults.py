@@ -740,6 +740,23 @@ if _leaver_dies:
     _server.TransferServer._wait_published = _die_serving_the_rest
     _server.TransferServer._send_state = _note_own_sent
 
+_slow_joiner_setup = os.environ.get("BATON_TEST_SLOW_JOINER_SETUP")
+if _slow_joiner_setup:
+    def _patch_slow_setup(module):  # noqa: ANN001, ANN202
+        setup_done = module.ScriptRuntime.setup_done
+
+        def _slowly_done(self):  # noqa: ANN001, ANN202
+            """A joiner's script setup that takes as long as building a large model would."""
+            if self.joiner and not self.setup_s:
+                import time
+
+                time.sleep(float(_slow_joiner_setup))
+            setup_done(self)
+
+        module.ScriptRuntime.setup_done = _slowly_done
+
+    _when_imported("baton.transparent.script_runtime", _patch_slow_setup)
+
 _link_down = os.environ.get("BATON_TEST_LINK_DOWN_MID_STEP")
 if _link_down:
     import subprocess as _subprocess
