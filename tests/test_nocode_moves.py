@@ -172,6 +172,33 @@ def test_a_planned_moves_ranks_pause_only_once_its_joiner_is_through_its_setup(t
     compare(ref, run)
 
 
+def test_a_joiner_loaded_wrong_is_caught_by_the_deferred_state_check_before_its_first_commit(tmp_path):
+    """A no-code move's state check digests the large tensors on a thread while the script's
+    next step runs, and compares before that step's optimizer step. A joiner whose load
+    changed one ulp of its 20x16384 weight (1.25 MiB: digested on that thread) stops the job
+    there: a divergence at the move's step, exit non-zero, no step after it committed."""
+    job = Job(tmp_path, nproc=2, spares=1, script=NOCODE / "trainer_ddp.py", out_arg=False, name="baton",
+              script_args=["30", "4", "--hidden", "16384", "--snapshot-path", str(tmp_path / "snapshot.pt")],
+              env={"PYTHONPATH": str(INJECT), "BATON_TEST_CORRUPT_JOINER": "1", "BATON_LOG": "INFO"},
+              leash=4, leash_cap=200)
+    try:
+        job.wait_step(8, timeout=120)
+        moved = _cli(job, "migrate", "--rank", "1")
+        assert moved.returncode == 0, moved.stderr
+        code = job.wait(timeout=170)
+        log, events = job.log(tail=None), job.events()
+    finally:
+        job.kill()
+    assert "injected: joiner of rank 1 corrupted one value of a (16384, 20) parameter" in log, log[-3000:]
+    assert code != 0 and "state check failed" in log, log[-3000:]
+    assert "deferred: digests" in log, log[-3000:]  # the pass over the weight ran beside the step
+    planned, divergence = events[0], events[-1]
+    assert planned["kind"] == "planned" and divergence["kind"] == "divergence", events
+    assert divergence["status"] == "failed" and divergence["step"] == planned["step"], events
+    assert "joiner" in divergence["note"] or ".weight" in divergence["note"], divergence
+    assert "training finished" not in log, log[-3000:]
+
+
 def test_a_rank_lost_again_after_its_move_draws_what_its_predecessor_drew(tmp_path):
     """Rank 0 moves (planned) to a new process, which walks the script to the rank's place;
     that process is killed -9 two steps later, in the same epoch. Its successor is rebuilt

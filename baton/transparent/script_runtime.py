@@ -98,7 +98,11 @@ class PeerLost(BaseException):
 
 class ScriptRuntime(Runtime):
     script_ran_before_discovery = False
-    defer_checks = False  # its steps are the script's own: no point known to all ranks before a commit
+    # A move's state check digests the large tensors on a thread while the next step runs, as
+    # the model-aware runtime's; only where every rank of the generation stands at a head
+    # (verify_state): its comparison then waits for the step's first optimizer step, or the
+    # next head, the loop's exit, the script's end, which every rank reaches in that order.
+    defer_checks = True
     prefetch_replicated = False  # its joiner fetches as it walks to its rank's place
 
     def __init__(self, *args: Any, **kwargs: Any):
@@ -298,6 +302,8 @@ class ScriptRuntime(Runtime):
         failing = sys.exc_info()[1]
         if self.scope == "step" and self.committed:
             self._complete_step()
+        if failing is None:
+            self._finish_check_before("the region after the step loop")  # its evaluation, its checkpoint
         # A step begun at the last head, where the iterator then ran out, never ran.
         self.scope = self.tracked.scope = REGION
         self.current = None
@@ -317,6 +323,18 @@ class ScriptRuntime(Runtime):
         state["script"] = section
         if self.wards:
             self.pusher.push(encode_frame(self.rank, self.pos, self.group.generation, self._next_seq(), state))
+
+    def _finish_check_before(self, where: str) -> None:
+        """A move's deferred state check ends here, outside any step (the loop's exit, the
+        script's end): a peer lost in its comparison cannot be absorbed there."""
+        if self.pending_check is None:
+            return
+        try:
+            self.finish_pending_check()
+        except (CollectiveFailure, dist.DistError) as exc:
+            self.stop(f"rank {self.rank}: a peer was lost in the state check after a move, before {where} "
+                      f"({type(exc).__name__}: {exc}): outside a step, this version cannot absorb it. The job "
+                      "stops here: restart it from your own checkpoint.")
 
     def _record_step(self) -> None:
         """The record of the step beginning here (tail): a new position rotates the records;
@@ -386,6 +404,7 @@ class ScriptRuntime(Runtime):
         self._join_if_deferred()
         if self.scope == "step" and self.committed:
             self._complete_step()
+        self._finish_check_before("the script's end")  # nothing finishes unchecked
         self.loop_done = True
         self.scope = self.tracked.scope = None
         self.finish()
@@ -532,7 +551,8 @@ class ScriptRuntime(Runtime):
             t_loaded = time.perf_counter()
             self.form(cmd)
             t_formed = time.perf_counter()
-            self.verify_state(gen, expected, bundle_state=bundle_state, sharded_expected=sharded_expected)
+            self.verify_state(gen, expected, bundle_state=bundle_state, sharded_expected=sharded_expected,
+                              defer=self.defer_checks)
         except (CollectiveFailure, dist.DistError, TransferError, OSError) as exc:
             # The target cannot move under a successor that has already walked to it: stop loudly.
             raise Divergence(f"rank {self.rank}: joining generation {gen} failed after catching up to "
@@ -710,7 +730,7 @@ class ScriptRuntime(Runtime):
             self._clear_abort(gen)
             self.form(cmd)
             t_formed = time.perf_counter()
-            self.verify_state(gen, None)
+            self.verify_state(gen, None, defer=self.defer_checks)
         except (CollectiveFailure, dist.DistError, TransferError, OSError, Divergence) as exc:
             self.stop(f"rank {self.rank}: joining generation {gen} failed after running {ran} ({exc}); the job "
                       "cannot go on bit for bit")
@@ -751,14 +771,14 @@ class ScriptRuntime(Runtime):
                      bundle_state: dict[str, Any] | None = None, sharded_expected: int | None = None,
                      defer: bool = False) -> None:
         if not periodic:
-            self._agree_on_place(generation)
+            defer = self._agree_on_place(generation) and defer
         super().verify_state(generation, expected, periodic, bundle_state, sharded_expected, defer)
 
-    def _agree_on_place(self, generation: int) -> None:
+    def _agree_on_place(self, generation: int) -> bool:
         """Every rank of a new generation stands at the same place: all at a head, or all in a
         region after the same number of its collectives (a successor replaying a region
         stops answering where its record ends: a survivor elsewhere would pair other
-        collectives with its)."""
+        collectives with its). Whether all stand at a head (every rank says the same)."""
         ran_again = self.abandoned
         if self.in_tail or (self.replay is not None and self.replay.stepped):
             assert self.step_record is not None
@@ -789,7 +809,7 @@ class ScriptRuntime(Runtime):
                     "here: restart it from your own checkpoint.")
             log.info("generation %s: ranks %s (%s collectives recorded): those behind answer the rest from the "
                      "record of a rank %s", generation, where, counts, ahead)
-            return
+            return False
         if set(places) == {(0, 0), (1, 0)} and not self.tracked.sharded:
             # Some stand at a head of the step loop, the others in the region after it before any
             # of its collectives (a rank lost between its head's record and its loop's exit: its
@@ -799,7 +819,7 @@ class ScriptRuntime(Runtime):
             self.exit_expected = here == (0, 0)
             log.info("generation %s: ranks at the step loop's head and in the region after it (%s): this one %s",
                      generation, places, "ends its loop at its next draw" if self.exit_expected else "goes on")
-            return
+            return False
         if len(set(places)) > 1:
             where = ", ".join(f"rank {r}: " + {0: "at a head", 1: f"{n} collectives into the region",
                                                2: f"{n} collectives into a step"}[a] for r, (a, n) in enumerate(places))
@@ -808,6 +828,7 @@ class ScriptRuntime(Runtime):
             self.ctl.report_now(m.Verified(generation=generation, pos=self.pos, ok=False, differing=["place"],
                                            detail=detail))
             raise Divergence(detail)
+        return places[0] == (0, 0)
 
     def _apart_by_completed_collectives(self, places: list[tuple[int, int]], gathered: list[list[int]],
                                         tail_record: StepRecord | None) -> tuple[Any, list[int], str, str] | None:

@@ -17,7 +17,7 @@ Shape features:
   (its loss all_reduced);
 - a Dataset class built in the script, DataLoader + DistributedSampler(shuffle=True), AdamW;
 - argparse with positional total_epochs/save_every as in the tutorial.
-Extra: `--export DIR` saves each rank's final state to DIR/rank{RANK}.pt; `--comm-hook fp16|bf16`
+Extra: `--hidden N` widens the hidden layer; `--export DIR` saves each rank's final state to DIR/rank{RANK}.pt; `--comm-hook fp16|bf16`
 registers DDP's gradient-compression hook.
 """
 
@@ -132,13 +132,13 @@ class Trainer:
             self.epochs_run = epoch + 1
 
 
-def load_train_objs(use_random_split: bool):
+def load_train_objs(use_random_split: bool, hidden: int = 64):
     if use_random_split:  # minGPT-ddp: one dataset, split without a generator
         dataset = MyTrainDataset(640)
         train_set, test_set = random_split(dataset, [512, 128])
     else:
         train_set, test_set = MyTrainDataset(512), MyTrainDataset(128, seed=1)
-    model = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Dropout(0.1), nn.Linear(64, 4))
+    model = nn.Sequential(nn.Linear(20, hidden), nn.ReLU(), nn.Dropout(0.1), nn.Linear(hidden, 4))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     return train_set, test_set, model, optimizer
 
@@ -149,11 +149,11 @@ def prepare_dataloader(dataset: Dataset, batch_size: int, shuffle: bool = True) 
 
 
 def main(save_every: int, total_epochs: int, batch_size: int, snapshot_path: str,
-         use_random_split: bool, seed: int, export: str, comm_hook: str = "") -> None:
+         use_random_split: bool, seed: int, export: str, comm_hook: str = "", hidden: int = 64) -> None:
     ddp_setup()
     torch.manual_seed(seed)  # not in the tutorial (model init is unseeded there)
     random.seed(seed)
-    train_set, test_set, model, optimizer = load_train_objs(use_random_split)
+    train_set, test_set, model, optimizer = load_train_objs(use_random_split, hidden)
     train_data = prepare_dataloader(train_set, batch_size)
     test_data = prepare_dataloader(test_set, batch_size, shuffle=False)
     trainer = Trainer(model, train_data, optimizer, save_every, snapshot_path, test_data)
@@ -188,9 +188,10 @@ if __name__ == "__main__":
     parser.add_argument("--snapshot-path", default="snapshot.pt", help="where the snapshot lives")
     parser.add_argument("--random-split", action="store_true", help="split one dataset (minGPT-ddp)")
     parser.add_argument("--seed", default=0, type=int)
+    parser.add_argument("--hidden", default=64, type=int, help="the hidden layer's width")
     parser.add_argument("--export", default="", help="save each rank's final state into this folder")
     parser.add_argument("--comm-hook", choices=["fp16", "bf16"], default="", help="DDP gradient compression")
     args = parser.parse_args()
     main(args.save_every, args.total_epochs, args.batch_size, args.snapshot_path,
-         args.random_split, args.seed, args.export, args.comm_hook)
+         args.random_split, args.seed, args.export, args.comm_hook, args.hidden)
     _leave()
