@@ -166,6 +166,24 @@ def test_a_planned_move_pauses_nobody_until_its_joiner_is_at_its_step_loop(tmp_p
     assert orch.op.phase == "agree" and len(pauses) == 1 and pauses[0]["at_step"] == orch.op.target_step
 
 
+def test_a_no_code_planned_move_pauses_nobody_until_its_joiners_setup_is_done(tmp_path):
+    """A no-code joiner cannot say Ready before it walked to the rank's place, which the
+    pause decides; it says SetupDone where its script reached the loops around its step
+    loop, and only then are the ranks asked to pause. (A rebuild's SetupDone changes nothing.)"""
+    sched = RecordingScheduler(5)
+    script_loop = {"style": "script", "total_steps": 0, "step_loop": "train.py:40", "nest": ["train.py:30"]}
+    orch = _started(tmp_path, sched, Config(world_size=2, spares=1, formation_timeout_s=30), loop=script_loop)
+    orch.handle(m.MigrateRequest(rank=1))
+    joiner = orch.op.moves[1].to_worker
+    report(orch, "w0", {"type": "setup_done", "setup_s": 0.5})  # not the move's joiner: nothing
+    assert orch.op.phase == "prepare" and not any(c["type"] == "pause" for c in _commands(orch, "w0"))
+    report(orch, joiner, {"type": "setup_done", "setup_s": 0.5})
+    pauses = [c for c in _commands(orch, "w0") if c["type"] == "pause"]
+    assert orch.op.phase == "agree" and len(pauses) == 1 and pauses[0]["at_step"] == orch.op.target_step
+    with pytest.raises(ValueError):
+        m.REPORT.validate_python({"type": "setup_done", "setup_s": -1})
+
+
 def test_a_move_is_cancelled_when_the_job_finishes_first(tmp_path):
     orch, _ = _running(tmp_path)
     orch.handle(m.MigrateRequest(rank=1))
