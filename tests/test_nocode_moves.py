@@ -11,6 +11,7 @@ job runs with no code change and where its step loop is."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -149,11 +150,14 @@ def test_a_planned_moves_ranks_pause_only_once_its_joiner_is_through_its_setup(t
     """A joiner whose script takes seconds to set up (building a large model): the ranks
     train on meanwhile and pause only once it stands at its step loop's outermost loop
     (SetupDone), as a model-aware joiner's prepare. Its setup is in the ledger, not in the
-    move's downtime (which had been at least the setup: the ranks paused at once)."""
-    name, args = "trainer_ddp.py", ["30", "4", "--snapshot-path", "{d}/snapshot.pt"]  # 240 steps; the ranks
-    # hold at step 200 at the latest (a cap they reached in the setup would hold them short of the target)
-    ref, run, job = _torchrun_then_job(tmp_path, name, args, {"BATON_TEST_SLOW_JOINER_SETUP": "2"},
-                                       leash=4, cap=200)
+    move's downtime (which had been at least the setup: the ranks paused at once). The memory
+    its state arrived in, mapped while it waited, goes back to the kernel once its parameters
+    copied from it (it had held that second copy for good)."""
+    name, args = "trainer_ddp.py", ["30", "4", "--hidden", "16384", "--snapshot-path", "{d}/snapshot.pt"]
+    # 240 steps; the ranks hold at step 200 at the latest (a cap they reached in the setup
+    # would hold them short of the target)
+    ref, run, job = _torchrun_then_job(tmp_path, name, args, {"BATON_TEST_SLOW_JOINER_SETUP": "2",
+                                                              "BATON_LOG": "INFO"}, leash=4, cap=200)
     try:
         st = job.wait_step(8, timeout=120)
         moved = _cli(job, "migrate", "--rank", "1")
@@ -161,9 +165,11 @@ def test_a_planned_moves_ranks_pause_only_once_its_joiner_is_through_its_setup(t
         step_asked = max(r["step"] for r in st["ranks"])
         _resolved(job, 1)
         assert job.wait(timeout=170) == 0, job.log()
-        events = job.events()
+        events, log = job.events(), job.log(tail=None)
     finally:
         job.kill()
+    freed = re.search(r"received into memory mapped ahead; ([0-9.]+) MB of it the load copied from given back", log)
+    assert freed is not None and float(freed[1]) >= 1.0, log[-3000:]  # the 1.25 MiB weight's pages at least
     [planned] = events
     assert (planned["kind"], planned["status"], planned["steps_lost"]) == ("planned", "resolved", 0), planned
     assert planned["joiner_setup_s"] >= 2, planned
@@ -191,7 +197,8 @@ def test_a_joiner_loaded_wrong_is_caught_by_the_deferred_state_check_before_its_
         job.kill()
     assert "injected: joiner of rank 1 corrupted one value of a (16384, 20) parameter" in log, log[-3000:]
     assert code != 0 and "state check failed" in log, log[-3000:]
-    assert "deferred: digests" in log, log[-3000:]  # the pass over the weight ran beside the step
+    assert re.search(r"\[w2\] baton.worker: state check of generation 1 at \(\d+, 0\): [1-9]\d* large tensors "
+                     "digested beside the next step", log), log[-3000:]  # the weight's pass left the pause
     planned, divergence = events[0], events[-1]
     assert planned["kind"] == "planned" and divergence["kind"] == "divergence", events
     assert divergence["status"] == "failed" and divergence["step"] == planned["step"], events

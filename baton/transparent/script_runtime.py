@@ -537,7 +537,9 @@ class ScriptRuntime(Runtime):
         try:
             # Copied, not adopted (adopt.py): a no-code joiner whose parameters took the arrived
             # memory ran its steps ~10x slower (status step_time, test_data_paths; cause not found).
+            # What it copied from goes back to the kernel (it held a second copy for good).
             self._load_replicated(state)
+            self._release_received(state)
             sharded_expected = state.get("sharded_digest")
             if cmd.snapshot:
                 sharded_expected = verify.combined(shards.digests(state["sharded"]))
@@ -629,6 +631,7 @@ class ScriptRuntime(Runtime):
                       "it from your own checkpoint.")
         self.replay = None
         self.step_record = None
+        self._release_received({"replicated": replay.replicated})  # its optimizer steps' result is in
         self.pos = (rec.pos[0] + 1, 0)
         self.params_step = self.pos[0]
         if replay.joined:
@@ -702,6 +705,7 @@ class ScriptRuntime(Runtime):
                       "checkpoint.")
         t_fetched = time.perf_counter()
         self._load_replicated(state)
+        self._release_received(state)
         region = Region.from_served(served)
         load_small_state(self.tracked, region.small)
         for ddp, sync in zip(self.tracked.ddps, region.forward_sync):

@@ -112,6 +112,8 @@ class StateCheck:
             now = self._replicated_digests(self.tracked.replicated(), later)
             self.pending_check = PendingCheck(generation, self.pos, dict(expected=expected, bundle_state=bundle_state,
                                                                          live=live), now, later)
+            log.info("state check of generation %s at %s: %d large tensors digested beside the next step",
+                     generation, self.pos, len(later))
             return
         self._compare(generation, self._replicated_digests(self.tracked.replicated()), periodic, expected,
                       bundle_state, live, sharded_expected)
