@@ -130,15 +130,10 @@ class PlannedMoves:
             self._begin_agree(op)
         return op
 
-    def _joiners_walk(self) -> bool:
-        """A no-code job's joiner reaches its step loop only by walking the script to the
-        rank's place, which its Form names."""
-        return self.loop is not None and self.loop.style == "script"
-
     def _on_setup_done(self, w: Worker, rep: m.SetupDone) -> None:
-        """A no-code joiner's setup is over: it is as ready as it can be before the pause."""
-        if self._joiners_walk():
-            self._on_joiner_ready(w)
+        """A no-code joiner's setup is over: it is as ready as it can be before the pause (it
+        reaches its step loop only by walking to the rank's place, which its Form names)."""
+        self._on_joiner_ready(w)
 
     def _on_joiner_ready(self, w: Worker) -> None:
         """A joiner reached its step loop: once all of the move's have, the ranks pause."""
