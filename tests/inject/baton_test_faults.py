@@ -729,13 +729,15 @@ if _leaver_dies:
         and asks for the rest: the successor is walking to the rank's place by then. (It asks
         for the rest first, to overlap the two: the death waits until the own record is sent.)"""
         mark = os.environ["BATON_TEST_SIGNAL_MARK"]
+        found = _wait_published(self, generation, kind)  # the ask may come before the leaver published
         own = self._published.get(_server.FETCH_OWN)
-        if kind == _server.FETCH and own is not None and own[0] == generation and not os.path.exists(mark):
+        if found is not None and kind == _server.FETCH and own is not None and own[0] == generation \
+                and not os.path.exists(mark):
             _own_sent.wait(60)
             open(mark, "w").close()
             print(f"injected: SIGKILL to a leaver serving generation {generation}", file=sys.stderr, flush=True)
             os.kill(os.getpid(), _signal.SIGKILL)
-        return _wait_published(self, generation, kind)
+        return found
 
     _server.TransferServer._wait_published = _die_serving_the_rest
     _server.TransferServer._send_state = _note_own_sent
