@@ -7,6 +7,12 @@ from tests.gpt_job import reference_run
 from tests.once import once
 from tests.warm_process import WarmProcess
 
+# Inductor compiles in the compiling process itself, not in a pool of compile workers that
+# each import torch (two more processes per compiling rank, ~2 CPU-s each, on 2 cores that
+# could not run them in parallel anyway). Same generated code; set before the warm process
+# starts, so every job and torchrun reference inherits it.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
 
 @pytest.fixture(scope="session", autouse=True)
 def warm_process():

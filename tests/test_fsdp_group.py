@@ -436,11 +436,13 @@ def test_a_buffer_whose_registration_broke_a_compiled_graph_refuses_moves_and_st
     assert "attention_norm.running_mean" in ev["note"] and "__init__" in ev["cause"], ev
 
 
-def test_hsdp_in_torchtitans_shape_moves_and_recovers_bitwise(tmp_path):
-    """2x2 HSDP as TorchTitan builds it: each block checkpoint-wrapped, then compiled
+def test_fsdp_in_torchtitans_shape_moves_and_recovers_bitwise(tmp_path):
+    """FSDP as TorchTitan builds it: each block checkpoint-wrapped, then compiled
     (torch.compile, inductor), then sharded with bf16 parameters and fp32 reductions; two
     microbatches a step. A joiner compiles its blocks afresh in its first step and still ends
-    bitwise equal to the failure-free run."""
-    args = ["--steps", "14", "--eval-every", "10", "--grad-accum", "2", "--batch-size", "4", "--replicas", "2",
+    bitwise equal to the failure-free run. (Two ranks: the compiled graphs hold no collective,
+    so a 2x2 HSDP mesh changes nothing here that the HSDP buffers test above does not cover,
+    and it doubled the test's cost, four compiling ranks on the reference and the job.)"""
+    args = ["--steps", "14", "--eval-every", "10", "--grad-accum", "2", "--batch-size", "4", "--replicas", "1",
             *TITAN, "--compile"]
-    _move_then_kill(tmp_path, LLAMA, 4, args)
+    _move_then_kill(tmp_path, LLAMA, 2, args)
