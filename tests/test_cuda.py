@@ -20,10 +20,10 @@ from tests.test_nocode_moves import _relative, _torchrun_then_job, planned_taint
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
 
 
-def test_a_gpu_model_moves_planned_preemptive_and_unplanned_bit_for_bit(tmp_path):
+def test_a_gpu_model_moves_planned_preemptive_and_unplanned_bit_for_bit(tmp_path, torchrun_reference):
     go = tmp_path / "go"
     args = ["--epochs", "150", "--checkpoint", "{d}/ckpt.pt", "--device", "cuda"]
-    ref, run, job = _torchrun_then_job(tmp_path, "accumulating_amp.py", args,
+    ref, run, job = _torchrun_then_job(tmp_path, torchrun_reference, "accumulating_amp.py", args,
                                        {"BATON_TEST_SIGNAL_MID_STEP": "1:go:SIGKILL", "BATON_TEST_SIGNAL_GO": str(go)})
     try:
         st = job.wait_step(8, timeout=120)

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from tests.jobs import Job
-from tests.nocode_runs import INJECT, NOCODE, compare, differences, torchrun
+from tests.nocode_runs import INJECT, NOCODE, compare, differences
 
 STEPS, CAP = 72, 56  # every shape runs 72 optimizer steps; its ranks stop at step 56 until the test lets go
 SHAPES = {
@@ -45,15 +45,15 @@ def _cli(job: Job, *args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=60, cwd=job.dir)
 
 
-def _torchrun_then_job(tmp_path: Path, name: str, args: list[str], env: dict[str, str],
+def _torchrun_then_job(tmp_path: Path, torchrun_reference: Any, name: str, args: list[str], env: dict[str, str],
                        leash: int = 0, cap: int = CAP) -> tuple[Path, Path, Job]:
-    """`name` with `args` ({d}: the run's folder) run under torchrun for the reference, then
+    """`name` with `args` ({d}: the run's folder) run under torchrun for the reference (the
+    session's run of the same file and arguments where a test already made one), then
     started under `baton run` with two spares and `env` (tests/inject on its path), each
     exporting its ranks' state: the two folders, and the job (`leash`: its ranks run at most
     that many steps past what the test last saw, never past `cap` until it lets go)."""
-    ref, run = tmp_path / "torchrun", tmp_path / "baton"
-    ref.mkdir()
-    torchrun(NOCODE / name, [a.format(d=ref) for a in args] + ["--export", str(ref / "export")], 2, ref)
+    ref = torchrun_reference(NOCODE / name, [*args, "--export", "{d}/export"])
+    run = tmp_path / "baton"
     job = Job(tmp_path, nproc=2, spares=2, script=NOCODE / name, out_arg=False, name="baton",
               script_args=[a.format(d=run) for a in args] + ["--export", str(run / "export")],
               env={"PYTHONPATH": str(INJECT), "BATON_TEST_SIGNAL_MARK": str(tmp_path / "fired"), **env},
@@ -67,11 +67,11 @@ def _resolved(job: Job, count: int) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
-def test_a_planned_move_a_taint_and_a_lost_rank_end_bitwise_equal_to_torchrun(tmp_path, shape):
+def test_a_planned_move_a_taint_and_a_lost_rank_end_bitwise_equal_to_torchrun(tmp_path, torchrun_reference, shape):
     name, args, files, loss = SHAPES[shape]
     go = tmp_path / "go"
     victim, signal_name = loss.split(":")
-    ref, run, job = _torchrun_then_job(tmp_path, name, args,  # two spares: the taint's is warm
+    ref, run, job = _torchrun_then_job(tmp_path, torchrun_reference, name, args,  # two spares: the taint's is warm
                                        {"BATON_TEST_SIGNAL_MID_STEP": f"{victim}:go:{signal_name}",
                                         "BATON_TEST_SIGNAL_GO": str(go)}, leash=4)
     try:
@@ -124,13 +124,14 @@ def _relative(obj: Any, folder: Path) -> Any:
     return obj
 
 
-def test_a_leaver_lost_while_its_successor_walks_to_its_place_is_rebuilt_bit_for_bit(tmp_path):
+def test_a_leaver_lost_while_its_successor_walks_to_its_place_is_rebuilt_bit_for_bit(tmp_path, torchrun_reference):
     """A planned move's successor fetches its predecessor's own record first and walks the
     script to the rank's place while the rest of the state arrives. The leaver dies -9 as
     that rest is asked for: the move fails over to a rebuild from the survivors' copies,
     and every rank still ends equal to torchrun's run."""
     name, args, _, _ = SHAPES["trainer"]
-    ref, run, job = _torchrun_then_job(tmp_path, name, args, {"BATON_TEST_LEAVER_DIES_SERVING": "1"}, leash=4)
+    ref, run, job = _torchrun_then_job(tmp_path, torchrun_reference, name, args,
+                                       {"BATON_TEST_LEAVER_DIES_SERVING": "1"}, leash=4)
     try:
         job.wait_step(8, timeout=120)
         moved = _cli(job, "migrate", "--rank", "1")
@@ -146,7 +147,7 @@ def test_a_leaver_lost_while_its_successor_walks_to_its_place_is_rebuilt_bit_for
     compare(ref, run)
 
 
-def test_a_planned_moves_ranks_pause_only_once_its_joiner_is_through_its_setup(tmp_path):
+def test_a_planned_moves_ranks_pause_only_once_its_joiner_is_through_its_setup(tmp_path, torchrun_reference):
     """A joiner whose script takes seconds to set up (building a large model): the ranks
     train on meanwhile and pause only once it stands at its step loop's outermost loop
     (SetupDone), as a model-aware joiner's prepare. Its setup is in the ledger, not in the
@@ -156,8 +157,8 @@ def test_a_planned_moves_ranks_pause_only_once_its_joiner_is_through_its_setup(t
     name, args = "trainer_ddp.py", ["30", "4", "--hidden", "16384", "--snapshot-path", "{d}/snapshot.pt"]
     # 240 steps; the ranks hold at step 200 at the latest (a cap they reached in the setup
     # would hold them short of the target)
-    ref, run, job = _torchrun_then_job(tmp_path, name, args, {"BATON_TEST_SLOW_JOINER_SETUP": "2",
-                                                              "BATON_LOG": "INFO"}, leash=4, cap=200)
+    ref, run, job = _torchrun_then_job(tmp_path, torchrun_reference, name, args,
+                                       {"BATON_TEST_SLOW_JOINER_SETUP": "2", "BATON_LOG": "INFO"}, leash=4, cap=200)
     try:
         st = job.wait_step(8, timeout=120)
         moved = _cli(job, "migrate", "--rank", "1")
@@ -206,7 +207,7 @@ def test_a_joiner_loaded_wrong_is_caught_by_the_deferred_state_check_before_its_
     assert "training finished" not in log, log[-3000:]
 
 
-def test_a_rank_lost_again_after_its_move_draws_what_its_predecessor_drew(tmp_path):
+def test_a_rank_lost_again_after_its_move_draws_what_its_predecessor_drew(tmp_path, torchrun_reference):
     """Rank 0 moves (planned) to a new process, which walks the script to the rank's place;
     that process is killed -9 two steps later, in the same epoch. Its successor is rebuilt
     from the walked process's own record, whose epoch head must hold the random streams
@@ -214,7 +215,7 @@ def test_a_rank_lost_again_after_its_move_draws_what_its_predecessor_drew(tmp_pa
     and the workers' random crops follow. (That record once left them out: the rebuilt rank
     took other crops for the rest of the epoch, and the job ended 0 with other weights.)"""
     args = ["--epochs", "3", "-b", "1", "--out-dir", "{d}/out"]  # 128 steps an epoch
-    ref, run, job = _torchrun_then_job(tmp_path, "imagenet_main.py", args,
+    ref, run, job = _torchrun_then_job(tmp_path, torchrun_reference, "imagenet_main.py", args,
                                        {"BATON_TEST_SIGNAL_MID_STEP": "0:joined+2:SIGKILL"})
     try:
         job.wait_spare()
@@ -235,7 +236,7 @@ def test_a_rank_lost_again_after_its_move_draws_what_its_predecessor_drew(tmp_pa
 
 
 @pytest.mark.parametrize("shape", ["trainer", "accumulating"])
-def test_a_rank_lost_in_the_step_its_buddy_was_replaced_at_is_rebuilt_bit_for_bit(tmp_path, shape):
+def test_a_rank_lost_in_the_step_its_buddy_was_replaced_at_is_rebuilt_bit_for_bit(tmp_path, torchrun_reference, shape):
     """Rank 1 moves (planned); rank 0, its buddy, is killed -9 in the very next step, before
     its backward. Its record of that head is the first it sends the new process, on a new
     connection (opened slowly here, as over a busy network): had it not reached that buddy
@@ -246,8 +247,9 @@ def test_a_rank_lost_in_the_step_its_buddy_was_replaced_at_is_rebuilt_bit_for_bi
     loop carries (a joined state bound as the script's own tensor ran that step again from
     the sum: exit 0 with another history)."""
     name, args, _, _ = SHAPES[shape]
-    ref, run, job = _torchrun_then_job(tmp_path, name, args, {"BATON_TEST_SIGNAL_MID_STEP": "0:rebuddied:SIGKILL",
-                                                              "BATON_TEST_SLOW_NEW_BUDDY": "1.5"}, leash=4)
+    ref, run, job = _torchrun_then_job(tmp_path, torchrun_reference, name, args,
+                                       {"BATON_TEST_SIGNAL_MID_STEP": "0:rebuddied:SIGKILL",
+                                        "BATON_TEST_SLOW_NEW_BUDDY": "1.5"}, leash=4)
     try:
         job.wait_spare()
         job.wait_step(8, timeout=120)

@@ -341,6 +341,7 @@ class _CatchUp:
         self.fetched: tuple[m.Form, dict[str, Any], Any] | None = None
         self.t0 = 0.0
         self.exiting: ActiveLoop | None = None  # the step loop, ending at once: the rank was lost after it
+        self.setup: dict[str, int] = {}  # this process's fingerprint where the nest starts (_setup_fingerprint)
 
     def head(self, loop: ActiveLoop) -> None:
         c = self.c
@@ -354,6 +355,9 @@ class _CatchUp:
     def _walk(self, loop: ActiveLoop) -> None:
         c = self.c
         if self.fetched is None:
+            # What this setup built, taken before the pause (the ranks stop at its SetupDone):
+            # a model's classification there took 15-40 ms, beside the state's arrival on 2 cores.
+            self.setup = _setup_fingerprint(loop, rng.capture(c.rt.tracked.generators))
             c.rt.setup_done()
             self.t0 = time.perf_counter()
             try:
@@ -367,12 +371,11 @@ class _CatchUp:
                              f"{c.nest_keys}: the script took another way (is its setup deterministic?)")
         entry = path[self.depth]
         if self.depth == 0:  # where the nest starts: did this setup build what the predecessor's did?
-            mine = _setup_fingerprint(loop, rng.capture(c.rt.tracked.generators))
             theirs = state["bundle"]["script"].get("setup") or {}
-            differing = setup_check.differences(mine, theirs) if theirs else []
+            differing = setup_check.differences(self.setup, theirs) if theirs else []
             if differing:
                 raise Divergence(setup_check.explain(c.rt.rank, differing))
-            c.setup = mine  # what this process's own record says from now on: its successor checks it too
+            c.setup = self.setup  # what this process's own record says from now on: its successor checks it too
             _restore_globals(state["bundle"]["script"].get("globals", {}))
         c._track_extras(loop.frame)  # before the streams at this head are put back: they include its generators
         if entry.get("exit"):
