@@ -124,14 +124,19 @@ def _relative(obj: Any, folder: Path) -> Any:
     return obj
 
 
-def test_a_leaver_lost_while_its_successor_walks_to_its_place_is_rebuilt_bit_for_bit(tmp_path, torchrun_reference):
+@pytest.mark.parametrize("asked_for", ["rest", "own"])
+def test_a_leaver_lost_while_its_successor_walks_to_its_place_is_rebuilt_bit_for_bit(
+        tmp_path, torchrun_reference, asked_for):
     """A planned move's successor fetches its predecessor's own record first and walks the
     script to the rank's place while the rest of the state arrives. The leaver dies -9 as
-    that rest is asked for: the move fails over to a rebuild from the survivors' copies,
-    and every rank still ends equal to torchrun's run."""
+    that rest is asked for ("rest"), or before it served the own record ("own": the
+    successor cannot walk). The successor leaves the rank to another spare, the move fails
+    over to a rebuild from the survivors' copies, and every rank still ends equal to
+    torchrun's run."""
     name, args, _, _ = SHAPES["trainer"]
     ref, run, job = _torchrun_then_job(tmp_path, torchrun_reference, name, args,
-                                       {"BATON_TEST_LEAVER_DIES_SERVING": "1"}, leash=4)
+                                       {"BATON_TEST_LEAVER_DIES_SERVING": "1" if asked_for == "rest" else "own"},
+                                       leash=4)
     try:
         job.wait_step(8, timeout=120)
         moved = _cli(job, "migrate", "--rank", "1")
@@ -142,6 +147,8 @@ def test_a_leaver_lost_while_its_successor_walks_to_its_place_is_rebuilt_bit_for
     finally:
         job.kill()
     assert (tmp_path / "fired").exists(), log[-3000:]
+    # either way the successor leaves (it walked, or could not: the next plan may name another place)
+    assert "rank 1: a joiner's state could not be fetched" in log and "leaves the rank to another spare" in log, log
     assert [(e["kind"], e["status"], e["rank"]) for e in events][-1] == ("unplanned", "resolved", 1), events
     assert events[0]["kind"] == "planned" and events[0]["status"] == "failed", events
     compare(ref, run)

@@ -45,7 +45,9 @@ in that step, after its forward and before its backward: a data path lost mid-st
 
 BATON_TEST_LEAVER_DIES_SERVING=1 (with BATON_TEST_SIGNAL_MARK): once, a planned move's leaver
 in the no-code mode is killed -9 when its successor, which has its own record and is
-walking to the rank's place, asks for the rest of its state.
+walking to the rank's place, asks for the rest of its state. BATON_TEST_LEAVER_DIES_SERVING=own:
+killed -9 instead as its successor asks for its own record, before serving it (the successor
+has not begun its walk).
 
 BATON_TEST_SLOW_SLOT="slot:seconds:step": the process on that slot (the machine, not the
 rank: a replacement elsewhere is fast) spends that many more seconds in every forward of a
@@ -727,13 +729,19 @@ if _leaver_dies:
     def _die_serving_the_rest(self, generation, kind=_server.FETCH):  # noqa: ANN001, ANN202
         """A planned move's leaver (no-code mode) dies once its successor has its own record
         and asks for the rest: the successor is walking to the rank's place by then. (It asks
-        for the rest first, to overlap the two: the death waits until the own record is sent.)"""
+        for the rest first, to overlap the two: the death waits until the own record is sent.)
+        With "own": as the successor asks for that own record, which it never gets."""
         mark = os.environ["BATON_TEST_SIGNAL_MARK"]
         found = _wait_published(self, generation, kind)  # the ask may come before the leaver published
         own = self._published.get(_server.FETCH_OWN)
-        if found is not None and kind == _server.FETCH and own is not None and own[0] == generation \
-                and not os.path.exists(mark):
-            _own_sent.wait(60)
+        if _leaver_dies == "own":
+            dies = found is not None and kind == _server.FETCH_OWN and not os.path.exists(mark)
+        else:
+            dies = found is not None and kind == _server.FETCH and own is not None and own[0] == generation \
+                and not os.path.exists(mark)
+            if dies:
+                _own_sent.wait(60)
+        if dies:
             open(mark, "w").close()
             print(f"injected: SIGKILL to a leaver serving generation {generation}", file=sys.stderr, flush=True)
             os.kill(os.getpid(), _signal.SIGKILL)
