@@ -181,6 +181,8 @@ def test_a_planned_moves_ranks_pause_only_once_its_joiner_is_through_its_setup(t
     [planned] = events
     assert (planned["kind"], planned["status"], planned["steps_lost"]) == ("planned", "resolved", 0), planned
     assert planned["joiner_setup_s"] >= 2, planned
+    ready = re.search(r"\[baton\] joiners-ready op=\d+ joiners=\['w\d+'\] setup_s=([0-9.]+)", log)
+    assert ready is not None and float(ready[1]) >= 2, log[-3000:]  # the wait before the pause, as it ends
     assert planned["downtime_s"] < planned["joiner_setup_s"], planned
     assert planned["step"] > step_asked, planned  # the ranks trained on while it set up
     compare(ref, run)

@@ -133,15 +133,21 @@ class PlannedMoves:
     def _on_setup_done(self, w: Worker, rep: m.SetupDone) -> None:
         """A no-code joiner's setup is over: it is as ready as it can be before the pause (it
         reaches its step loop only by walking to the rank's place, which its Form names)."""
-        self._on_joiner_ready(w)
+        self._on_joiner_ready(w, rep.setup_s)
 
-    def _on_joiner_ready(self, w: Worker) -> None:
-        """A joiner reached its step loop: once all of the move's have, the ranks pause."""
+    def _on_joiner_ready(self, w: Worker, setup_s: float | None = None) -> None:
+        """A joiner reached its step loop: once all of the move's have, the ranks pause (the
+        event says so, with the slowest no-code joiner's setup: a model built for minutes shows
+        as the wait between `migration-prepare` and `migration`)."""
         op = self.op
         if op is None or op.phase != "prepare" or not any(mv.to_worker == w.id for mv in op.moves.values()):
             return
         op.ready_joiners.add(w.id)
+        if setup_s is not None:
+            op.joiner_setup_s = max(op.joiner_setup_s, setup_s)
         if all(mv.to_worker in op.ready_joiners for mv in op.moves.values()):
+            self._emit("joiners-ready", {"op": op.id, "joiners": sorted(op.ready_joiners),
+                                         **({"setup_s": round(op.joiner_setup_s, 3)} if op.joiner_setup_s else {})})
             if self._pre_copies(op):
                 self._begin_pre_copy(op)
             else:
