@@ -385,8 +385,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"  {'rank':>4}  {'pid':>7}  {'slot':<10} {'step':>6}  {'state':<18} metrics")
         for r in job["ranks"]:
             metrics = " ".join(f"{k}={v:.4g}" for k, v in sorted(r.get("metrics", {}).items()))
+            state = f"{r['state']}, off-step" if r.get("outside_steps") else r["state"]
             print(f"  {r['rank']:>4}  {r['pid'] or '-':>7}  {r['slot'] or '-':<10} {r['step']:>6}  "
-                  f"{r['state']:<18} {metrics}")
+                  f"{state:<18} {metrics}")
         spares = ", ".join(f"{s['slot']} ({s['state']}, pid {s['pid']}"
                            + (f", borrowed from {s['from']}" if s.get("kind") == "borrowed" else "")
                            + (f", hot: {_hot_text(s['hot'])})" if s.get("hot") else ")")

@@ -54,5 +54,10 @@ def check_equal(job: Job, reference, timeout: float = 240) -> list[dict]:
 
 
 def in_eval(job: Job) -> None:
-    """Wait until every rank has finished step 15 and is inside the 1 s evaluation."""
-    job.wait_until(lambda st: min(r["step"] for r in st["ranks"]) >= EVAL_EVERY, what="evaluation")
+    """Wait until every rank has finished step 15 or a later multiple of it and is inside the
+    evaluation there (each rank says so as it enters it: status's `outside_steps`)."""
+    def evaluating(st) -> bool:
+        steps = {r["step"] for r in st["ranks"]}
+        return (all(r.get("outside_steps") for r in st["ranks"]) and len(steps) == 1
+                and min(steps) >= EVAL_EVERY and min(steps) % EVAL_EVERY == 0)
+    job.wait_until(evaluating, what="every rank in an evaluation")

@@ -27,11 +27,21 @@ def _check(job, reference, kinds: list[str]) -> list[dict]:
 
 
 def test_taint_during_evaluation(tmp_path, gpt_reference):
-    job = gpt_job(tmp_path, "taint")
+    """The ranks are held in the evaluation after step 15 (it waits on a file) until the move
+    has picked its boundary: the one right after the evaluation, whenever in the beat period
+    they entered it, not one extrapolated at their step rate."""
+    hold = tmp_path / "hold-eval"
+    hold.touch()
+    job = gpt_job(tmp_path, "taint", extra=["--eval-hold", str(hold)])
     try:
         in_eval(job)
+        at = job.status()["ranks"][0]["step"]
         slot = next(r["slot"] for r in job.status()["ranks"] if r["rank"] == 0)
         job.client.taint(slot, "ecc")
+        st = job.wait_until(lambda st: (st.get("operation") or {}).get("target_step") is not None,
+                            what="the move's target", timeout=120)
+        hold.unlink()
+        assert st["operation"]["target_step"] == at + 1, st["operation"]
         events = _check(job, gpt_reference, ["pre-emptive"])
         assert events[0]["rank"] == 0 and events[0]["from_slot"] == slot
     finally:

@@ -1005,7 +1005,8 @@ def test_a_planned_move_aims_at_the_next_boundary_of_ranks_held_at_one(tmp_path)
     """The target is extrapolated from each rank's last report at its step rate, but a rank
     that had been at its step for many periods when it said so stands at a boundary (an
     evaluation, a checkpoint): the move aims at the boundary after it, not tens of steps on,
-    where a short job may have ended before the move could start."""
+    where a short job may have ended before the move could start. So does one that said, the
+    moment it entered it, that it is outside its steps, however young its step is."""
     orch, _ = _running(tmp_path)
     for w in ("w0", "w1"):
         report(orch, w, {"type": "heartbeat", "step": 40, "step_period": 0.025, "step_age": 5.0})
@@ -1021,3 +1022,13 @@ def test_a_planned_move_aims_at_the_next_boundary_of_ranks_held_at_one(tmp_path)
     orch.handle(m.MigrateRequest(rank=1))
     _joiners_ready(orch)
     assert 40 + 20 <= orch.op.target_step <= 40 + 25
+    (tmp_path / "just-held").mkdir()
+    orch, _ = _running(tmp_path / "just-held")
+    for w in ("w0", "w1"):  # entered its evaluation 10 ms after reaching step 40, and said so at once
+        report(orch, w, {"type": "heartbeat", "step": 40, "step_period": 0.025, "step_age": 0.01,
+                         "outside_steps": True})
+    orch.ranks[0].step_at = orch.ranks[1].step_at = time.time() - 0.5
+    assert all(r["outside_steps"] for r in orch.status()["jobs"][0]["ranks"])
+    orch.handle(m.MigrateRequest(rank=1))
+    _joiners_ready(orch)
+    assert orch.op.target_step == 41

@@ -80,6 +80,9 @@ class Heartbeat(_Msg):
     # how long before this beat the rank reached `step`: one stuck at a boundary (an
     # evaluation, a checkpoint) is not extrapolated onward at its step rate
     step_age: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
+    # the rank is outside its steps (a boundary function, the region after its step loop),
+    # said the moment it enters: however young `step_age` is, it is not stepping
+    outside_steps: bool = False
     busy_time: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None  # own work until the last bucket
     snapshot_mb: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None  # shard snapshots held (host memory)
     state_mb: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None  # the replicated state a joiner receives

@@ -437,6 +437,7 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing, PathFa
             info = self.ranks[w.rank]
             if info.worker != w.id:
                 return
+            info.outside_steps = rep.outside_steps
             if rep.step is not None:
                 if rep.step > info.step:
                     self._on_step_progress()
@@ -1048,6 +1049,8 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing, PathFa
                               "baton_cpu_s": round(w.baton_cpu_s, 3) if w else None,
                               "metrics": info.metrics, **({"gpu": w.gpu} if w and w.gpu else {}),
                               **({"unmovable": info.unmovable} if info.unmovable else {}),
+                              # in a boundary function or the region after its step loop
+                              **({"outside_steps": True} if info.outside_steps else {}),
                               **({"unheard_s": round(time.time() - w.last_seen, 1)} if w and w.unheard else {})})
             spares = [{"worker": w.id, "slot": w.slot, "pid": w.pid, "state": w.role.value,
                        **self._spare_kind(w.slot), **self._hot_view(w)}

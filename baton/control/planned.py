@@ -224,15 +224,16 @@ class PlannedMoves:
         past answers so and the target moves); aiming long costs steps of waiting for the
         move to start, or the move itself where the job ends first. A rank that had been at
         its step for more than a few periods when it last said so stands at a boundary (an
-        evaluation, a checkpoint, a wait): it is not extrapolated onward, and the target is
-        the boundary after it.
+        evaluation, a checkpoint, a wait), or that said it left its steps (it says so the
+        moment it does: Heartbeat.outside_steps), is not extrapolated onward, and the target
+        is the boundary after it.
         """
         now = time.time()
         best = 0.0
         for info in self.ranks.values():
             period = info.metrics.get("step_period") or info.metrics.get("step_time", 0.0)
             guess = float(info.step)
-            held = info.step_age is not None and period > 0 and info.step_age > 3 * period
+            held = info.outside_steps or (info.step_age is not None and period > 0 and info.step_age > 3 * period)
             if period > 0 and info.step_at and not held:
                 guess += (now - info.step_at + (info.step_age or 0.0) + 0.05) / period
             best = max(best, guess)

@@ -84,6 +84,7 @@ class RankInfo:
     step: int = 0  # index of the next step this rank will run
     step_at: float = 0.0  # when `step` was reported
     step_age: float | None = None  # how long the rank had been at `step` when it said so
+    outside_steps: bool = False  # it said it is outside its steps (Heartbeat.outside_steps)
     metrics: dict[str, float] = field(default_factory=dict)
     # The rank's own state (random streams, buffers, local values) as of its loop start or
     # its latest boundary function: durable here. Step-by-step copies are held by its buddy.

@@ -135,6 +135,7 @@ def main() -> None:
     p.add_argument("--grad-clip", type=float, default=1.0)
     p.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step (tests)")
     p.add_argument("--eval-sleep", type=float, default=0.0, help="extra seconds per evaluation (tests)")
+    p.add_argument("--eval-hold", default=None, help="each evaluation waits while this file exists (tests)")
     p.add_argument("--end-sleep", type=float, default=0.0, help="seconds after the loop, before saving (tests)")
     p.add_argument("--out-dir", default=None, help="rank 0 writes ckpt.pt here when val loss improves")
     p.add_argument("--resume", action="store_true", help="start from out-dir/ckpt.pt if it exists")
@@ -187,6 +188,8 @@ def main() -> None:
                     losses[i] += loss.float() / args.eval_iters
         if args.eval_sleep:
             time.sleep(args.eval_sleep)
+        while args.eval_hold and os.path.exists(args.eval_hold):
+            time.sleep(0.05)
         dist.all_reduce(losses)
         losses /= job.world_size
         model.train()

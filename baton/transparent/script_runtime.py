@@ -306,6 +306,7 @@ class ScriptRuntime(Runtime):
             self._finish_check_before("the region after the step loop")  # its evaluation, its checkpoint
         # A step begun at the last head, where the iterator then ran out, never ran.
         self.scope = self.tracked.scope = REGION
+        self.ctl.outside_steps(True)
         self.current = None
         self.region = Region.at_exit(self.pos, self.tracked)
         if self.exit_join is not None and not self.exit_join.formed:

@@ -51,7 +51,8 @@ class ControlChannel:
         self._http = self.reach.client(timeout=30.0)
         self._poll_http = self.reach.client(timeout=70.0)
         self.commands: queue.Queue[BaseModel] = queue.Queue()
-        self._outbox: queue.Queue[tuple[dict[str, Any], float]] = queue.Queue()  # (report, queued at)
+        # (report, queued at); None only wakes the report loop for a beat (outside_steps)
+        self._outbox: queue.Queue[tuple[dict[str, Any], float] | None] = queue.Queue()
         self._seq = 0
         self._stopped = threading.Event()
         # Step-loop state shared with the main thread (guarded by `lock`).
@@ -69,6 +70,7 @@ class ControlChannel:
         # What the heartbeat carries: latest boundary, step time, metrics.
         self.heartbeat: dict[str, Any] = {}
         self.step_reached: float | None = None  # time.monotonic() when heartbeat["step"] was reached
+        self._beat_now = threading.Event()  # send the next heartbeat without waiting for its period
         self.heartbeat_timeout_s = 3.0  # the orchestrator's, from register()
         self.beat_every = self.heartbeat_timeout_s / RANK_BEATS_PER_TIMEOUT
         self.on_abort: Callable[[], None] | None = None
@@ -187,6 +189,17 @@ class ControlChannel:
         for r in self._reprobing.values():
             r.stop()
 
+    def outside_steps(self, outside: bool) -> None:
+        """The rank enters (True) or leaves (False) a part of the script outside its steps (a
+        boundary function, the region after a step loop): said at once, not with the next
+        beat, so that a planned move's target is not extrapolated at the step rate past a
+        rank that stopped stepping just after its last beat."""
+        if self.heartbeat.get("outside_steps", False) == outside:
+            return
+        self.heartbeat["outside_steps"] = outside
+        self._beat_now.set()
+        self._outbox.put(None)  # wakes the report loop
+
     def flush(self, timeout: float = 5.0) -> None:
         deadline = time.time() + timeout
         while not self._outbox.empty() and time.time() < deadline:
@@ -282,7 +295,8 @@ class ControlChannel:
                     if "queued_s" in body:  # it dates a move's start or end (messages._Dated)
                         body["queued_s"] = round(time.monotonic() - queued_at, 4)
                     self._post(f"/v1/workers/{self.worker_id}/reports", body)
-                if time.time() - last_beat >= self.beat_every:
+                if self._beat_now.is_set() or time.time() - last_beat >= self.beat_every:
+                    self._beat_now.clear()
                     reached = self.step_reached
                     age = {} if reached is None else {"step_age": round(max(0.0, time.monotonic() - reached), 4)}
                     self._beat(m.Heartbeat(**self.heartbeat, **age, cpu=cpu_report(), gpu=gpu.read()))

@@ -371,6 +371,7 @@ class Runtime(Captures, PlannedHandover, ShardRedundancy, Recovery, Joining, Sta
         self.scope, self.committed, self.seq, self.capture = "step", False, 0, None
         self.backward_captured, self.backward_token = False, None
         self.tracked.scope = "step"
+        self.ctl.outside_steps(False)
         self._step_t0 = time.perf_counter()
         self._busy_s = None
         return step_cls(self, k, batch, epoch)
@@ -460,6 +461,7 @@ class Runtime(Captures, PlannedHandover, ShardRedundancy, Recovery, Joining, Sta
         spe = self.spe
         epoch = (gap // spe - 1 if unit.epoch_end and spe else (gap // spe if spe else self.feed.epoch))
         self.scope = self.tracked.scope = "boundary"
+        self.ctl.outside_steps(True)
         try:
             with selfcost.outside():
                 unit.fn(BoundaryInfo(gap, epoch))
