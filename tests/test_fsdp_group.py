@@ -324,24 +324,26 @@ def _move_then_kill(tmp_path: Path, script: Path, nproc: int, args: list[str]) -
     reference = _torchrun_llama(tmp_path, nproc, args, script=script)
     # Leashed, and not pulled on while the planned move runs: the ranks wait a few steps ahead
     # while the joiner sets up (on a loaded machine a compiled joiner's setup took 17 of 24
-    # steps), so two steps remain after the move for its joiner to hold its ward's copy before
-    # the kill (a kill sooner loses the ward with its only copy), and the faults land before
-    # the end of a short run.
+    # steps). The kill waits until every rank has committed the step after the move's boundary:
+    # the joiner commits it only once it holds its ward's copy of that step's start, and a kill
+    # sooner loses the ward with its only copy (the README's limit). The cap leaves that step
+    # and one more before the end, whichever boundary the move lands at.
     steps = int(args[args.index("--steps") + 1])
     # A compiled job's first step compiles on each rank: on a loaded machine one rank's took
     # over 5 s longer than its peer's, whose all-gather then timed out (--op-timeout 5, CI).
     job = Job(tmp_path, nproc=nproc, spares=2, steps=0, script=script, name="baton", script_args=args,
               run_args=["--redundancy", "1", *(["--op-timeout", "30"] if "--compile" in args else [])],
-              env={"BATON_LOG": "INFO"}, leash=2, leash_cap=steps - 1)
+              env={"BATON_LOG": "INFO"}, leash=2, leash_cap=steps - 2)
     try:
         job.wait_step(3, timeout=180)
         job.client.migrate(0)
         job.wait_until(lambda s: _resolved(job, 0), timeout=180, what="rank 0's planned move", pull=False)
-        # The move's boundary is extrapolated from the ranks' heartbeats and may land past the
-        # leash (seen once beside a full test run: the compiled HSDP job's move at step 12 of 14,
-        # asked for at step 3; the wait below then timed out at the cap). Never wait past the
-        # cap, where the ranks hold until the end.
-        job.wait_step(min(job.status()["ranks"][0]["step"] + 2, steps - 1), timeout=60)
+        # The move's boundary is extrapolated from the ranks' heartbeats and may land at the
+        # cap, where the ranks hold (seen in CI: asked for at step 3, it landed at the cap, and
+        # the kill that followed at once found the joiner without its ward's copy).
+        moved_at = next(e["step"] for e in job.events() if e["kind"] == "planned" and e["status"] == "resolved")
+        job.leash_cap = max(job.leash_cap, moved_at + 1)
+        job.wait_step(moved_at + 1, timeout=120)
         job.signal_rank(nproc - 1, signal.SIGKILL)
         job.wait_until(lambda s: _resolved(job, nproc - 1), timeout=120, what=f"rank {nproc - 1} rebuilt")
         events = ended_equal(job, reference, timeout=240)

@@ -715,6 +715,7 @@ class ScriptRuntime(Runtime):
         self.loop = self.loop.model_copy(update={"start_step": int(state["loop_start"])})
         self.params_step = target[0]
         self.scope = self.tracked.scope = REGION
+        self.ctl.outside_steps(True)  # as its predecessor was: a planned target is not extrapolated here
         self.current = None
         region.join = lambda: self._form_late(cmd, stats, t0, t_fetched, "the region to where the survivors stand")
         self.region = region
