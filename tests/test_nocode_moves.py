@@ -154,6 +154,44 @@ def test_a_leaver_lost_while_its_successor_walks_to_its_place_is_rebuilt_bit_for
     compare(ref, run)
 
 
+@pytest.mark.parametrize("reachable", [True, False])
+def test_a_planned_moves_joiner_walks_ahead_while_the_ranks_train_on(tmp_path, torchrun_reference, reachable):
+    """A planned move's joiner walks, inside its setup, to where its rank stood a moment ago
+    (its buddies' record: the loader drawn to there), and the pause walks only the steps
+    since. The ranks are held at step 19 (iteration 3 of the trainer's 8-step epoch; items to
+    spare forced down to 2) until the move has its target, then let go. Where the rank's
+    place turns out to be past where the joiner can walk (forced once: as if the ranks had
+    gone on past the loop's end), the joiner leaves the rank to another spare and the move
+    runs again. Either way every rank ends equal to torchrun's run."""
+    name, args, _, _ = SHAPES["trainer"]
+    env = {"BATON_TEST_AHEAD_MARGIN": "2"}
+    if not reachable:
+        env["BATON_TEST_AHEAD_UNREACHABLE"] = str(tmp_path / "unreachable-once")
+    ref, run, job = _torchrun_then_job(tmp_path, torchrun_reference, name, args, env, leash=1, cap=19)
+    try:
+        job.wait_step(19, timeout=120)
+        moved = _cli(job, "migrate", "--rank", "1")
+        assert moved.returncode == 0, moved.stderr
+        job.wait_until(lambda st: (st.get("operation") or {}).get("target_step") is not None, timeout=120,
+                       what="the move's target", pull=False)
+        job.let_go()
+        _resolved(job, 1)
+        assert job.wait(timeout=170) == 0, job.log()
+        events, log = job.events(), job.log(tail=None)
+    finally:
+        job.kill()
+    ready = [line for line in log.splitlines() if "joiners-ready" in line]
+    assert ready and "walked_ahead=" in ready[0], ready
+    if reachable:
+        assert [(e["kind"], e["status"], e["rank"]) for e in events] == [("planned", "resolved", 1)], events
+        assert "leaves the rank to another spare" not in log, log[-3000:]
+    else:
+        assert "cannot walk on to the rank's place from there: BATON_TEST_AHEAD_UNREACHABLE" in log, log[-3000:]
+        assert events[0]["kind"] == "planned" and events[0]["status"] == "failed", events
+        assert events[-1]["kind"] == "planned" and events[-1]["status"] == "resolved", events
+    compare(ref, run)
+
+
 def test_a_planned_moves_ranks_pause_only_once_its_joiner_is_through_its_setup(tmp_path, torchrun_reference):
     """A joiner whose script takes seconds to set up (building a large model): the ranks
     train on meanwhile and pause only once it stands at its step loop's outermost loop

@@ -129,6 +129,9 @@ class SetupDone(_Msg):
 
     type: Literal["setup_done"] = "setup_done"
     setup_s: Annotated[float, Field(ge=0, allow_inf_nan=False)]
+    # it walked ahead, inside its setup, to this iteration of the step loop (where its rank
+    # stood a moment before): the pause walks only the items since
+    walked_ahead: NonNegativeInt | None = None
 
 
 class UnitDone(_Msg):
@@ -361,6 +364,10 @@ class Assign(_Msg):
     # a joiner: when the job's step loop began (the orchestrator's clock); files changed since
     # were written by training, and its setup leaves them alone (baton.worker.fence)
     training_since: float | None = None
+    # a no-code joiner of a planned move: where its rank's latest records are held (its
+    # buddies), to walk to the rank's place of now before its setup is reported done; the
+    # pause then walks only the steps since (baton.transparent.controller)
+    walk_from: Annotated[list[Addr], Field(max_length=16)] = []
 
 
 class Pause(_Msg):

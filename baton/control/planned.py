@@ -133,6 +133,10 @@ class PlannedMoves:
     def _on_setup_done(self, w: Worker, rep: m.SetupDone) -> None:
         """A no-code joiner's setup is over: it is as ready as it can be before the pause (it
         reaches its step loop only by walking to the rank's place, which its Form names)."""
+        if rep.walked_ahead is not None:
+            op = self.op
+            if op is not None:
+                op.walked_ahead[w.id] = rep.walked_ahead
         self._on_joiner_ready(w, rep.setup_s)
 
     def _on_joiner_ready(self, w: Worker, setup_s: float | None = None) -> None:
@@ -147,7 +151,9 @@ class PlannedMoves:
             op.joiner_setup_s = max(op.joiner_setup_s, setup_s)
         if all(mv.to_worker in op.ready_joiners for mv in op.moves.values()):
             self._emit("joiners-ready", {"op": op.id, "joiners": sorted(op.ready_joiners),
-                                         **({"setup_s": round(op.joiner_setup_s, 3)} if op.joiner_setup_s else {})})
+                                         **({"setup_s": round(op.joiner_setup_s, 3)} if op.joiner_setup_s else {}),
+                                         **({"walked_ahead": dict(sorted(op.walked_ahead.items()))}
+                                            if op.walked_ahead else {})})
             if self._pre_copies(op):
                 self._begin_pre_copy(op)
             else:

@@ -8,7 +8,7 @@ import time
 
 from baton.control import messages as m
 from baton.control.operation import Operation
-from baton.control.state import Slot, Worker, WorkerRole
+from baton.control.state import EventKind, Slot, Worker, WorkerRole
 
 log = logging.getLogger("baton.orchestrator")
 
@@ -26,7 +26,16 @@ class SparePool:
         self._post(spare.id, m.Assign(rank=rank, generation=op.generation, world_size=self.config.world_size,
                                       joiner=True, loop=self.loop,
                                       setup=self.setup_records.get(rank, self.setup_records.get(0)),
-                                      training_since=self.training_since))
+                                      training_since=self.training_since,
+                                      walk_from=self._walk_from(rank, op)))
+
+    def _walk_from(self, rank: int, op: Operation) -> list[tuple[str, int]]:
+        """A no-code joiner of a planned move may walk ahead, while the ranks train on, to its
+        rank's place as its buddies last recorded it (a rebuild's Form comes at once)."""
+        planned = op.kind in (EventKind.PLANNED, EventKind.PREEMPTIVE)
+        if not planned or self.loop is None or self.loop.style != "script" or op.moves.get(rank) is None:
+            return []
+        return self._buddy_addr(rank)
 
     def _on_spare_available(self) -> None:
         op = self.op

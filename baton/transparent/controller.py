@@ -24,6 +24,7 @@ saying so.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 from typing import Any
@@ -42,6 +43,10 @@ from baton.worker.verify import Divergence
 from baton.worker.tracked import UsageError
 
 log = logging.getLogger("baton.worker")
+
+# A planned move's joiner walks ahead to its rank's newest head only with this many items of
+# the step loop left after it (the ranks step on until the pause; see _CatchUp).
+AHEAD_MARGIN = 16
 
 
 class StepLoopController:
@@ -130,6 +135,7 @@ class StepLoopController:
                 carried.update(values.scalars(loop.site.targets_read_after, scope))
             entry = {"key": loop.site.key, "iteration": loop.iterations,
                      "range": [it.start, it.stop, it.step] if isinstance(it, range) else None,
+                     "length": _length(it) if loop is self.step_loop else None,
                      "values": carried, "records": records, "containers": changed,
                      "rng": loop.head_rng if loop is not self.step_loop and loop is not exiting else None}
             if loop is exiting:
@@ -299,6 +305,34 @@ def _restore_globals(saved: dict[str, dict[str, Any]]) -> None:
             setattr(module, name, values.rebound(value, getattr(module, name, None), name))
 
 
+def _length(iterable: Any) -> int | None:
+    """How many items a step loop's iterable has (a DataLoader's batches), where it says."""
+    if type(iterable) is enumerate:  # `for i, batch in enumerate(loader)`: its loader's iterator says
+        iterable = iterable.__reduce__()[1][0]
+    if not hasattr(type(iterable), "__len__"):
+        return None  # a generator, a zip
+    try:
+        return len(iterable)
+    except TypeError:  # a DataLoader of an IterableDataset without a length
+        return None
+
+
+def _walked_past(early: list[dict[str, Any]], now: list[dict[str, Any]]) -> str | None:
+    """Why a joiner walked ahead to `early` cannot walk on to `now` (None where it can): the
+    loops around the step loop must stand where they stood, with the same variables (their
+    heads ran with those), and the step loop must not have ended or gone back."""
+    if len(now) != len(early) or now[-1].get("exit"):
+        return "its step loop ended"
+    for a, b in zip(early[:-1], now[:-1]):
+        if (a["key"], a["iteration"], a["range"]) != (b["key"], b["iteration"], b["range"]):
+            return f"a loop around its step loop went on: {b['key']} at iteration {b['iteration']}"
+        if not values.same(a["values"], b["values"]):
+            return f"the variables of {b['key']} changed"
+    if now[-1]["iteration"] < early[-1]["iteration"] or now[-1]["key"] != early[-1]["key"]:
+        return "its step loop began again"
+    return None
+
+
 def _setup_fingerprint(loop: ActiveLoop, streams: dict[str, Any] | None) -> dict[str, int]:
     """Where the nest starts: the streams at its outermost loop's first head, and what the
     loaders, datasets and samplers its frame holds (directly, or as attributes of `self`)
@@ -342,6 +376,10 @@ class _CatchUp:
         self.t0 = 0.0
         self.exiting: ActiveLoop | None = None  # the step loop, ending at once: the rank was lost after it
         self.setup: dict[str, int] = {}  # this process's fingerprint where the nest starts (_setup_fingerprint)
+        # A planned move's joiner walking ahead: its rank's own record at its newest head (from
+        # its buddies, while the ranks train on), and the nest's loops walked to it
+        self.ahead: dict[str, Any] | None = None
+        self.walked: list[ActiveLoop] = []
 
     def head(self, loop: ActiveLoop) -> None:
         c = self.c
@@ -354,29 +392,32 @@ class _CatchUp:
 
     def _walk(self, loop: ActiveLoop) -> None:
         c = self.c
-        if self.fetched is None:
+        if self.fetched is None and self.depth == 0:
             # What this setup built, taken before the pause (the ranks stop at its SetupDone):
             # a model's classification there took 15-40 ms, beside the state's arrival on 2 cores.
             self.setup = _setup_fingerprint(loop, rng.capture(c.rt.tracked.generators))
-            c.rt.setup_done()
-            self.t0 = time.perf_counter()
-            try:
-                self.fetched = c.rt.fetch_for_join()
-            except (TransferError, OSError) as exc:
-                c.rt.leave_to_another_spare(exc)
-        _, state, _ = self.fetched
-        path = state["bundle"]["script"]["path"]
+            self.ahead = c.rt.latest_record()
+            if self.ahead is not None and not self._worth_walking_ahead(self.ahead):
+                self.ahead = None
+            if self.ahead is None:
+                self._fetch()
+        last = self.depth == len(c.nest_keys) - 1
+        if self.ahead is not None and last:
+            self._catch_up_from_ahead(loop)
+        bundle = self.ahead if self.ahead is not None else self.fetched[1]["bundle"]  # type: ignore[index]
+        path = bundle["script"]["path"]
         if len(path) != len(c.nest_keys) or path[self.depth]["key"] != loop.site.key:
             raise Divergence(f"rank {c.rt.rank}: its predecessor stood in loops {[e['key'] for e in path]}, not "
                              f"{c.nest_keys}: the script took another way (is its setup deterministic?)")
         entry = path[self.depth]
         if self.depth == 0:  # where the nest starts: did this setup build what the predecessor's did?
-            theirs = state["bundle"]["script"].get("setup") or {}
+            theirs = bundle["script"].get("setup") or {}
             differing = setup_check.differences(self.setup, theirs) if theirs else []
             if differing:
                 raise Divergence(setup_check.explain(c.rt.rank, differing))
             c.setup = self.setup  # what this process's own record says from now on: its successor checks it too
-            _restore_globals(state["bundle"]["script"].get("globals", {}))
+            _restore_globals(bundle["script"].get("globals", {}))
+        self.walked.append(loop)
         c._track_extras(loop.frame)  # before the streams at this head are put back: they include its generators
         if entry.get("exit"):
             self._end(loop, entry)
@@ -401,6 +442,56 @@ class _CatchUp:
         self.depth += 1
         if self.depth == len(c.nest_keys):
             self._arrive(loop)
+
+    def _fetch(self) -> None:
+        """Report the setup done (a planned move's ranks pause only now) and wait for the Form
+        naming the rank's place, with the state taken over there."""
+        self.c.rt.setup_done()
+        self.t0 = time.perf_counter()
+        try:
+            self.fetched = self.c.rt.fetch_for_join()
+        except (TransferError, OSError) as exc:
+            self.c.rt.leave_to_another_spare(exc)
+
+    def _worth_walking_ahead(self, ahead: dict[str, Any]) -> bool:
+        """Walk ahead only to a head inside the step loop with items to spare before its end:
+        the ranks go on meanwhile, and a place past the loop's end (another epoch) cannot be
+        walked to from there (where the ranks went that far anyway, this process leaves the
+        rank to another spare). A loop whose length is unknown is walked in the pause."""
+        path = ahead["script"]["path"]
+        if len(path) != len(self.c.nest_keys) or any(e.get("exit") for e in path):
+            return False
+        left = os.environ.get("BATON_TEST_AHEAD_MARGIN")
+        margin = int(left) if left is not None else AHEAD_MARGIN
+        step = path[-1]
+        if step["range"] is not None:  # a range is walked in no time (and its length may be replaced)
+            return False
+        return step.get("length") is not None and step["length"] - step["iteration"] >= margin
+
+    def _catch_up_from_ahead(self, loop: ActiveLoop) -> None:
+        """At the step loop's head, walked ahead to where the rank stood a moment ago (`ahead`,
+        drawn to there): report the setup done, take the place the pause names, and walk on
+        to it from here, with what the rank's record there says of the loops walked past."""
+        assert self.ahead is not None and loop.counted is not None
+        c, early = self.c, self.ahead["script"]
+        loop.counted.skip(early["path"][-1]["iteration"] - loop.iterations)
+        c.rt.walked_ahead = early["path"][-1]["iteration"]
+        self._fetch()
+        assert self.fetched is not None
+        now = self.fetched[1]["bundle"]["script"]
+        differs = _walked_past(early["path"], now["path"])
+        mark = os.environ.get("BATON_TEST_AHEAD_UNREACHABLE")  # tests, once: as if the ranks had gone past
+        if mark and not differs and not os.path.exists(mark):  # the loop's end
+            open(mark, "w").close()
+            differs = "BATON_TEST_AHEAD_UNREACHABLE"
+        if differs:
+            c.rt.leave_to_another_spare(RuntimeError(
+                f"it walked ahead to iteration {early['path'][-1]['iteration']} of its step loop, and cannot walk "
+                f"on to the rank's place from there: {differs}"))
+        for outer, entry in zip(self.walked, now["path"][:-1]):
+            c._hand_back(entry, outer.frame)  # objects and containers as they are now (a meter, `self`)
+        _restore_globals(now.get("globals", {}))
+        self.ahead = None
 
     def _end(self, loop: ActiveLoop, entry: dict[str, Any]) -> None:
         """The predecessor was lost after its step loop had ended: end this one at once, as

@@ -34,6 +34,7 @@ from baton.control import messages as m
 from baton.transfer import FetchStats, TransferError
 from baton.transfer.bundles import Bundle, encode_frame
 from baton.transfer.server import FETCH, FETCH_OWN, FETCH_TAIL
+from baton.worker.bundle import fetch_ward_bundle
 from baton.transparent import tail
 from baton.transparent.region import Region, catch_up, load_small_state, small_state
 from baton.transparent.sites import SITES
@@ -119,6 +120,7 @@ class ScriptRuntime(Runtime):
         self.step_record: StepRecord | None = None
         self.prev_record: StepRecord | None = None
         self.form_at = 0.0  # when a joiner's Form arrived (its part of the pause begins: `_walk_began`)
+        self.walked_ahead: int | None = None  # a joiner: the step-loop iteration its setup walked ahead to
         self.copies = tail.CopyPool()  # the tensors of records dropped, for the next records' copies
         self.replay: _Replay | None = None  # a successor running again the step its predecessor was lost after
         self.in_tail = False  # recovering in a collective after a step's optimizer step
@@ -447,6 +449,26 @@ class ScriptRuntime(Runtime):
                              "for bit. The job stops here: restart it from your own checkpoint.")
         return cmd, state, stats
 
+    def latest_record(self) -> dict[str, Any] | None:
+        """A planned move's joiner: its rank's own record at its newest head, as its buddies
+        hold it while it trains on (None where it has none to walk ahead to). A capture of a
+        step's end carries no place in the script: the head before it does."""
+        assert self.assignment is not None
+        for addr in self.assignment.walk_from:
+            limit: tuple[int, int] = (2**62, 0)
+            try:
+                for _ in range(3):
+                    frame = fetch_ward_bundle(tuple(addr), self.token, self.rank, limit, timeout=5.0)
+                    if frame is None:
+                        break
+                    state = frame.state()
+                    if "script" in state:
+                        return state
+                    limit = (frame.pos[0] - 1, 2**30)
+            except (OSError, TransferError) as exc:
+                log.info("rank %d's newest record not read from %s (%s): walking in the pause", self.rank, addr, exc)
+        return None
+
     @staticmethod
     def fetched_state(state: dict[str, Any], stats: FetchStats) -> tuple[dict[str, Any], FetchStats]:
         """The whole state to take over: what `fetch_for_join` still fetched, with what this
@@ -473,7 +495,7 @@ class ScriptRuntime(Runtime):
         if not self.setup_s:  # not taken yet (at the walk's first head, or at its place)
             self.setup_s = time.perf_counter() - self.assigned_at
             # A planned move pauses the ranks only now (a rebuild's orchestrator ignores it)
-            self.ctl.report(m.SetupDone(setup_s=round(self.setup_s, 4)))
+            self.ctl.report(m.SetupDone(setup_s=round(self.setup_s, 4), walked_ahead=self.walked_ahead))
 
     def _walk_began(self) -> float:
         """Where a joiner's part of the pause began: its Form, or the end of its setup (a

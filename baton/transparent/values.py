@@ -41,6 +41,19 @@ def value(obj: Any, _seen: frozenset[int] = frozenset()) -> Any:
     return obj
 
 
+def same(a: Any, b: Any) -> bool:
+    """Whether two captured values are equal, bit for bit where they are tensors (a NaN
+    differs from itself: the careful answer for a joiner deciding whether it may go on)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+                and a.shape == b.shape and torch.equal(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
+
+
 def record(obj: Any, _seen: frozenset[int] = frozenset()) -> dict[str, Any]:
     """The attributes of an object of plain values (a meter, `self`) that change: numbers,
     strings, tensors, and objects of such; the rest (its model, loader, functions, enums,
