@@ -31,9 +31,13 @@ class SparePool:
 
     def _walk_from(self, rank: int, op: Operation) -> list[tuple[str, int]]:
         """A no-code joiner of a planned move may walk ahead, while the ranks train on, to its
-        rank's place as its buddies last recorded it (a rebuild's Form comes at once)."""
+        rank's place as its buddies last recorded it (a rebuild's Form comes at once). Once
+        per move: where its joiner was lost (or left, having walked past where it could go
+        on), the next one walks in the pause, so a fast epoch cannot use up the spares."""
         planned = op.kind in (EventKind.PLANNED, EventKind.PREEMPTIVE)
         if not planned or self.loop is None or self.loop.style != "script" or op.moves.get(rank) is None:
+            return []
+        if self._spares_lost_moving.get(rank):  # a joiner left this move (it may have walked too far): not again
             return []
         return self._buddy_addr(rank)
 

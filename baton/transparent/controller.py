@@ -44,8 +44,8 @@ from baton.worker.tracked import UsageError
 
 log = logging.getLogger("baton.worker")
 
-# A planned move's joiner walks ahead to its rank's newest head only with this many items of
-# the step loop left after it (the ranks step on until the pause; see _CatchUp).
+# A planned move's joiner walks ahead to its rank's newest head only with this many steps
+# of the step loop left after it (the ranks step on until the pause; see _CatchUp).
 AHEAD_MARGIN = 16
 
 
@@ -136,6 +136,7 @@ class StepLoopController:
             entry = {"key": loop.site.key, "iteration": loop.iterations,
                      "range": [it.start, it.stop, it.step] if isinstance(it, range) else None,
                      "length": _length(it) if loop is self.step_loop else None,
+                     "heads_per_step": loop.heads_last_step if loop is self.step_loop else None,
                      "values": carried, "records": records, "containers": changed,
                      "rng": loop.head_rng if loop is not self.step_loop and loop is not exiting else None}
             if loop is exiting:
@@ -157,6 +158,7 @@ class StepLoopController:
             return
         if loop.site.id == self.step_site:
             self.step_loop = loop  # entered again (the next epoch): the same site, a new entry
+            loop.heads_last_step = loop.step_heads  # read where a step begins (script_section)
             if self.rt.at_head():  # a step begins here
                 loop.step_heads, loop.drawn = 0, []
             loop.step_heads += 1
@@ -454,10 +456,13 @@ class _CatchUp:
             self.c.rt.leave_to_another_spare(exc)
 
     def _worth_walking_ahead(self, ahead: dict[str, Any]) -> bool:
-        """Walk ahead only to a head inside the step loop with items to spare before its end:
+        """Walk ahead only to a head inside the step loop with steps to spare before its end:
         the ranks go on meanwhile, and a place past the loop's end (another epoch) cannot be
         walked to from there (where the ranks went that far anyway, this process leaves the
-        rank to another spare). A loop whose length is unknown is walked in the pause."""
+        rank to another spare, which walks in the pause). Steps, not items: a step
+        accumulating 16 micro-batches spends a 16-item epoch in one. A loop whose length is
+        unknown, or whose step size is not known yet (the first step of an epoch), is walked
+        in the pause."""
         path = ahead["script"]["path"]
         if len(path) != len(self.c.nest_keys) or any(e.get("exit") for e in path):
             return False
@@ -466,7 +471,8 @@ class _CatchUp:
         step = path[-1]
         if step["range"] is not None:  # a range is walked in no time (and its length may be replaced)
             return False
-        return step.get("length") is not None and step["length"] - step["iteration"] >= margin
+        length, per_step = step.get("length"), step.get("heads_per_step")
+        return length is not None and bool(per_step) and (length - step["iteration"]) // per_step >= margin
 
     def _catch_up_from_ahead(self, loop: ActiveLoop) -> None:
         """At the step loop's head, walked ahead to where the rank stood a moment ago (`ahead`,

@@ -41,6 +41,7 @@ class ActiveLoop:
     # over several iterations spans several), and a for loop's items drawn since, each with
     # the random streams as drawing it left them; after a recovery, those to hand again.
     step_heads: int = 0
+    heads_last_step: int = 0  # the heads the step before this one spanned (0: none yet this loop)
     drawn: list[tuple[Any, Any]] = field(default_factory=list, repr=False)
     replay: list[tuple[Any, Any]] = field(default_factory=list, repr=False)
     exhausted: bool = False  # end the loop at the next head (a successor reaching a loop's exit)
