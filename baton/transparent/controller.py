@@ -319,17 +319,23 @@ def _length(iterable: Any) -> int | None:
         return None
 
 
-def _walked_past(early: list[dict[str, Any]], now: list[dict[str, Any]]) -> str | None:
+def _walked_past(early: list[dict[str, Any]], now: list[dict[str, Any]], rebound: set[str]) -> str | None:
     """Why a joiner walked ahead to `early` cannot walk on to `now` (None where it can): the
     loops around the step loop must stand where they stood, with the same variables (their
-    heads ran with those), and the step loop must not have ended or gone back."""
+    heads ran with those), and the step loop must not have ended or gone back. Names the
+    step loop assigns (`rebound`: a step counter of a `while done < steps` around it) change
+    with every step and are the step loop's to carry: they are not compared."""
     if len(now) != len(early) or now[-1].get("exit"):
         return "its step loop ended"
     for a, b in zip(early[:-1], now[:-1]):
         if (a["key"], a["iteration"], a["range"]) != (b["key"], b["iteration"], b["range"]):
             return f"a loop around its step loop went on: {b['key']} at iteration {b['iteration']}"
-        if not values.same(a["values"], b["values"]):
-            return f"the variables of {b['key']} changed"
+        mine = {k: v for k, v in a["values"].items() if k not in rebound}
+        theirs = {k: v for k, v in b["values"].items() if k not in rebound}
+        if not values.same(mine, theirs):
+            changed = sorted(k for k in mine.keys() | theirs.keys()
+                             if k not in mine or k not in theirs or not values.same(mine[k], theirs[k]))
+            return f"the variables of {b['key']} changed: {', '.join(changed)}"
     if now[-1]["iteration"] < early[-1]["iteration"] or now[-1]["key"] != early[-1]["key"]:
         return "its step loop began again"
     return None
@@ -485,7 +491,7 @@ class _CatchUp:
         self._fetch()
         assert self.fetched is not None
         now = self.fetched[1]["bundle"]["script"]
-        differs = _walked_past(early["path"], now["path"])
+        differs = _walked_past(early["path"], now["path"], set(loop.site.assigned))
         mark = os.environ.get("BATON_TEST_AHEAD_UNREACHABLE")  # tests, once: as if the ranks had gone past
         if mark and not differs and not os.path.exists(mark):  # the loop's end
             open(mark, "w").close()
