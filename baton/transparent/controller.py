@@ -330,11 +330,10 @@ def _walked_past(early: list[dict[str, Any]], now: list[dict[str, Any]], rebound
     for a, b in zip(early[:-1], now[:-1]):
         if (a["key"], a["iteration"], a["range"]) != (b["key"], b["iteration"], b["range"]):
             return f"a loop around its step loop went on: {b['key']} at iteration {b['iteration']}"
-        mine = {k: v for k, v in a["values"].items() if k not in rebound}
-        theirs = {k: v for k, v in b["values"].items() if k not in rebound}
-        if not values.same(mine, theirs):
-            changed = sorted(k for k in mine.keys() | theirs.keys()
-                             if k not in mine or k not in theirs or not values.same(mine[k], theirs[k]))
+        mine, theirs = a["values"], b["values"]
+        changed = sorted(k for k in (mine.keys() | theirs.keys()) - rebound
+                         if k not in mine or k not in theirs or not values.same(mine[k], theirs[k]))
+        if changed:
             return f"the variables of {b['key']} changed: {', '.join(changed)}"
     if now[-1]["iteration"] < early[-1]["iteration"] or now[-1]["key"] != early[-1]["key"]:
         return "its step loop began again"
