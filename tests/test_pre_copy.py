@@ -97,7 +97,8 @@ def test_a_kill_during_a_pre_copy_falls_back_bitwise(tmp_path, train_reference, 
     shape = [(e["kind"], e["status"]) for e in events]
     if victim == "joiner":
         assert shape == [("planned", "failed"), ("planned", "resolved")], events
-        assert events[1]["pre_copy"]["ok"] and "follow" in events[1]["phases"], events[1]
+        assert events[1]["pre_copy"]["ok"] and "follow" in events[1]["phases"], \
+            f"pre_copy {events[1]['pre_copy']}, phases {events[1]['phases']}"
     elif victim.startswith("leaver"):
         assert shape == [("planned", "failed"), ("unplanned", "resolved")], events
         assert "superseded by the loss of its leaver" in events[0]["note"], events[0]

@@ -265,7 +265,7 @@ class Feed:
         t0 = time.perf_counter()
         self._check_versions("after the optimizer step")
         self._put({"kind": "step_end", "step": step, "small": small_state(self.tracked), "touched": self.touched,
-                   "made_at": time.time(), "step_s": t0 - self._step_t0})
+                   "step_s": t0 - self._step_t0})
         self._step_t0 = time.perf_counter()
         self.capture_s += time.perf_counter() - t0
 
@@ -369,11 +369,13 @@ class Follower:
         seq = 0
         try:
             while not self._stop.is_set():  # the next record comes with the source's next step, however long
+                t0 = time.perf_counter()
                 flat, n = link.fetch(snapshot_key(steps, record_key(self.op, seq)), wait_s=self._wait_s,
                                      pool=self.buffers)
                 self.step_bytes += n
                 record = codec.decode(flat.meta, list(flat.tensors))
                 record["nbytes"] = n  # what it took on the wire
+                record["fetch_s"] = time.perf_counter() - t0  # its transfer, and any wait for the source to make it
                 self._records.put((record, ""))
                 seq += 1
         except Exception as exc:  # noqa: BLE001 - any end of the records is the follower's end
@@ -414,6 +416,16 @@ class Follower:
             self._link.close()
         if self._records_link is not None:
             self._records_link.close()
+
+
+def _at_head(fetched_s: float, step_s: float) -> bool:
+    """Whether the joiner is within a step of its leaver: the fetches of the step's records
+    took half the leaver's step or more, so they waited for the leaver to make them (a joiner
+    behind gets each at once). Durations on one side only, where a record's age (one host's
+    clock read on another) would be off by their skew, and on a busy machine by the
+    scheduler's delays: a joiner that was following never said so, and the move waited for
+    its pre-copy's deadline (120 s)."""
+    return fetched_s >= 0.5 * step_s
 
 
 def _cannot_keep_up(paces: list[tuple[float, float]]) -> str:
@@ -492,7 +504,7 @@ class PreCopying:
         log.info("pre-copy: the replicated state at %s arrived (%.1f MB in %.3fs); following the leaver",
                  f.pos, f.base_bytes / 2**20, f.base_s)
         reported = False
-        busy, paces = 0.0, []  # this step's replay so far; (replay, the leaver's step) per step
+        busy, fetched, paces = 0.0, 0.0, []  # this step's replay and fetches so far; (replay, the leaver's step)
         while True:
             got = self.ctl.wait_command(0)
             if isinstance(got, m.Form):
@@ -509,18 +521,20 @@ class PreCopying:
             t0 = time.perf_counter()
             self._apply_record(record)
             busy += time.perf_counter() - t0
+            fetched += float(record["fetch_s"])
             if record["kind"] != "step_end":
                 continue
-            paces.append((busy, float(record["step_s"])))
-            busy = 0.0
+            step_s = float(record["step_s"])
+            paces.append((busy, step_s))
+            at_head = _at_head(fetched, step_s)
+            busy = fetched = 0.0
             slow = _cannot_keep_up(paces)
             if slow:
                 f.failed = slow
                 continue  # reported above, at the next turn
-            # Caught up: this step applied within a step of the leaver's, and the replay has kept
-            # pace for long enough to judge (else the ranks would pause while it still replays).
-            if not reported and len(paces) >= KEEP_UP_STEPS and \
-                    time.time() - float(record["made_at"]) < float(record["step_s"]) + 0.05:
+            # Caught up: the replay has kept pace for long enough to judge (else the ranks would
+            # pause while it still replays), and this step's records were waited for.
+            if not reported and len(paces) >= KEEP_UP_STEPS and at_head:
                 reported = True
                 self.ctl.report(self._caught_up(f))
 
