@@ -9,10 +9,13 @@ the one only its setup wrote (its pid) is written again by the successor."""
 from __future__ import annotations
 
 import json
+import os
 import textwrap
+import time
 
 import torch
 
+from baton.worker.fence import Fence
 from tests.jobs import Job
 from tests.nocode_runs import NOCODE, differences
 
@@ -174,6 +177,60 @@ def test_a_successors_setup_leaves_the_jobs_files_as_the_job_wrote_them(tmp_path
     assert differences(mine, theirs) == []
     # what the predecessor's setup alone wrote is written again: its pid file names the successor
     assert (out / "pid.rank0").stat().st_mtime > (out / "samples" / "at60.txt").stat().st_mtime
+
+
+def test_a_fence_writes_again_only_what_an_earlier_setup_left_as_it_was(tmp_path):
+    """Both files changed after the step loop began; an earlier successor's setup wrote both,
+    and training changed one since: this setup writes the other again and leaves that one,
+    and says which it wrote."""
+    setup_only, trained = tmp_path / "pid", tmp_path / "log"
+    for path in (setup_only, trained):
+        path.write_text("an earlier setup's")
+    earlier = {str(setup_only): setup_only.stat().st_mtime, str(trained): trained.stat().st_mtime}
+    trained.write_text("training's")
+    os.utime(trained, (earlier[str(trained)] + 1, earlier[str(trained)] + 1))
+    fenced = Fence(own=lambda name: name == __file__, since=time.time() - 60, setup_files=earlier)
+    fenced.install()
+    try:
+        with open(setup_only, "w") as f:
+            f.write("this setup's")
+        with open(trained, "w") as f:
+            f.write("this setup's")
+    finally:
+        written = fenced.lift()
+    assert setup_only.read_text() == "this setup's" and trained.read_text() == "training's"
+    assert list(written) == [str(setup_only)]
+
+
+def test_the_third_process_of_a_rank_rewrites_what_only_setups_wrote(tmp_path, torchrun_reference):
+    """Rank 0 moves (planned), and its successor is killed 5 steps after it joined: the third
+    process of rank 0 rewrites its pid file, which only the second's setup had written, but
+    after the step loop began (the second said so as it took its place: SetupWritten); what
+    training wrote still ends as torchrun's."""
+    ref = torchrun_reference(_write(tmp_path, WRITER), [], env={"OUT": "{d}/export"})
+    script = tmp_path / "twice.py"
+    script.write_text(textwrap.dedent(WRITER))
+    out = tmp_path / "twice-out"
+    out.mkdir()
+    job = Job(tmp_path, nproc=2, spares=1, script=script, out_arg=False, name="twice", leash=4, leash_cap=70,
+              env={"PYTHONPATH": str(INJECT), "BATON_TEST_SIGNAL_MID_STEP": "0:joined+5:SIGKILL",
+                   "BATON_TEST_SIGNAL_MARK": str(tmp_path / "twice-fired"), "OUT": str(out)})
+    try:
+        job.wait_step(10)
+        job.wait_spare()
+        job.client.migrate(0)
+        job.wait_until(lambda st: sum(e["status"] == "resolved" for e in job.events()) == 2, timeout=240,
+                       what="the move and the recovery resolved")
+        third = next(r["pid"] for r in job.status()["ranks"] if r["rank"] == 0)
+        job.let_go()
+        assert job.wait(timeout=170) == 0, job.log()
+        events = job.events()
+    finally:
+        job.kill()
+    assert [(e["kind"], e["status"], e["rank"]) for e in events] == [("planned", "resolved", 0),
+                                                                     ("unplanned", "resolved", 0)], events
+    assert (out / "pid.rank0").read_text() == str(third), "the pid file names a process that rank 0 no longer is"
+    assert differences(_files(out), _files(ref / "export")) == []
 
 
 def test_the_same_in_a_model_aware_script(tmp_path):

@@ -291,6 +291,15 @@ class _Following(_Msg):
     step_bytes: NonNegativeInt = 0
 
 
+class SetupWritten(_Msg):
+    """A successor holds its rank's place: the files its setup wrote (not fenced: training had
+    not touched them), for the next successor's fence, which would else take them for
+    training's output (they changed after the step loop began) and keep its predecessor's."""
+
+    type: Literal["setup_written"] = "setup_written"
+    files: SetupFiles
+
+
 class CaughtUp(_Following):
     """A pre-copying joiner (CatchUp): it follows the leaver within a step (`ok`), or it cannot
     (then the move takes the whole state in its pause, as without a pre-copy)."""
@@ -319,7 +328,8 @@ class HotState(_Following):
 
 
 Report = Annotated[Union[Heartbeat, Ready, SetupDone, UnitDone, PauseAck, Paused, Recover, Formed, Verified, Finished,
-                         UserError, Left, PathChanged, PathsReady, PathsFound, CaughtUp, PreCopyCost, HotState],
+                         UserError, Left, PathChanged, PathsReady, PathsFound, CaughtUp, PreCopyCost, HotState,
+                         SetupWritten],
                    Field(discriminator="type")]
 REPORT = TypeAdapter(Report)
 
@@ -353,6 +363,12 @@ class Registered(_Msg):
 
 
 # ---------------------------------------------------------------- commands
+# Files a successor's setup wrote, which training had not touched since the step loop began,
+# each with its modification time once the setup was over (baton.worker.fence): at most this many.
+SetupFiles = Annotated[dict[Annotated[str, Field(max_length=4096)], Annotated[float, Field(allow_inf_nan=False)]],
+                       Field(max_length=256)]
+
+
 class Assign(_Msg):
     type: Literal["assign"] = "assign"
     rank: NonNegativeInt
@@ -364,6 +380,9 @@ class Assign(_Msg):
     # a joiner: when the job's step loop began (the orchestrator's clock); files changed since
     # were written by training, and its setup leaves them alone (baton.worker.fence)
     training_since: float | None = None
+    # a joiner: files earlier successors' setups wrote (path: their modification time then);
+    # one still as its setup left it was not written by training, and this setup writes it again
+    setup_files: SetupFiles = {}
     # a no-code joiner of a planned move: where its rank's latest records are held (its
     # buddies), to walk to the rank's place of now before its setup is reported done; the
     # pause then walks only the steps since (baton.transparent.controller)

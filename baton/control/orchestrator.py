@@ -137,6 +137,7 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing, PathFa
         # each rank's record of its setup's collectives: rank 0's, and another's where it differs
         self.setup_records: dict[int, m.BundleText] = {}
         self.training_since: float | None = None  # when every rank had entered the step loop
+        self.setup_files: dict[str, float] = {}  # what successors' setups wrote (m.SetupWritten)
         self.lives = 0  # earlier lives of this job's control plane (restarts from its store)
         self.helper_cpu: Callable[[], float] = lambda: 0.0  # CPU of its helper processes (the store)
         self.imports_cpu: Callable[[], float] = lambda: 0.0  # the workers' imports, done once in the zygote
@@ -683,6 +684,11 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing, PathFa
 
     def _on_left(self, w: Worker, rep: m.Left) -> None:
         w.role = WorkerRole.GONE
+
+    def _on_setup_written(self, w: Worker, rep: m.SetupWritten) -> None:
+        """Kept for the next successors' fences; the newest 256 (a bound on what Assign carries)."""
+        files = {**self.setup_files, **rep.files}
+        self.setup_files = dict(list(files.items())[-256:])
 
     # ------------------------------------------------------------------ scheduler input
     def _on_worker_exited(self, ev: m.WorkerExited) -> None:

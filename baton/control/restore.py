@@ -33,6 +33,7 @@ def job_record(orch: Orchestrator) -> dict[str, Any]:
         "generation": orch.generation, "exit_code": orch.exit_code, "world_size": orch.config.world_size,
         "worker_ids": orch._worker_ids, "op_ids": orch._op_ids, "lives": orch.lives,
         "loop": orch.loop.model_dump() if orch.loop is not None else None, "training_since": orch.training_since,
+        "setup_files": orch.setup_files,
         "home": {str(r): s for r, s in orch.home.items()},
         "training_done": orch._training_done, "final_code": orch._final_code, "failure": orch.failure,
         "retry_moves": [to_json(x) for x in orch._retry_moves],
@@ -59,6 +60,7 @@ def restore(orch: Orchestrator, store: SqliteStore) -> bool:
     orch._worker_ids, orch._op_ids = job["worker_ids"], job["op_ids"]
     orch.loop = m.LoopInfo(**job["loop"]) if job.get("loop") else None
     orch.training_since = job.get("training_since")
+    orch.setup_files = dict(job.get("setup_files") or {})
     orch.home = {int(r): s for r, s in job.get("home", {}).items()}
     orch._training_done, orch._final_code = job["training_done"], job["final_code"]
     orch.failure = job.get("failure")

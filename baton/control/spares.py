@@ -26,7 +26,7 @@ class SparePool:
         self._post(spare.id, m.Assign(rank=rank, generation=op.generation, world_size=self.config.world_size,
                                       joiner=True, loop=self.loop,
                                       setup=self.setup_records.get(rank, self.setup_records.get(0)),
-                                      training_since=self.training_since,
+                                      training_since=self.training_since, setup_files=self.setup_files,
                                       walk_from=self._walk_from(rank, op)))
 
     def _walk_from(self, rank: int, op: Operation) -> list[tuple[str, int]]:

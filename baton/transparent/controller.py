@@ -404,7 +404,9 @@ class _CatchUp:
             # a model's classification there took 15-40 ms, beside the state's arrival on 2 cores.
             self.setup = _setup_fingerprint(loop, rng.capture(c.rt.tracked.generators))
             self.ahead = c.rt.latest_record()
-            if self.ahead is not None and not self._worth_walking_ahead(self.ahead):
+            why = self._not_worth_walking_ahead(self.ahead) if self.ahead is not None else "no record to walk to"
+            if why:
+                log.info("rank %d: walking to its place in the pause (%s)", c.rt.rank, why)
                 self.ahead = None
             if self.ahead is None:
                 self._fetch()
@@ -460,24 +462,29 @@ class _CatchUp:
         except (TransferError, OSError) as exc:
             self.c.rt.leave_to_another_spare(exc)
 
-    def _worth_walking_ahead(self, ahead: dict[str, Any]) -> bool:
+    def _not_worth_walking_ahead(self, ahead: dict[str, Any]) -> str:
         """Walk ahead only to a head inside the step loop with steps to spare before its end:
         the ranks go on meanwhile, and a place past the loop's end (another epoch) cannot be
         walked to from there (where the ranks went that far anyway, this process leaves the
         rank to another spare, which walks in the pause). Steps, not items: a step
         accumulating 16 micro-batches spends a 16-item epoch in one. A loop whose length is
         unknown, or whose step size is not known yet (the first step of an epoch), is walked
-        in the pause."""
+        in the pause. Why not (empty: walk ahead)."""
         path = ahead["script"]["path"]
         if len(path) != len(self.c.nest_keys) or any(e.get("exit") for e in path):
-            return False
+            return "its rank stood outside its step loop"
         left = os.environ.get("BATON_TEST_AHEAD_MARGIN")
         margin = int(left) if left is not None else AHEAD_MARGIN
         step = path[-1]
         if step["range"] is not None:  # a range is walked in no time (and its length may be replaced)
-            return False
+            return "its step loop walks a range"
         length, per_step = step.get("length"), step.get("heads_per_step")
-        return length is not None and bool(per_step) and (length - step["iteration"]) // per_step >= margin
+        if length is None or not per_step:
+            return "its step loop's length is unknown" if length is None else \
+                f"its step size is not known yet (iteration {step['iteration']}: its first step this loop)"
+        if (length - step["iteration"]) // per_step < margin:
+            return f"fewer than {margin} steps to its step loop's end"
+        return ""
 
     def _catch_up_from_ahead(self, loop: ActiveLoop) -> None:
         """At the step loop's head, walked ahead to where the rank stood a moment ago (`ahead`,

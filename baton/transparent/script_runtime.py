@@ -39,7 +39,7 @@ from baton.transparent import tail
 from baton.transparent.region import Region, catch_up, load_small_state, small_state
 from baton.transparent.sites import SITES
 from baton.transparent.tail import StepRecord
-from baton.worker import discover, fence, shards, verify
+from baton.worker import discover, shards, verify
 from baton.worker.collectives import Record, Recorded, same_everywhere
 from baton.worker.group import CollectiveFailure, LiveGroup
 from baton.worker.exit import exit_quietly
@@ -507,7 +507,7 @@ class ScriptRuntime(Runtime):
         orchestrator told (its setup time too), the prefetching of its state over."""
         assert self.assignment is not None and self.assignment.loop is not None
         self.setup_done()
-        fence.lift()
+        self._lift_fence()
         self._prepare_loop(self.assignment.loop)
         assert self.loop is not None
         self.ctl.report(m.Ready(loop=self.loop, joined=True))  # ahead of its Formed (one outbox)

@@ -16,7 +16,10 @@ the job's step loop began, by the orchestrator's clock) go nowhere:
 
 What the predecessor's setup wrote and training never touched (a pid file, a config, a
 per-rank log of the setup) is written again, as torchrun's restart would; paths that do not
-exist yet are written as usual. Without the job's start time, every existing path is kept. Only
+exist yet are written as usual. A successor's setup writes after the loop began, so each says
+which files it wrote (their modification times once it holds its place), and the next
+successor's fence writes those again while they are still as that setup left them: the third
+process of a rank rewrites its pid file too. Without the job's start time, every existing path is kept. Only
 calls made from the script's own files are fenced (a library's cache is not the job's
 output), and not modes that also read ("r+", "w+"), nor os.open. A successor that re-runs
 code its predecessor had run with the others (the region after the step loop, the step it
@@ -42,9 +45,11 @@ _WRITES = frozenset("wa")
 
 
 class Fence:
-    def __init__(self, own: Callable[[str], bool], since: float | None):
+    def __init__(self, own: Callable[[str], bool], since: float | None, setup_files: dict[str, float]):
         self._own = own
         self._since = since
+        self._setup_files = setup_files  # earlier successors' setups' files: {path: mtime they left}
+        self.written: set[str] = set()  # what this setup wrote through (absolute paths)
         self._own_cache: dict[str, bool] = {}
         self._diverted: list[tuple[weakref.ref, str]] = []
         self.skipped: list[str] = []  # what was not done, for the log
@@ -63,9 +68,10 @@ class Fence:
             self._patch(os, name, self._replace_with(name))
         self._patch(shutil, "rmtree", self._rmtree)
 
-    def lift(self) -> None:
+    def lift(self) -> dict[str, float]:
         """The successor holds its rank's place: writes go through again, and the handles
-        the setup opened on existing files append to them from here on."""
+        the setup opened on existing files append to them from here on. The files its setup
+        wrote, with their modification times now."""
         self.active = False
         for (module, name), original in self._originals.items():
             setattr(module, name, original)
@@ -83,6 +89,13 @@ class Fence:
             log.info("before taking its rank's place, the script's setup left alone what the job had written: %s",
                      "; ".join(self.skipped[:20]))
         self._diverted.clear()
+        written = {}
+        for path in sorted(self.written)[:256]:
+            try:
+                written[path] = os.stat(path).st_mtime
+            except OSError:
+                continue
+        return written
 
     def _patch(self, module: Any, name: str, replacement: Any) -> None:
         self._originals[(module, name)] = getattr(module, name)
@@ -112,7 +125,13 @@ class Fence:
             changed = os.stat(path).st_mtime
         except OSError:
             return False
+        if self._setup_files.get(os.path.abspath(path)) == changed:
+            return False  # as an earlier successor's setup left it: not training's
         return self._since is None or changed > self._since
+
+    def _wrote(self, path: str | None) -> None:
+        if path is not None and self.active and self._from_script():
+            self.written.add(os.path.abspath(path))
 
     @staticmethod
     def _path(file: Any) -> str | None:
@@ -124,6 +143,8 @@ class Fence:
         path = self._path(file)
         if path is None or "+" in mode or not (_WRITES & set(mode)) or not os.path.isfile(path) \
                 or not self._kept(path) or not self._from_script():
+            if path is not None and _WRITES & set(mode):
+                self._wrote(path)
             return original(file, mode, *args, **kwargs)
         handle = original(os.devnull, mode, *args, **kwargs)
         self._diverted.append((weakref.ref(handle), os.path.abspath(path)))
@@ -136,6 +157,7 @@ class Fence:
             self.skipped.append(f"torch.save to {path!r}")
             return
         self._original(torch, "save")(obj, f, *args, **kwargs)
+        self._wrote(path)
 
     def _remove_with(self, name: str) -> Callable[..., None]:
         def remove(path: Any, *args: Any, **kwargs: Any) -> None:
@@ -157,6 +179,7 @@ class Fence:
                 self._original(os, "remove")(src)
                 return
             self._original(os, name)(src, dst, *args, **kwargs)
+            self._wrote(os.fsdecode(os.fspath(dst)))
         return replace
 
     def _rmtree(self, path: Any, *args: Any, **kwargs: Any) -> None:
@@ -169,16 +192,15 @@ class Fence:
 _FENCE: list[Fence | None] = [None]
 
 
-def raise_for(own: Callable[[str], bool], since: float | None) -> None:
+def raise_for(own: Callable[[str], bool], since: float | None, setup_files: dict[str, float] | None = None) -> None:
     """A successor starts its script: fence it (see the module's docstring); `since`: when
-    the job's step loop began."""
+    the job's step loop began; `setup_files`: what earlier successors' setups wrote."""
     if _FENCE[0] is None:
-        fence = _FENCE[0] = Fence(own, since)
+        fence = _FENCE[0] = Fence(own, since, dict(setup_files or {}))
         fence.install()
 
 
-def lift() -> None:
-    """The successor holds its rank's place (idempotent)."""
+def lift() -> dict[str, float]:
+    """The successor holds its rank's place (idempotent): the files its setup wrote."""
     fence, _FENCE[0] = _FENCE[0], None
-    if fence is not None:
-        fence.lift()
+    return fence.lift() if fence is not None else {}

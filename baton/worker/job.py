@@ -368,7 +368,7 @@ def join(runtime_class: type[Runtime], script: str) -> Runtime:
                                    nodes=max(1, cmd.world_size // local)))
     rt = runtime_class(ctl, server, store, cmd.rank, cmd.world_size, cmd.joiner, config, token)
     if cmd.joiner:
-        fence.raise_for(ScriptModules(script_dir_of(script)).own, cmd.training_since)
+        fence.raise_for(ScriptModules(script_dir_of(script)).own, cmd.training_since, cmd.setup_files)
     rt.assignment = cmd
     if mirror is not None:  # a recovery's state comes from it (hot.py); a planned move's does not
         rt.mirror = mirror

@@ -29,6 +29,13 @@ log = logging.getLogger("baton.worker")
 class Joining:
     """Mixed into Runtime: a spare taking over a rank."""
 
+    def _lift_fence(self) -> None:
+        """It holds its rank's place: its script's writes go through again (fence.py), and the
+        files its setup wrote go to the orchestrator, for the next successor's fence."""
+        written = fence.lift()
+        if written:
+            self.ctl.report(m.SetupWritten(files=written))
+
     def _join(self) -> None:
         self.setup_s = time.perf_counter() - self.assigned_at
         log.info("the script's setup took %.3fs from this rank's assignment to its step loop", self.setup_s)
@@ -106,7 +113,7 @@ class Joining:
                 self.mirror.close()
                 self.mirror = None
             self.joiner = False
-            fence.lift()
+            self._lift_fence()
             return
 
     def _release_received(self, state: dict[str, Any]) -> None:
