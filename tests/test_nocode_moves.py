@@ -270,6 +270,38 @@ def test_a_joiner_loaded_wrong_is_caught_by_the_deferred_state_check_before_its_
     assert "training finished" not in log, log[-3000:]
 
 
+def test_a_joiner_lost_before_its_state_check_is_compared_is_replaced_bit_for_bit(tmp_path, torchrun_reference):
+    """A move's state check digests the joiner's large tensors beside its first step and is
+    compared at that step's optimizer step (verify_state's `defer`). The joiner is killed -9
+    before that step's backward: the survivor, blocked in the step's gradient all-reduce,
+    drops the check it can never compare (its collective would wait for the dead rank), and
+    the rank's next successor is rebuilt from the survivor's replicas and the dead joiner's
+    own record of the head it joined at, where its own state check then passes. Every rank
+    ends equal to torchrun's run."""
+    name, args = "trainer_ddp.py", ["9", "4", "--hidden", "16384", "--snapshot-path", "{d}/snapshot.pt"]
+    ref, run, job = _torchrun_then_job(tmp_path, torchrun_reference, name, args,
+                                       {"BATON_TEST_SIGNAL_MID_STEP": "1:joined+0:SIGKILL", "BATON_LOG": "INFO"},
+                                       leash=4)
+    try:
+        job.wait_step(8, timeout=120)
+        moved = _cli(job, "migrate", "--rank", "1")
+        assert moved.returncode == 0, moved.stderr
+        assert job.wait(timeout=170) == 0, job.log()
+        events, log = job.events(), job.log(tail=None)
+    finally:
+        job.kill()
+    assert (tmp_path / "fired").exists(), log[-3000:]
+    assert [(e["kind"], e["status"], e["rank"]) for e in events] == \
+        [("planned", "resolved", 1), ("unplanned", "resolved", 1)], events
+    moved_at = events[0]["step"]
+    assert events[1]["step"] == moved_at, events  # the joiner's first step, abandoned everywhere
+    assert re.search(rf"state check of generation 1 at \({moved_at}, 0\): [1-9]\d* large tensors digested beside "
+                     "the next step", log), log[-3000:]
+    assert re.search(rf"state check of generation 1 at \({moved_at}, 0\), deferred: dropped uncompared", log), \
+        log[-3000:]
+    compare(ref, run)
+
+
 def test_a_rank_lost_again_after_its_move_draws_what_its_predecessor_drew(tmp_path, torchrun_reference):
     """Rank 0 moves (planned) to a new process, which walks the script to the rank's place;
     that process is killed -9 two steps later, in the same epoch. Its successor is rebuilt

@@ -138,6 +138,8 @@ class StateCheck:
         pending, self.pending_check = self.pending_check, None
         if pending is not None:
             pending.digests()  # its thread reads the state: let it finish before the state changes
+            log.info("state check of generation %s at %s, deferred: dropped uncompared, a new generation forms",
+                     pending.generation, pending.pos)
 
     def _compare(self, generation: int, digests: dict[str, int], periodic: bool, expected: int | None,
                  bundle_state: dict[str, Any] | None, live: dict[str, Any] | None,
