@@ -409,17 +409,20 @@ def test_a_rank_lost_after_its_optimizer_step_is_replaced_bit_for_bit(tmp_path, 
     survivors finish that step and fail in the next one; the spare runs the lost step again
     from the rank's last head, with the survivors' record of it (parameters at the head, the
     gradient buckets, DDP's buffer broadcast), its optimizer step replaced by the survivors'
-    result, and joins at the next head: every rank ends equal to torchrun's."""
+    result, and joins at the next head: every rank ends equal to torchrun's. The spare fetches
+    that record while its script sets up, beside the state (the lost rank's own record of the
+    next head, which holds no place in the script, says it will need it)."""
     outs = {"imagenet_main.py": ["--out-dir", "{d}/out"], "nanogpt_train.py": ["--out_dir={d}/out"],
             "trainer_ddp.py": ["--snapshot-path", "{d}/snapshot.pt"]}[name]
     ref = torchrun_reference(NOCODE / name, [*args, *outs, "--export", "{d}/export"])
     run = tmp_path / "job"
     (run / "export").mkdir(parents=True)
-    code, job = faulted(tmp_path, NOCODE / name, fault, where="AFTER_STEP",
+    code, job = faulted(tmp_path, NOCODE / name, fault, where="AFTER_STEP", env={"BATON_LOG": "INFO"},
                          script_args=[*args, *[a.format(d=run) for a in outs], "--export", str(run / "export")])
     assert code == 0 and (tmp_path / "fired").exists(), job.log()
     compare(ref, run)
     assert [(e["kind"], e["status"]) for e in job.events()] == [("unplanned", "resolved")], job.events()
+    assert "the step to run again was fetched beside the state" in job.log(tail=None), job.log()
 
 
 

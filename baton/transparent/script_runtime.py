@@ -106,6 +106,9 @@ class ScriptRuntime(Runtime):
     defer_checks = True
 
     def __init__(self, *args: Any, **kwargs: Any):
+        # Before the runtime's own: its control thread may hand a Form to `_fetch_for` at once
+        self.tail_copies = os.environ.get("BATON_TAIL_COPIES", "1") != "0"
+        self._tail_fetch: Fetch | None = None  # a rebuild's fetch of the step it runs again (`_fetch_for`)
         super().__init__(*args, **kwargs)
         discover.listeners.append(self._created)
         self.current: Step | None = None
@@ -115,7 +118,6 @@ class ScriptRuntime(Runtime):
         self.region: Region | None = None  # since the step loop's latest exit (kept through the next steps)
         # What this rank records of each step (tail): the running one's, and the one before,
         # kept until the running one commits (a rank lost after that one is rebuilt from it).
-        self.tail_copies = os.environ.get("BATON_TAIL_COPIES", "1") != "0"
         self.step_record: StepRecord | None = None
         self.prev_record: StepRecord | None = None
         self.form_at = 0.0  # when a joiner's Form arrived (its part of the pause begins: `_walk_began`)
@@ -517,15 +519,50 @@ class ScriptRuntime(Runtime):
             self.prefetch.close()
             self.ctl.watch_forms(None)
 
+    def _fetch_for(self, cmd: m.Form) -> tuple[dict[str, Any], FetchStats]:
+        """As the model-aware runtime's; for a rebuild, the step to run again too, where the
+        lost rank's own record says it was lost after that step's last collective: fetched
+        beside the replicas' state, while the script sets up (prefetch), rather than once the
+        joiner's walk found it missing (0.10-0.15 s of a kill's downtime at 8M parameters)."""
+        if cmd.lost is not None and not (cmd.full_state or cmd.snapshot) and self.tail_copies and \
+                (self._tail_fetch is None or self._tail_fetch.form != cmd):
+            self._tail_fetch = Fetch(cmd, self._fetch_tail_if_lost_there, f"baton-tail-fetch-{cmd.generation}")
+        return super()._fetch_for(cmd)
+
+    def _fetch_tail_if_lost_there(self, cmd: m.Form) -> tuple[dict[str, Any], FetchStats]:
+        """The survivors' record of the step before `cmd`'s target, where the lost rank's own
+        record of the target holds no place in the script (lost after that step's last
+        collective); ({}, no bytes) where it does. Raises TransferError as the fetch does."""
+        try:
+            if "script" in self._lost_record(cmd.lost, tuple(cmd.pos)):  # type: ignore[arg-type]
+                return {}, FetchStats()
+        except TransferError:
+            pass  # fetch_for_join finds no record either, and says so
+        # not into the memory mapped ahead, which the replicas' state, fetched meanwhile, is for
+        return self._fetch_state(cmd.fetch_from, cmd.generation, tuple(cmd.pos),  # type: ignore[arg-type]
+                                 cmd.formation_timeout_s, kind=FETCH_TAIL, pooled=False)
+
+    def _tail_fetched(self, cmd: m.Form) -> tuple[dict[str, Any], FetchStats]:
+        """The step to run again, as `_fetch_for` began fetching it for this very Form, or
+        fetched now."""
+        started, self._tail_fetch = self._tail_fetch, None
+        if started is not None and started.form == cmd:
+            fetched = started.result()
+            if "tail" in fetched[0]:
+                log.info("generation %s: the step to run again was fetched beside the state (%.3fs)",
+                         cmd.generation, started.seconds)
+                return fetched
+        return self._fetch_state(cmd.fetch_from, cmd.generation, tuple(cmd.pos),  # type: ignore[arg-type]
+                                 cmd.formation_timeout_s, kind=FETCH_TAIL)
+
     def _tail_bundle(self, cmd: m.Form, state: dict[str, Any], stats: FetchStats) -> FetchStats:
         """The rank was lost after its last collective of the step before the target: its
         head there, to run that step again from, where the survivors recorded it (tail),
-        fetched only now that it is needed. The fetch statistics, with its bytes."""
+        fetched beside the state (`_fetch_for`), or now. The fetch statistics, with its bytes."""
         target = tuple(cmd.pos)
         before = (target[0] - 1, 0)
         try:
-            fetched, more = self._fetch_state(cmd.fetch_from, cmd.generation, target, cmd.formation_timeout_s,
-                                              kind=FETCH_TAIL)
+            fetched, more = self._tail_fetched(cmd)
         except TransferError as exc:
             log.info("no record of step %d to run again: %s", before[0], exc)
             return stats

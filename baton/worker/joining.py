@@ -175,6 +175,21 @@ class Joining:
             self.loading = False
 
     def _lost_bundle(self, lost: m.LostRank | None, target: Pos) -> dict[str, Any]:
+        state = self._lost_record(lost, target)
+        # The data position follows from the step; the epoch record only if it is this epoch's.
+        here = self.feed.position_at(target[0])
+        if here is not None:
+            record = (state.get("data") or {}).get("record")
+            if record is not None and record.get("epoch") == here["epoch"]:
+                here["record"] = record
+            else:
+                here["record"] = None
+            state["data"] = here
+        return state
+
+    def _lost_record(self, lost: m.LostRank | None, target: Pos) -> dict[str, Any]:
+        """The lost rank's own record of `target` as it sent it (its held bundle, its buddies'
+        frames): nothing of this process's setup read, so any thread may ask for it."""
         candidates: list[Bundle | None] = []
         if lost is not None and lost.held is not None:
             candidates.append(Bundle.from_text(lost.held.model_dump()))
@@ -186,17 +201,7 @@ class Joining:
         best = newest(candidates, target)
         if best is None:
             raise TransferError(f"no record of rank {self.rank}'s own state at {target}")
-        state = best.state()
-        # The data position follows from the step; the epoch record only if it is this epoch's.
-        here = self.feed.position_at(target[0])
-        if here is not None:
-            record = (state.get("data") or {}).get("record")
-            if record is not None and record.get("epoch") == here["epoch"]:
-                here["record"] = record
-            else:
-                here["record"] = None
-            state["data"] = here
-        return state
+        return best.state()
 
     def _check_setup(self, theirs: dict[str, int] | None) -> None:
         """A joiner: stop loudly if its setup built other data or drew other numbers than its

@@ -158,10 +158,13 @@ class Recovery:
         self.at_pos_rng = bundle_state["rng"]
 
     def _fetch_state(self, sources: list[Any], generation: int, target: Pos,
-                     timeout: float | None = None, kind: bytes = b"F") -> tuple[dict[str, Any], FetchStats]:
-        """The state `sources` serve for `generation`, checked to be at `target`."""
+                     timeout: float | None = None, kind: bytes = b"F",
+                     pooled: bool = True) -> tuple[dict[str, Any], FetchStats]:
+        """The state `sources` serve for `generation`, checked to be at `target` (`pooled`: into
+        the memory mapped ahead where it fits, which one fetch uses: the state the rank keeps)."""
         flat, stats = fetch_state([tuple(s) for s in sources], generation, self.token,
-                                  timeout=timeout or self.formation_timeout, kind=kind, pool=self.ctl.receive_pool)
+                                  timeout=timeout or self.formation_timeout, kind=kind,
+                                  pool=self.ctl.receive_pool if pooled else None)
         state = codec.decode(flat.meta, flat.tensors)
         if tuple(state["pos"]) != tuple(target):
             raise TransferError(f"sources serve position {state['pos']}, expected {list(target)}")
