@@ -303,21 +303,24 @@ def test_a_rank_lost_after_a_step_loop_that_ended_by_a_break_is_replaced_bit_for
     _lost_after_the_loop(tmp_path, torchrun_reference, BREAKS_OUT.replace("{loop}", loop), where, fault, steps=24)
 
 
-def _lost_after_the_loop(tmp_path, torchrun_reference, source: str, where: str, fault: str, steps: int) -> None:
+def _lost_after_the_loop(tmp_path, torchrun_reference, source: str, where: str, fault: str, steps: int,
+                         env: dict[str, str] | None = None) -> Job:
     """`source` (writing $OUT/ckpt.pt on rank 0 and each rank's state to $EXPORT) under
-    torchrun and under baton with the fault: the job ended 0 after one resolved loss, and
-    every rank and the checkpoint (its `it`: `steps`) equal torchrun's."""
+    torchrun and under baton with the fault (and `env`): the job ended 0 after one resolved
+    loss, and every rank and the checkpoint (its `it`: `steps`) equal torchrun's."""
     script = tmp_path / "script.py"
     script.write_text(textwrap.dedent(source))
     ref = torchrun_reference(script, [], env={"EXPORT": "{d}/export", "OUT": "{d}"})
     run = tmp_path / "job"
     (run / "export").mkdir(parents=True)
-    code, job = faulted(tmp_path, script, fault, where=where, env={"EXPORT": str(run / "export"), "OUT": str(run)})
+    code, job = faulted(tmp_path, script, fault, where=where,
+                        env={"EXPORT": str(run / "export"), "OUT": str(run), **(env or {})})
     assert code == 0 and (tmp_path / "fired").exists(), job.log()
     compare(ref, run)
     written = [torch.load(d / "ckpt.pt", weights_only=False) for d in (ref, run)]
     assert differences(*written) == [] and written[1]["it"] == steps
     assert [(e["kind"], e["status"]) for e in job.events()] == [("unplanned", "resolved")], job.events()
+    return job
 
 
 RETURNS_OUT = _LOADER_SETUP + """
@@ -379,6 +382,22 @@ def test_a_rank_lost_after_a_step_loop_that_ended_by_a_return_is_replaced_bit_fo
     close), the successor returns at its loop's head, the clause not run again."""
     assert source.count(", model\n") == 2 or source is not RETURNS_THE_MODEL
     _lost_after_the_loop(tmp_path, torchrun_reference, source, where, fault, steps=steps)
+
+
+def test_a_rank_lost_in_the_region_while_the_survivor_still_stands_at_the_loops_last_head_is_replaced(
+        tmp_path, torchrun_reference):
+    """Rank 1's loop runs out at the head of step 64 and it is killed in the evaluation after
+    it, while rank 0 (a busy machine's slower rank) still stands at that head, its loop not yet
+    left: rank 0 serves no record of the region, none of which it ran. The successor takes the
+    rank over at the loop's exit with what rank 0 holds at that head (the same schedulers and
+    optimizer settings the exit had), rank 0 then leaves its loop at its next draw, and both
+    run the region together: every rank and the checkpoint equal torchrun's (it stopped the
+    job before: "the survivors hold no record of the region it was lost in")."""
+    job = _lost_after_the_loop(tmp_path, torchrun_reference, RETURNS_FROM_ELSE, "IN_REGION", "1:60:SIGKILL",
+                               steps=64, env={"BATON_TEST_LAG_AT_HEAD": "0:64", "BATON_LOG": "INFO"})
+    log = job.log(None)
+    assert "the survivors stand at the head rank 1's loop ended at (step 64)" in log, log[-6000:]
+    assert "this one ends its loop at its next draw" in log, log[-6000:]
 
 
 def test_a_rank_lost_after_a_step_loop_that_returned_an_object_stops_the_job(tmp_path):

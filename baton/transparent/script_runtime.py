@@ -756,6 +756,15 @@ class ScriptRuntime(Runtime):
         self._take_place()
         served = state.get("region")
         target = tuple(cmd.pos)
+        at_head = state.get("exit_at_head")
+        if (served is None or tuple(served["pos"]) != target) and at_head is not None and \
+                tuple(at_head["pos"]) == target:
+            # The survivors learnt of the loss at that head, their loops not yet left: none of
+            # the region ran there, and what the exit holds (schedulers, optimizers' settings)
+            # is as at the head. They leave their loops at their next draws (`_agree_on_place`).
+            log.info("the survivors stand at the head rank %d's loop ended at (step %d): it runs the region "
+                     "from its start", self.rank, target[0])
+            served = at_head
         if self.tracked.sharded or served is None or tuple(served["pos"]) != target or served["not_replayable"]:
             why = ("its models are sharded (FSDP2): this version replays regions of replicated models only"
                    if self.tracked.sharded else
@@ -828,6 +837,11 @@ class ScriptRuntime(Runtime):
         state = super()._state(full, digest, encoded)
         if self.region is not None:
             state["region"] = self.region.served()
+        if self.loop_started and (self.region is None or not self.region.active):
+            # At a head of its loop: where a rank whose loop ended at this head stood at
+            # its exit, none of the region run (a successor of a rank lost there, where
+            # this survivor learnt of it before its own loop ended: `join_in_region`).
+            state["exit_at_head"] = Region.at_exit(self.pos, self.tracked).served()
         if not full and not encoded:
             for rec in (self.prev_record, self.step_record):
                 if rec is not None and rec.params is not None and tuple(rec.pos) == (self.pos[0] - 1, 0):

@@ -90,6 +90,12 @@ rank's step loop ends (its iterator ran out) past that step, once every other ra
 loop there too and its record of the head it left from has gone to its buddies: its successor
 takes over at that head while the others stand in the region after the loop.
 
+BATON_TEST_LAG_AT_HEAD="rank:step" (with BATON_TEST_SIGNAL_MARK): that rank waits at its
+boundary before that step until the fault of another variable has fired (the mark exists) and
+the orchestrator's command for it has reached the rank (at most 120 s): a survivor that is
+slower than the rank lost just past that head (in the region after the step loop, say) learns
+of the loss still standing at the head, as a busy machine can have it.
+
 BATON_TEST_SIGNAL_AFTER_STEP="rank:step:SIGNAME" (with BATON_TEST_SIGNAL_MARK): the same, right
 after that rank's optimizer step in that step, once every other rank has finished its own: after
 its last collective, before the next head (the lines after the optimizer step never run).
@@ -341,6 +347,30 @@ if _hold_at:
         runtime.Runtime._boundary = _hold_then_boundary
 
     _when_imported("baton.worker.runtime", _patch_hold)
+
+_lag_at_head = os.environ.get("BATON_TEST_LAG_AT_HEAD")
+if _lag_at_head:
+    def _patch_lag(runtime) -> None:  # noqa: ANN001
+        import time
+
+        boundary = runtime.Runtime._boundary
+        lag_rank, lag_step = (int(x) for x in _lag_at_head.split(":"))
+        mark = os.environ["BATON_TEST_SIGNAL_MARK"]
+        lagged = [False]
+
+        def _lagging_boundary(self):  # noqa: ANN001, ANN202
+            if self.rank == lag_rank and self.pos[0] == lag_step and not lagged[0]:
+                lagged[0] = True
+                print(f"injected: rank {self.rank} lags at the head of step {lag_step} until the fault fired "
+                      "and the orchestrator's command reached it", file=sys.stderr, flush=True)
+                deadline = time.time() + 120
+                while not (os.path.exists(mark) and self.ctl.attention) and time.time() < deadline:
+                    time.sleep(0.02)
+            return boundary(self)
+
+        runtime.Runtime._boundary = _lagging_boundary
+
+    _when_imported("baton.worker.runtime", _patch_lag)
 
 _leash = os.environ.get("BATON_TEST_LEASH")
 if _leash:
