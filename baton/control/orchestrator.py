@@ -561,15 +561,23 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing, PathFa
             self._note_check_after_resume(rep.generation, rep.after_resume_s)
         if rep.ok or w.role == WorkerRole.GONE:
             return  # a lost worker's word on its own state no longer counts: its rank is being rebuilt
-        ev = self._new_event(EventKind.DIVERGENCE, f"state check failed: {rep.detail}", w.rank,
-                             w.slot)
-        ev.status, ev.step = "failed", rep.pos[0]
+        # A rank that stopped the job itself (the no-code mode's refusals, said as differing
+        # "script") is not a state check: its detail says where; a joiner's position may still
+        # be its own start there, so the ledger takes the step the rank had reached.
+        stopped = rep.differing == ["script"]
+        step = rep.pos[0] or (self.ranks[w.rank].reached if w.rank in self.ranks else 0)
+        ev = self._new_event(EventKind.DIVERGENCE, f"{'stopped' if stopped else 'state check failed'}: {rep.detail}",
+                             w.rank, w.slot)
+        ev.status, ev.step = "failed", step
         ev.note = "differing: " + ", ".join(rep.differing[:50])
         ev.resolved_without_rollback = False
         self._lock.add(fx.WriteEvent(ev.id, ev.to_json()))
         self._emit("divergence", {"rank": w.rank, "detail": rep.detail, "differing": rep.differing[:50]})
-        self._fail(f"state check failed at step {rep.pos[0]} on rank {w.rank}: {rep.detail}; differing "
-                   f"entries: {', '.join(rep.differing[:20])}")
+        if stopped:
+            self._fail(f"rank {w.rank} stopped the job at step {step}: {rep.detail}")
+        else:
+            self._fail(f"state check failed at step {step} on rank {w.rank}: {rep.detail}; differing "
+                       f"entries: {', '.join(rep.differing[:20])}")
 
     def _note_check_after_resume(self, generation: int, seconds: float) -> None:
         """The part of a move's state check its first step waited for, beside the pause's phases."""
