@@ -737,6 +737,106 @@ def test_a_sharded_average_of_an_fsdp2_model_moves_by_its_shards(tmp_path, torch
     _absorbed(*_self_killed(tmp_path, torchrun_reference, SHARDED_EMA, run_args=["--redundancy", "1"]))
 
 
+SHARDED_ACCUMULATING = """
+import os, torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+mesh = init_device_mesh("cpu", (2,))
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dropout(0.1), torch.nn.Linear(32, 2))
+fully_shard(model[0], mesh=mesh)
+fully_shard(model, mesh=mesh)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.7)
+data = TensorDataset(torch.randn(256, 8), torch.randn(256, 2))
+sampler = DistributedSampler(data, seed=3)
+it, running, history = 0, 0.0, []
+for epoch in range(3):
+    sampler.set_epoch(epoch)
+    for i, (x, y) in enumerate(DataLoader(data, batch_size=8, sampler=sampler)):  # 16 batches: 8 steps of 2
+        loss = torch.nn.functional.mse_loss(model(x), y) / 2
+        loss.backward()
+        running += loss.item()
+        if i % 2 == 1:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            history.append(running)
+            running, it = 0.0, it + 1
+local = lambda v: v.to_local() if hasattr(v, "to_local") else v
+torch.save({"model": {k: local(v) for k, v in model.state_dict().items()},
+            "opt": [{k: local(v) for k, v in st.items()} for st in opt.state.values()],
+            "sched": sched.state_dict(), "rng": torch.get_rng_state(), "it": it, "history": torch.tensor(history)},
+           os.path.join(os.environ["EXPORT"], f"rank{rank}.pt"))
+dist.destroy_process_group()
+os._exit(0)  # past gloo's exit-time abort with torch 2.13 (baton/examples/plain_exit.py), as tests/nocode do
+"""
+
+
+@pytest.mark.parametrize("fault, lag", [("1:5:SIGKILL", None), ("0:5:SIGKILL", None), ("1:5:SIGKILL", "0:6")])
+def test_a_sharded_rank_lost_after_its_last_collective_of_a_step_is_replaced_by_running_that_step_again(
+        tmp_path, torchrun_reference, fault, lag):
+    """FSDP2, two micro-batches a step from a DataLoader with a DistributedSampler, clipping,
+    a scheduler, a running loss and a history the loop carries: a rank killed -9 right after
+    its optimizer step of step 5 (after its last collective: its shards after that step
+    existed only in it). The survivor goes back to its own copy of step 5's head, the step's
+    two batches handed again with the variables that head had, and every rank runs step 5
+    again with the spare, which took the lost rank's copy from its buddy: every rank ends
+    equal to torchrun's (it stopped the job before). With `lag` the survivor learns of the
+    loss standing at step 6's head, not in step 6's first collective."""
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(SHARDED_ACCUMULATING))
+    ref = torchrun_reference(script, [], env={"EXPORT": "{d}/export"})
+    run = tmp_path / "job"
+    (run / "export").mkdir(parents=True)
+    env = {"EXPORT": str(run / "export"), "BATON_LOG": "INFO", **({"BATON_TEST_LAG_AT_HEAD": lag} if lag else {})}
+    code, job = faulted(tmp_path, script, fault, where="AFTER_STEP", env=env)
+    log = job.log(None)
+    assert code == 0 and (tmp_path / "fired").exists(), log[-6000:]
+    compare(ref, run)
+    where = "at a head" if lag else "in a step"
+    assert f"{where}: back from the head of step 6 to the head of step 5" in log, log[-6000:]
+    events = job.events()
+    assert [(e["kind"], e["status"], e["steps_rerun"]) for e in events] == [("unplanned", "resolved", 1)], events
+
+
+def test_a_rank_of_the_fsdp2_example_lost_after_its_last_collective_of_a_step_is_replaced(tmp_path, torchrun_reference):
+    """The FSDP2 example's shape (a `range` loop drawing its batches with torch.randint,
+    clip_grad_norm_, AdamW, rank 0's checkpoint after the loop): rank 0 killed -9 right
+    after its optimizer step of step 8. The survivor and the spare run step 8 again, the
+    same batch drawn from the streams the head had: every rank equal to torchrun's."""
+    args = ["--iterations", "20", "--checkpoint-dir", "{d}/ck"]
+    ref = torchrun_reference(NOCODE / "fsdp2_example.py", [*args, "--export", "{d}/export"])
+    run = tmp_path / "job"
+    (run / "export").mkdir(parents=True)
+    code, job = faulted(tmp_path, NOCODE / "fsdp2_example.py", "0:8:SIGKILL", where="AFTER_STEP",
+                        script_args=[a.format(d=run) for a in args] + ["--export", str(run / "export")],
+                        env={"BATON_LOG": "INFO"})
+    log = job.log(None)
+    assert code == 0 and (tmp_path / "fired").exists(), log[-6000:]
+    compare(ref, run)
+    assert "back from the head of step 9 to the head of step 8" in log, log[-6000:]
+
+
+def test_a_sharded_rank_lost_after_the_last_step_of_an_epoch_stops_the_job_saying_why(tmp_path):
+    """The same script, its rank 1 killed after its optimizer step of step 7, the first
+    epoch's last: the step to run again ran in the loop's earlier pass, which this version
+    cannot go back into. The job stops non-zero, saying so (never a step run on other items)."""
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(SHARDED_ACCUMULATING))
+    (tmp_path / "export").mkdir()
+    code, job = faulted(tmp_path, script, "1:7:SIGKILL", where="AFTER_STEP", env={"EXPORT": str(tmp_path / "export")})
+    log = job.log(None)
+    assert code != 0 and (tmp_path / "fired").exists(), log[-6000:]
+    assert "which ran in an earlier pass of" in log, log[-6000:]
+    assert [e["kind"] for e in job.events()][-1] == "divergence", job.events()
+
+
 LOGS_AFTER_STEP = """
 import os, torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP

@@ -152,8 +152,11 @@ def test_a_rank_that_loses_a_step_after_the_all_reduce_takes_the_others_result(t
 
 def test_a_lost_peer_that_escapes_after_the_step_committed_replaces_the_rank(tmp_path, reference):
     """The lost-peer error surfaces after GradScaler.step committed step 9 on rank 2: the rank
-    exits 75 and is replaced from its buddies, never reported as a script bug."""
-    job = _job(tmp_path, "escape", env={"PYTHONPATH": INJECT, "BATON_TEST_PEER_LOST_AFTER_COMMIT": "2:9"})
+    exits 75 and is replaced from its buddies, never reported as a script bug. (Once per job:
+    where the rank's record of step 9's end had not reached its buddy as it exited, its
+    successor runs step 9 again, and once per process fired there too, seen under CI load.)"""
+    job = _job(tmp_path, "escape", env={"PYTHONPATH": INJECT, "BATON_TEST_PEER_LOST_AFTER_COMMIT": "2:9",
+                                        "BATON_TEST_ONCE_MARK": str(tmp_path / "fired")})
     try:
         events = _check(job, reference)
         log = job.log(tail=None)

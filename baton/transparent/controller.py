@@ -160,7 +160,11 @@ class StepLoopController:
             self.step_loop = loop  # entered again (the next epoch): the same site, a new entry
             loop.heads_last_step = loop.step_heads  # read where a step begins (script_section)
             if self.rt.at_head():  # a step begins here
-                loop.step_heads, loop.drawn = 0, []
+                if self.rt.went_back:  # at the head after the one it goes back to: that step's items again
+                    self._go_back(loop, loop.drawn, loop.step_heads)
+                else:
+                    loop.heads_before, loop.drawn_before = loop.step_heads, loop.drawn
+                    loop.step_heads, loop.drawn = 0, []
             loop.step_heads += 1
         elif (self.step_site is None and loop.iterations == 0) or loop.site.key in self.nest_keys:
             # the streams at each head of an outer loop of the nest, and, until the nest is
@@ -261,12 +265,43 @@ class StepLoopController:
                 return False
         except Divergence as stop:
             rt.stop(str(stop))
+        if rt.went_back:  # in the step after the one it goes back to: both steps' items again
+            self._go_back(loop, loop.drawn_before + loop.drawn, loop.heads_before, loop.step_heads)
+            loop.back_one = True  # (loops.absorb: put back already)
+            return True
+        self._hand_back_at_head(loop)
+        return True
+
+    def _go_back(self, loop: ActiveLoop, items: list[tuple[Any, Any]], heads_back: int, heads_now: int = 0) -> None:
+        """The rank's recovery took it back to the head of the step before (`rt.went_back`):
+        that step's items again (`heads_back` heads), and those the running step had drawn
+        (`heads_now`), with the variables the step before's head had. The loop must then stand
+        at that head's iteration, as recorded there: else the job stops (never a step run
+        again on other items)."""
+        rt = self.rt
+        rt.went_back = False
+        if heads_back == 0:
+            rt.stop(f"rank {rt.rank}: the recovery took this rank back to the step before, which ran in an earlier "
+                    f"pass of {loop.site.where} (a sharded rank was lost after the last collective of a pass's last "
+                    "step): this version runs again only a step of the same pass. The job stops here: restart it "
+                    "from your own checkpoint.")
+        LOOPS.put_back(loop, items, heads_back + heads_now)
+        assert rt.head_state is not None
+        recorded = rt.head_state["script"]["path"][-1]["iteration"]
+        if loop.iterations != recorded:
+            rt.stop(f"rank {rt.rank}: going back to the head of step {rt.pos[0]}, {loop.site.where} stands at its "
+                    f"iteration {loop.iterations} where that head was at {recorded} (a baton bug: please report "
+                    "it). The job stops here: restart it from your own checkpoint.")
+        self._hand_back_at_head(loop)
+
+    def _hand_back_at_head(self, loop: ActiveLoop) -> None:
+        """The variables and globals of the running step's head (`rt.head_state`), handed
+        back as the loop's body begins."""
+        rt = self.rt
         assert rt.head_state is not None
         _restore_globals(rt.head_state["script"]["globals"])
-        entry = rt.head_state["script"]["path"][-1]
-        self._pending[id(loop)] = entry
+        self._pending[id(loop)] = rt.head_state["script"]["path"][-1]
         LOOPS.restoring = True
-        return True
 
 _EXITS = {"return_uncarried": "by a return of a value that cannot be carried (an object of its own; numbers, "
                              "strings, tensors, containers of them, and the model, optimizer or scheduler can)",

@@ -43,6 +43,11 @@ class ActiveLoop:
     step_heads: int = 0
     heads_last_step: int = 0  # the heads the step before this one spanned (0: none yet this loop)
     drawn: list[tuple[Any, Any]] = field(default_factory=list, repr=False)
+    # The step before's heads and items, kept through the running step: a sharded survivor
+    # may go back to its head and run it again (`back_one`: absorb hands them too).
+    heads_before: int = 0
+    drawn_before: list[tuple[Any, Any]] = field(default_factory=list, repr=False)
+    back_one: bool = False
     replay: list[tuple[Any, Any]] = field(default_factory=list, repr=False)
     exhausted: bool = False  # end the loop at the next head (a successor reaching a loop's exit)
     ran_out: bool = False  # a for loop's iterator ran out, a while loop's test was false (not a break, ...)
@@ -98,15 +103,12 @@ class _Counted:
                     controller.before_item(loop)  # a head inside the step (accumulation), not its first
                 else:
                     loop.step_heads += 1  # its first head: the step began again at the recovery
-                loop.item, streams = item, _ = loop.replay.pop(0)
-                loop.iterations += 1
-                loop.drawn.append((item, streams))
-                if controller is not None:
-                    controller.again(loop, streams)
-                return item
+                return self._again(loop, controller)
         if controller is not None:
             with selfcost.inside():
                 controller.before_item(loop)
+                if loop.replay:  # this head's recovery went back to the step before's: its items again
+                    return self._again(loop, controller)
         if loop.exhausted:
             loop.exhausted = False
             raise StopIteration
@@ -125,6 +127,15 @@ class _Counted:
         if controller is not None:
             with selfcost.inside():
                 controller.drawn(loop)
+        return item
+
+    @staticmethod
+    def _again(loop: ActiveLoop, controller: "Controller | None") -> Any:
+        loop.item, streams = item, _ = loop.replay.pop(0)
+        loop.iterations += 1
+        loop.drawn.append((item, streams))
+        if controller is not None:
+            controller.again(loop, streams)
         return item
 
     def skip(self, n: int) -> None:
@@ -246,6 +257,9 @@ class Loops:
         with selfcost.inside():
             if not self.controller.absorb(loop, exc):
                 return False
+        if loop.back_one:  # the controller put it back to the step before's head (`put_back`)
+            loop.back_one = False
+            return True
         if loop.site.kind == "for":  # hand again every item the step had drawn, from its first head
             loop.replay, loop.drawn = loop.drawn, []
             loop.iterations -= len(loop.replay)
@@ -253,6 +267,16 @@ class Loops:
             loop.iterations -= loop.step_heads
         loop.step_heads = 0
         return True
+
+    @staticmethod
+    def put_back(loop: ActiveLoop, items: list[tuple[Any, Any]], heads: int) -> None:
+        """Put `loop` back by `heads` heads, a for loop's `items` (drawn there) to hand again."""
+        if loop.site.kind == "for":
+            loop.replay = list(items)
+            loop.iterations -= len(items)
+        else:
+            loop.iterations -= heads
+        loop.step_heads, loop.drawn, loop.heads_before, loop.drawn_before = 0, [], 0, []
 
     def enclosing(self, frame: FrameType | None) -> list[ActiveLoop]:
         """The loops running in `frame` and the frames that called it, outermost first."""

@@ -17,8 +17,8 @@ NO_CODE = "no-code"
 # failures of a no-code job say it.
 NO_CODE_MOVES = ("this version moves the ranks of a script with no code change in planned and pre-emptive moves, "
                  "and rebuilds a lost rank wherever it stood in a step and, for DDP, in the evaluation or checkpoint "
-                 "after the step loop too; a sharded (FSDP2) rank lost after its step's last collective or after the "
-                 "step loop, or in a span that ran a collective whose result differs by rank (reduce, gather, "
+                 "after the step loop too; a sharded (FSDP2) rank lost after the last collective of a loop pass's last "
+                 "step or after the step loop, or in a span that ran a collective whose result differs by rank (reduce, gather, "
                  "point-to-point, any on a group of some ranks), stops the job saying so (the model-aware API, README: 'Five lines in your "
                  "script', covers those with boundary functions)")
 NO_CODE_STATUS = f"Note: {NO_CODE_MOVES}."

@@ -130,6 +130,7 @@ class ScriptRuntime(Runtime):
         self.exit_expected = False  # a new generation's others stand past the loop's exit at this head
         self._frame_at: tuple[Any, int] = ((-1, 0), HEAD_SEQ)  # the latest frame's position and sequence
         self._head_captured = True  # at_pos describes the head the loop stands at (at_head resets it)
+        self.went_back = False  # this head's recovery took the rank back to the step before's (`_went_back`)
 
     # ---------------------------------------------------------------- the loop, as the script runs it
     def _prepare_loop(self, info: m.LoopInfo) -> None:
@@ -186,10 +187,30 @@ class ScriptRuntime(Runtime):
                 return False  # no optimizer step yet (gradient accumulation): the same step goes on
             self._complete_step()
         self._head_captured = False  # captured once a command is seen here (_on_attention)
+        head = self.pos
         while not self._boundary():
             pass
+        if self.pos[0] < head[0]:
+            self._start_step(self._went_back(head, "at a head"))
+            return True
         self._start_step()
         return True
+
+    def _went_back(self, head: tuple[int, int], where: str) -> dict[str, Any]:
+        """The recovery took this rank from `head` back to the head of the step before (a
+        sharded rank was lost after its last collective of that step, its shards there only
+        in its buddy's copy: every rank runs the step again, this one from its own copy,
+        which the recovery loaded). Its own state there, where the script stood included: the
+        controller hands the loop that step's items and variables again (`went_back`)."""
+        state = self.at_pos.state() if self.at_pos is not None else {}
+        if head[0] - self.pos[0] != 1 or "script" not in state:
+            self.stop(f"rank {self.rank}: the recovery took this rank back from step {head[0]} to step "
+                      f"{self.pos[0]}, where its place in the script is not known. The job stops here: restart it "
+                      "from your own checkpoint.")
+        self.went_back = True
+        log.info("rank %d, %s: back from the head of step %d to the head of step %d (a sharded rank was lost after "
+                 "its last collective of that step): running it again", self.rank, where, head[0], self.pos[0])
+        return dict(state)
 
     def _start_step(self, state: dict[str, Any] | None = None) -> None:
         """Begin the step at this head: this rank's own state here, where the script stands
@@ -223,6 +244,9 @@ class ScriptRuntime(Runtime):
         head, state = self.pos, self.head_state
         self.abandoned = None
         self.recover(in_step=True, error=f"{type(exc).__name__}: {exc}")
+        if self.pos[0] < head[0]:
+            self._start_step(self._went_back(head, "in a step"))
+            return True
         if self.pos != head:
             self._run_abandoned_step_again(head, state)
             return True

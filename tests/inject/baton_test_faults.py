@@ -157,17 +157,23 @@ def _records_handed_over(rt, timeout: float = 30.0) -> None:  # noqa: ANN001
 
 
 def _once_at(spec: str):  # noqa: ANN202
-    """A predicate true exactly once: on rank `r` in step `k` of the spec "r:k"."""
+    """A predicate true exactly once: on rank `r` in step `k` of the spec "r:k", once per
+    process, or once per job where BATON_TEST_ONCE_MARK names a file (a successor that runs
+    step k again, its predecessor's last record being of that step's head, does not fire)."""
     rank, step = map(int, spec.split(":"))
     fired = [False]
+    mark = os.environ.get("BATON_TEST_ONCE_MARK")
 
     def due() -> bool:
         from baton.worker import job
 
         rt = job._RUNTIME[0]
-        if fired[0] or rt is None or rt.rank != rank or rt.pos[0] != step or rt.scope != "step":
+        if fired[0] or rt is None or rt.rank != rank or rt.pos[0] != step or rt.scope != "step" or \
+                (mark and os.path.exists(mark)):
             return False
         fired[0] = True
+        if mark:
+            open(mark, "w").close()
         return True
 
     return due
