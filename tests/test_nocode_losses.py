@@ -694,10 +694,11 @@ def test_a_scripts_own_sampler_is_carried_or_the_job_stops_saying_why(tmp_path, 
     compare(ref, run)
 
 
-SHARDED_EMA = """
+_SHARDED_SETUP = """
 import os, signal, torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()
@@ -707,7 +708,9 @@ model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dr
 fully_shard(model[0], mesh=mesh)
 fully_shard(model, mesh=mesh)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-ema = [p.detach().clone() for p in model.parameters()]  # DTensors: this rank's shards of an average
+"""  # FSDP2 over a 1-d mesh of the two ranks
+
+SHARDED_EMA = _SHARDED_SETUP + """ema = [p.detach().clone() for p in model.parameters()]  # DTensors: this rank's shards of an average
 torch.manual_seed(1 + rank)
 for it in range(60):
     x = torch.randn(16, 8)
@@ -737,21 +740,7 @@ def test_a_sharded_average_of_an_fsdp2_model_moves_by_its_shards(tmp_path, torch
     _absorbed(*_self_killed(tmp_path, torchrun_reference, SHARDED_EMA, run_args=["--redundancy", "1"]))
 
 
-SHARDED_ACCUMULATING = """
-import os, torch, torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
-
-dist.init_process_group("gloo")
-rank = dist.get_rank()
-mesh = init_device_mesh("cpu", (2,))
-torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dropout(0.1), torch.nn.Linear(32, 2))
-fully_shard(model[0], mesh=mesh)
-fully_shard(model, mesh=mesh)
-opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.7)
+SHARDED_ACCUMULATING = _SHARDED_SETUP + """sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.7)
 data = TensorDataset(torch.randn(256, 8), torch.randn(256, 2))
 sampler = DistributedSampler(data, seed=3)
 it, running, history = 0, 0.0, []

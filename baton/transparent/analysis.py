@@ -11,6 +11,7 @@ own process and prints it from the launcher's.
 from __future__ import annotations
 
 import gc
+import warnings
 from typing import Literal
 
 import torch
@@ -107,7 +108,11 @@ def models_in_memory() -> list[torch.nn.Module]:
     from torch.distributed.fsdp import FSDPModule
     from torch.nn.parallel import DistributedDataParallel
 
-    return [obj for obj in gc.get_objects() if isinstance(obj, (DistributedDataParallel, FSDPModule))]
+    # isinstance reads each object's __class__: on torch's deprecated aliases that warns (a
+    # FutureWarning about `torch.distributed.reduce_op` printed by `baton explain`)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        return [obj for obj in gc.get_objects() if isinstance(obj, (DistributedDataParallel, FSDPModule))]
 
 
 def build(found: Found, script: str, args: list[str], world_size: int, explaining: bool = False) -> Report:
