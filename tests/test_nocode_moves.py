@@ -310,14 +310,17 @@ def test_a_rank_lost_again_after_its_move_draws_what_its_predecessor_drew(tmp_pa
     and the workers' random crops follow. (That record once left them out: the rebuilt rank
     took other crops for the rest of the epoch, and the job ended 0 with other weights.)"""
     args = ["--epochs", "3", "-b", "1", "--out-dir", "{d}/out"]  # 128 steps an epoch
+    # leashed, held before step 250: however busy the machine, the move and the loss land early in
+    # the second epoch (unleashed under CI load, the move came at step 254 and the loss in the third)
     ref, run, job = _torchrun_then_job(tmp_path, torchrun_reference, "imagenet_main.py", args,
-                                       {"BATON_TEST_SIGNAL_MID_STEP": "0:joined+2:SIGKILL"})
+                                       {"BATON_TEST_SIGNAL_MID_STEP": "0:joined+2:SIGKILL"}, leash=4, cap=250)
     try:
         job.wait_spare()
         # early in the second epoch (steps 128-255): in the first, a fresh process's streams
         # at the epoch head equal its predecessor's anyway (the same seeded setup)
         job.wait_step(130, timeout=120)
         job.client.migrate(0)
+        _resolved(job, 2)
         assert job.wait(timeout=170) == 0, job.log()
         events = job.events()
     finally:
