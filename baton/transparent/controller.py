@@ -286,6 +286,7 @@ class StepLoopController:
                     "step): this version runs again only a step of the same pass. The job stops here: restart it "
                     "from your own checkpoint.")
         LOOPS.put_back(loop, items, heads_back + heads_now)
+        loop.heads_before, loop.drawn_before = 0, []  # (run again: none before it to go back to)
         assert rt.head_state is not None
         recorded = rt.head_state["script"]["path"][-1]["iteration"]
         if loop.iterations != recorded:

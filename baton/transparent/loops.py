@@ -260,23 +260,19 @@ class Loops:
         if loop.back_one:  # the controller put it back to the step before's head (`put_back`)
             loop.back_one = False
             return True
-        if loop.site.kind == "for":  # hand again every item the step had drawn, from its first head
-            loop.replay, loop.drawn = loop.drawn, []
-            loop.iterations -= len(loop.replay)
-        else:  # the head that follows begins the step's first iteration again
-            loop.iterations -= loop.step_heads
-        loop.step_heads = 0
+        self.put_back(loop, loop.drawn, loop.step_heads)  # the step runs again from its first head
         return True
 
     @staticmethod
     def put_back(loop: ActiveLoop, items: list[tuple[Any, Any]], heads: int) -> None:
-        """Put `loop` back by `heads` heads, a for loop's `items` (drawn there) to hand again."""
+        """Put `loop` back by `heads` heads: a for loop hands `items` (drawn there) again, a
+        while loop's next head begins the first of them again."""
         if loop.site.kind == "for":
             loop.replay = list(items)
             loop.iterations -= len(items)
         else:
             loop.iterations -= heads
-        loop.step_heads, loop.drawn, loop.heads_before, loop.drawn_before = 0, [], 0, []
+        loop.step_heads, loop.drawn = 0, []
 
     def enclosing(self, frame: FrameType | None) -> list[ActiveLoop]:
         """The loops running in `frame` and the frames that called it, outermost first."""

@@ -861,12 +861,12 @@ class ScriptRuntime(Runtime):
         state = super()._state(full, digest, encoded)
         if self.region is not None:
             state["region"] = self.region.served()
-        if self.loop_started and (self.region is None or not self.region.active):
-            # At a head of its loop: where a rank whose loop ended at this head stood at
-            # its exit, none of the region run (a successor of a rank lost there, where
-            # this survivor learnt of it before its own loop ended: `join_in_region`).
-            state["exit_at_head"] = Region.at_exit(self.pos, self.tracked).served()
         if not full and not encoded:
+            if self.loop_started and not self.tracked.sharded and (self.region is None or not self.region.active):
+                # At a head of its loop: where a rank whose loop ended at this head stood at
+                # its exit, none of the region run (a successor of a rank lost there, where
+                # this survivor learnt of it before its own loop ended: `join_in_region`).
+                state["exit_at_head"] = Region.at_exit(self.pos, self.tracked).served()
             for rec in (self.prev_record, self.step_record):
                 if rec is not None and rec.params is not None and tuple(rec.pos) == (self.pos[0] - 1, 0):
                     state["tail"] = rec.served()  # a rank lost after that step runs it again from this
