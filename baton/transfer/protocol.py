@@ -157,5 +157,8 @@ CHUNK_DIGEST = struct.Struct("!Q")  # xxh3-64 of the chunk's bytes, after them
 # Each side checksums a chunk a slice at a time, each slice right after (receiver) or right
 # before (sender) its copy through the socket, while it is still in the core's cache: every
 # byte is read from memory once, not once to copy and again to hash. That is why the digest
-# trails the bytes: the sender knows it only once the last slice has gone.
-SLICE_BYTES = 256 << 10
+# trails the bytes: the sender knows it only once the last slice has gone. A slice of 1 MiB
+# (a core's L2 here) is also few enough syscalls: a 1 GB fetch over loopback on a 2-core VM
+# took 0.349 s with 256 KiB slices, 0.273-0.285 s with 512 KiB to 2 MiB (medians of 21,
+# bench/fetch_slices.py, fetch-slices-20261206-020159.json).
+SLICE_BYTES = 1 << 20
