@@ -104,6 +104,54 @@ def classify(value: Any, from_setup: bool = False, _depth: int = 0,
     by the setup, not by the loop), a function, an open file or a lock is the setup's: the
     successor's setup makes its own; a generator or iterator still has a position."""
     seen = _seen if _seen is not None else set()
+    got = _by_type(value, from_setup)
+    if got is not None:
+        return got
+    if id(value) in seen or _depth >= _MAX_DEPTH:
+        return Classified(Kind.RECORD, type(value).__name__)
+    seen.add(id(value))
+    if isinstance(value, (list, tuple, dict, set, frozenset)):
+        return _container(value, from_setup, _depth, seen)
+    if not _of_attributes(value):
+        return _without_attributes(value, from_setup)
+    carried = []
+    for name, attr in vars(value).items():
+        got = classify(attr, from_setup, _depth + 1, seen)
+        if got.kind is Kind.REFUSED:
+            return Classified(Kind.REFUSED, f"{type(value).__name__}.{name}: {got.detail}", got.why)
+        if got.kind in (Kind.PLAIN, Kind.TENSOR, Kind.ARRAY, Kind.RECORD):
+            carried.append(name)
+    shown = ", ".join(carried[:6]) + (", ..." if len(carried) > 6 else "")
+    return Classified(Kind.RECORD, f"{type(value).__name__}: {shown}" if carried else type(value).__name__)
+
+
+def is_attribute_record(value: Any) -> bool:
+    """Whether classify() judges `value` by its attributes (an object of the script's own
+    class or a namespace; not a module, optimizer, loader, function, container...): it is
+    then a RECORD unless one of them is refused (values.carried_record)."""
+    return _by_type(value, True) is None and not isinstance(value, (list, tuple, dict, set, frozenset)) and \
+        _of_attributes(value)
+
+
+def _of_attributes(value: Any) -> bool:
+    return not hasattr(value, "__next__") and script_record_type(type(value)) and \
+        isinstance(getattr(value, "__dict__", None), dict)
+
+
+def _without_attributes(value: Any, from_setup: bool) -> Classified:
+    if hasattr(value, "__next__"):
+        return Classified(Kind.REFUSED, type(value).__name__,
+                          "an iterator whose position baton cannot read or rebuild")
+    if not script_record_type(type(value)):  # a logger, a progress bar, a library's object: the setup's
+        return Classified(Kind.SETUP, type(value).__name__)
+    if from_setup:  # an opaque object the setup made (a compiled regex, a C extension's)
+        return Classified(Kind.SETUP, type(value).__name__)
+    return Classified(Kind.REFUSED, type(value).__name__,
+                      "an object without attributes baton can read (no __dict__)")
+
+
+def _by_type(value: Any, from_setup: bool) -> Classified | None:
+    """What `value`'s type alone says it is; None for a container or an object judged by its contents."""
     if isinstance(value, torch.nn.Parameter):
         return Classified(Kind.STATE, "Parameter (moves with its model)")
     if isinstance(value, torch.Tensor) and hasattr(value, "_local_tensor"):  # a DTensor (not imported: costly)
@@ -157,31 +205,7 @@ def classify(value: Any, from_setup: bool = False, _depth: int = 0,
     if _is_setup_object(value):
         return Classified(Kind.SETUP, type(value).__name__ if not callable(value) else
                           getattr(value, "__qualname__", type(value).__name__))
-    if id(value) in seen or _depth >= _MAX_DEPTH:
-        return Classified(Kind.RECORD, type(value).__name__)
-    seen.add(id(value))
-    if isinstance(value, (list, tuple, dict, set, frozenset)):
-        return _container(value, from_setup, _depth, seen)
-    if hasattr(value, "__next__"):
-        return Classified(Kind.REFUSED, type(value).__name__,
-                          "an iterator whose position baton cannot read or rebuild")
-    if not script_record_type(type(value)):  # a logger, a progress bar, a library's object: the setup's
-        return Classified(Kind.SETUP, type(value).__name__)
-    attrs = getattr(value, "__dict__", None)
-    if not isinstance(attrs, dict):
-        if from_setup:  # an opaque object the setup made (a compiled regex, a C extension's)
-            return Classified(Kind.SETUP, type(value).__name__)
-        return Classified(Kind.REFUSED, type(value).__name__,
-                          "an object without attributes baton can read (no __dict__)")
-    carried = []
-    for name, attr in attrs.items():
-        got = classify(attr, from_setup, _depth + 1, seen)
-        if got.kind is Kind.REFUSED:
-            return Classified(Kind.REFUSED, f"{type(value).__name__}.{name}: {got.detail}", got.why)
-        if got.kind in (Kind.PLAIN, Kind.TENSOR, Kind.ARRAY, Kind.RECORD):
-            carried.append(name)
-    shown = ", ".join(carried[:6]) + (", ..." if len(carried) > 6 else "")
-    return Classified(Kind.RECORD, f"{type(value).__name__}: {shown}" if carried else type(value).__name__)
+    return None
 
 
 @functools.cache

@@ -125,8 +125,10 @@ class StepLoopController:
             bound = loop.site.assigned if loop is exiting else \
                 tuple(n for n in loop.site.live if n not in loop.site.targets)
             # objects the setup made that the loop uses (meters, `self`), read off the loop's body
-            records = {n: values.record(scope[n]) for n in loop.site.reads
-                       if n in scope and n not in bound and _is_object_record(scope[n])}
+            records = {}
+            for n in loop.site.reads:
+                if n in scope and n not in bound and (rec := _object_record(scope[n])) is not None:
+                    records[n] = rec
             # lists and dicts made before the loop that it changes in place (`history.append(x)`)
             changed = values.containers(tuple(n for n in loop.site.mutated if n not in bound), scope)
             it = loop.iterable
@@ -392,15 +394,11 @@ def _setup_fingerprint(loop: ActiveLoop, streams: dict[str, Any] | None) -> dict
     return setup_check.fingerprint(streams or {}, loaders)
 
 
-def _is_object_record(obj: Any) -> bool:
-    """An object (not a container) whose attributes are carried: a meter, `self`. Asked at
-    every head of every name the loop reads (the model, the optimizer, modules, functions):
-    only an object of the script's own classes or a namespace can be one (carried.classify),
-    which its type says first, and cheaply."""
-    from baton.transparent.carried import script_record_type
-
-    return script_record_type(type(obj)) and isinstance(getattr(obj, "__dict__", None), dict) and \
-        not isinstance(obj, type) and _is_record(obj)
+def _object_record(obj: Any) -> dict[str, Any] | None:
+    """The carried attributes of an object (not a container) a loop reads: a meter, `self`;
+    None for anything else (the model, the optimizer, modules, functions: its type says so
+    first, and cheaply, as this is asked at every head of every name the loop reads)."""
+    return values.carried_record(obj)
 
 
 def _is_record(obj: Any) -> bool:
