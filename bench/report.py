@@ -521,13 +521,16 @@ def _phases_text(phases: dict) -> str:
     out, after = [], []
     for kind, per in phases.items():
         shown = [f"{k.replace('_', ' ')} {_secs(_med(v))}" for k, v in per.items()
-                 if _med(v) is not None and k != "check_after_resume" and (k != "joiner_setup" or kind == "unplanned")]
+                 if _med(v) is not None and k != "check_after_resume"
+                 # results from before the ledger had `setup`: the bench's own figure stands in
+                 and (k != "joiner_setup" or (kind == "unplanned" and "setup" not in per))]
         if shown:
             out.append(f"{kind.replace('_', '-')}: {', '.join(shown)}")
         if _med(per.get("check_after_resume")) is not None:
             after.append(f"{kind.replace('_', '-')} {_secs(_med(per['check_after_resume']))}")
-    text = ("where the time went (ledger phases; an unplanned joiner runs the script's setup after the "
-            "failure): " + "; ".join(out)) if out else ""
+    text = ("where the time went (ledger phases; an unplanned recovery's collect: the survivors' reports "
+            "until the plan went out, its setup: the joiner's script setup after the failure): "
+            + "; ".join(out)) if out else ""
     if after:  # the state check's pass over the large tensors runs beside the next step, outside the pause
         text += ("; " if text else "") + "the first step after a move then waited for the state check: " + \
             ", ".join(after)

@@ -115,6 +115,12 @@ def test_kill_9_recovers_from_replicas(tmp_path, reference, rank):
         job.signal_rank(rank, signal.SIGKILL)
         events = _check(job, reference, "unplanned", rerun_max=1)
         assert events[0]["rank"] == rank
+        # where the downtime went, summing to it: the survivors' reports until the plan went
+        # out, the spare's script setup after its assignment, the joiner's part, the rest
+        phases = events[0]["phases"]
+        assert list(phases) == ["collect", "setup", "fetch", "load", "form", "verify", "rest"], phases
+        assert abs(sum(phases.values()) - events[0]["downtime_s"]) < 0.01, (phases, events[0])
+        assert phases["setup"] > 0 and phases["setup"] <= events[0]["joiner_setup_s"] + 1e-3, events[0]
         log = [json.loads(line) for line in (job.run_dir / "events.jsonl").read_text().splitlines()]
         recoveries = [e["data"] for e in log if e["event"] == "recovery"]
         assert len(recoveries) == 1, recoveries  # the loss, and nothing after it

@@ -67,6 +67,7 @@ class Operation:
     rerun: bool = False  # some survivor discarded a partial step and re-runs it
     target: tuple[int, int] | None = None  # the position the new generation forms at
     failed_at: float | None = None  # when the failure happened (not when it was detected)
+    planned_at: float | None = None  # unplanned: when the (latest) plan went out, every survivor heard from
     # When the first survivor blocked in the collective that failed: where a hung rank's
     # downtime starts (its last heartbeat, `failed_at`, came before the hang).
     stalled_at: float | None = None

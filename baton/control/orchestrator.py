@@ -921,9 +921,11 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing, PathFa
                 ev.pre_copy = {**joiner_caught_up, **{f"leaver_{k}": v for k, v in
                                                        op.pre_copy_cost.get(rank, {}).items()}}
             if op.joiner_phases:  # where the downtime went: the joiner's part, the last rank's way to
-                # the boundary after the first paused (a planned move's), and the rest (the sources
-                # publishing, the survivors forming, messages)
+                # the boundary after the first paused (a planned move's), the survivors' reports and
+                # the plan (an unplanned one's), and the rest (messages, the survivors forming)
                 parts = dict(op.joiner_phases)
+                if op.kind == EventKind.UNPLANNED and op.planned_at is not None:
+                    parts = {"collect": round(max(0.0, op.planned_at - start), 4), **parts}
                 if op.kind != EventKind.UNPLANNED and len(op.paused) > 1:
                     # until the copy could begin: when the last rank paused, or the last leaver
                     # where the leavers served their joiners as they paused (planned._hand_over_early)

@@ -380,6 +380,7 @@ class Recovery:
                 self._assign_joiner(spares[0], rank, op)
         self._enter_forming(op)
         op.waiting_message = None
+        op.planned_at = time.time()
         ft = self._formation_timeout(op)
         if sharded:
             self._form_from_snapshots(op, survivors, target, ft)

@@ -75,6 +75,7 @@ class ControlChannel:
         self.beat_every = self.heartbeat_timeout_s / RANK_BEATS_PER_TIMEOUT
         self.on_abort: Callable[[], None] | None = None
         self._on_form: Callable[[m.Form], None] | None = None
+        self.first_form_at: float | None = None  # perf_counter() when the first Form arrived (a joiner's pause)
         self._links: Any = None  # baton.net.links.LinkWatcher of the node's data paths, when the job has some
         self._responder: Any = None  # baton.net.probe.Responder: answers peers' probes on each path
         self.path_peers: list[dict[str, Any]] = []  # where the generation's other members answer probes
@@ -275,6 +276,8 @@ class ControlChannel:
             if self.on_abort is not None:
                 self.on_abort()
         on_form = self._on_form
+        if isinstance(cmd, m.Form) and self.first_form_at is None:
+            self.first_form_at = time.perf_counter()
         if isinstance(cmd, m.Form) and on_form is not None:
             on_form(cmd)
         self.commands.put(cmd)

@@ -37,7 +37,12 @@ class Joining:
             self.ctl.report(m.SetupWritten(files=written))
 
     def _join(self) -> None:
-        self.setup_s = time.perf_counter() - self.assigned_at
+        setup_end = time.perf_counter()
+        self.setup_s = setup_end - self.assigned_at
+        # The part of it training waited for: all of it where the Form came with the Assign (a
+        # recovery), none where the Form came once the joiner was ready (a planned move).
+        form_at = self.ctl.first_form_at
+        self.setup_in_pause_s = max(0.0, setup_end - max(self.assigned_at, form_at)) if form_at else 0.0
         log.info("the script's setup took %.3fs from this rank's assignment to its step loop", self.setup_s)
         if self.tracked.sharded:  # learns the capture only: no optimizer step, nothing to guard
             t0 = time.perf_counter()
@@ -106,6 +111,8 @@ class Joining:
                       "form": round(t_formed - t_loaded, 4), "verify": round(t_verified - t_formed, 4)}
             if followed is not None:
                 phases = {"follow": round(t_followed - t0, 4), **phases}
+            if self.setup_in_pause_s:
+                phases = {"setup": round(self.setup_in_pause_s, 4), **phases}
             self.ctl.report(m.Formed(generation=gen, pos=self.pos, bytes=stats.bytes, seconds=round(stats.seconds, 4),
                                      setup_s=round(self.setup_s, 4), fetch_wait_s=round(t_fetched - t0, 4),
                                      phases=phases, hot_spare=self.hot_use))

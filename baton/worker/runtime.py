@@ -118,6 +118,7 @@ class Runtime(Captures, PlannedHandover, ShardRedundancy, Recovery, Joining, Sta
         self.ctl, self.server, self.store, self.token = ctl, server, store, token
         self.assigned_at = time.perf_counter()  # made right after the rank's assignment
         self.setup_s = 0.0
+        self.setup_in_pause_s = 0.0  # the part of setup_s training waited for (joining._join)
         self.op_timeout = float(config.op_timeout_s)
         self.formation_timeout = float(config.formation_timeout_s)
         self.verify_every = int(config.verify_every)
