@@ -118,8 +118,7 @@ class StepLoopController:
         for loop in [*LOOPS.enclosing(sys._getframe()), *([exiting] if exiting is not None else [])]:
             if loop.site.key not in self.nest_keys:
                 continue
-            frame = loop.frame
-            scope = {**{n: v for n, v in frame.f_globals.items() if n in frame.f_code.co_names}, **frame.f_locals}
+            scope = _scope(loop.frame, loop.site.scope_names)
             if self._ran_out_on_arrival is not None and self._ran_out_on_arrival[0] is loop:
                 scope.update(self._ran_out_on_arrival[1])  # what the code after the loop is about to rebind
             bound = loop.site.assigned if loop is exiting else \
@@ -343,6 +342,18 @@ def _restore_globals(saved: dict[str, dict[str, Any]]) -> None:
                              "replaces had it: the script took another way")
         for name, value in names.items():
             setattr(module, name, values.rebound(value, getattr(module, name, None), name))
+
+
+def _scope(frame: Any, names: tuple[str, ...]) -> dict[str, Any]:
+    """`names` as the loop's code sees them: bound locals (and cells), else the globals its code reads."""
+    local, glob, read_global = frame.f_locals, frame.f_globals, frame.f_code.co_names
+    scope = {}
+    for n in names:
+        if n in local:
+            scope[n] = local[n]
+        elif n in glob and n in read_global:
+            scope[n] = glob[n]
+    return scope
 
 
 def _length(iterable: Any) -> int | None:

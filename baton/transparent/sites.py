@@ -56,6 +56,12 @@ class LoopSite:
         last item bound them, so each head carries those it can (controller.script_section)."""
         return tuple(n for n in self.targets if n in self.live)
 
+    @functools.cached_property
+    def scope_names(self) -> tuple[str, ...]:
+        """Every name a head's record may read from the loop's scope (controller.script_section):
+        looked up one by one, not by copying the scope (a module-level loop's is every global)."""
+        return tuple(dict.fromkeys((*self.reads, *self.mutated, *self.assigned)))
+
     @property
     def where(self) -> str:
         return f"{self.file}:{self.line}"
