@@ -304,7 +304,10 @@ def test_every_rank_lost_at_once_fails_promptly_and_the_ledger_says_so(tmp_path)
         t0 = time.time()
         code = job.wait(timeout=60)
         assert code != 0 and time.time() - t0 < 30, (code, job.log())
-        assert "no copy of the training state survived" in job.log()
+        log = job.log()
+        assert "no copy of the training state survived" in log, log
+        # each rank's cause is named
+        assert all(f"rank {r}: process killed by signal 9" in log for r in range(3)), log
         events = job.events()
         assert events and all(e["status"] == "failed" and e["resolved_without_rollback"] is False
                               and e["steps_lost"] >= 8 for e in events), events

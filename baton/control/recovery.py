@@ -348,7 +348,8 @@ class Recovery:
         if any(r not in op.boundaries for r in survivors):
             return
         if not survivors:
-            self._lost_everything(op, "every rank failed at once: no copy of the training state survived")
+            causes = "; ".join(f"rank {r}: {self.events[mv.event_id - 1].cause}" for r, mv in sorted(op.moves.items()))
+            self._lost_everything(op, f"every rank failed at once ({causes}): no copy of the training state survived")
             return
         sharded = self.loop is not None and bool(self.loop.sharded)
         if sharded:
