@@ -222,7 +222,7 @@ class Mirror:
             opt = self.optimizers[int(record["opt"])][1]
             replay_optimizer_step(opt, record)
             self.follower.buffers.give_back(replayed_grads(opt, record))
-            self.steps += bool(record.get("last", True))
+            self.steps += 1
             self.dirty = True
             return
         small = record["small"]

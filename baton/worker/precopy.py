@@ -48,11 +48,6 @@ log = logging.getLogger("baton.worker")
 # the two of the step running), within this many bytes; a joiner further behind gives up.
 KEEP_RECORDS = 64
 KEEP_BYTES = 1 << 30
-# A step's gradients beyond this many bytes go in parts of about this size, each served as
-# soon as it is copied and applied by the joiner as soon as it arrives: its replay runs beside
-# the transfer of the rest instead of after it (1 GB of AdamW state: one 333 MB record was
-# received, then applied, and the last step's both were inside the pause).
-PART_BYTES = 16 << 20
 WAKE = "wake"  # a record queue's item that is no record
 # A joiner further behind than this many steps when the ranks pause takes the whole state
 # instead: it never caught up (the pre-copy's deadline passed), and each step it replays
@@ -87,57 +82,16 @@ def replayed_grads(opt: torch.optim.Optimizer, record: dict[str, Any]) -> list[t
 
 
 def replay_optimizer_step(opt: torch.optim.Optimizer, record: dict[str, Any]) -> None:
-    """Apply a fed optimizer step, or its part: the feeder's gradients and settings, then the
-    same step() (the feeder's arithmetic on the same device type, so the same bits). A part
-    holds the gradients of the parameters from its `first` on; the others have none, and so
-    the step leaves them as they are (see splits_by_parameter)."""
+    """Apply a fed optimizer step: the feeder's gradients and settings, then the same step()
+    (the feeder's arithmetic on the same device type, so the same bits)."""
     params = _params(opt)
-    first, grads = int(record.get("first", 0)), record["grads"]
-    for i, p in enumerate(params):
-        g = grads[i - first] if 0 <= i - first < len(grads) else None
+    for p, g in zip(params, record["grads"]):
         p.grad = None if g is None else g.to(p.device)
     for group, values in zip(opt.param_groups, record["settings"]):
         group.update(values)
     opt.step()
     for p in params:
         p.grad = None
-
-
-# torch's optimizers whose step updates each parameter from its own gradient and state alone
-# (not LBFGS): a step of some of the parameters is that step, and a parameter without a
-# gradient is skipped as if it were not there.
-_PER_PARAMETER = tuple(getattr(torch.optim, name) for name in
-                       ("SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "ASGD", "NAdam", "RAdam",
-                        "RMSprop", "Rprop") if hasattr(torch.optim, name))
-
-
-def splits_by_parameter(opt: torch.optim.Optimizer) -> bool:
-    """Whether a joiner may apply this optimizer's step in parts, as each part's gradients
-    arrive: one of torch's per-parameter optimizers by its exact type (a subclass may couple
-    them), not fused (its step reads GradScaler's scale and found_inf), and no step hooks but
-    baton's (a hook seeing only a part's gradients, a clip by the global norm say, or running
-    once a part, would not do what it did on the feeder)."""
-    if type(opt) not in _PER_PARAMETER or any(g.get("fused") for g in opt.param_groups):
-        return False
-    from torch.optim import optimizer as optim_module
-
-    hooks = [*opt._optimizer_step_pre_hooks.values(), *opt._optimizer_step_post_hooks.values(),
-             *optim_module._global_optimizer_pre_hooks.values(), *optim_module._global_optimizer_post_hooks.values()]
-    return all(str(getattr(h, "__module__", "")).startswith("baton.") for h in hooks)
-
-
-def part_spans(grads: list[torch.Tensor | None], limit: int) -> list[tuple[int, int]]:
-    """Consecutive [lo, hi) spans of `grads` of at most `limit` bytes each (a larger tensor
-    alone in its own)."""
-    spans, lo, size = [], 0, 0
-    for i, g in enumerate(grads):
-        n = 0 if g is None else g.numel() * g.element_size()
-        if size and size + n > limit:
-            spans.append((lo, i))
-            lo, size = i, 0
-        size += n
-    spans.append((lo, len(grads)))
-    return spans
 
 
 # What a rank serves apart from the models' and optimizers' tensors (FETCH_OWN), where present:
@@ -311,14 +265,9 @@ class Feed:
         self._check_versions("between optimizer steps")
         if closure and not self.touched:
             self.touched = "an optimizer step with a closure (it evaluates the model again)"
-        grads = [p.grad.detach() if p.grad is not None else None for p in _params(opt)]
-        total = sum(g.numel() * g.element_size() for g in grads if g is not None)
-        whole = total <= PART_BYTES or not splits_by_parameter(opt)
-        spans = [(0, len(grads))] if whole else part_spans(grads, PART_BYTES)
-        head = {"kind": "optimizer_step", "step": step, "opt": opt_index, "settings": _settings(opt),
-                "touched": self.touched}
-        for i, (lo, hi) in enumerate(spans):
-            self._put({**head, "grads": grads[lo:hi], "first": lo, "last": i == len(spans) - 1})
+        grads = [p.grad for p in _params(opt)]
+        self._put({"kind": "optimizer_step", "step": step, "opt": opt_index, "settings": _settings(opt),
+                   "grads": [g.detach() if g is not None else None for g in grads], "touched": self.touched})
         self.steps += 1
         self.capture_s += time.perf_counter() - t0
 
@@ -393,7 +342,6 @@ class Follower:
     step_bytes: int = 0
     failed: str = ""
     ended: bool = False  # `failed` because the records stopped coming (what was applied stands)
-    in_parts: bool = False  # a step's record came in parts (PART_BYTES)
     woken_at: float = 0.0  # when the Form came (perf_counter), maybe while a record was being applied
     _records: "queue.Queue[tuple[dict[str, Any] | None, str]]" = field(default_factory=queue.Queue)
     # Where the records' gradients arrive: a step's into fresh memory cost the joiner its page
@@ -621,10 +569,7 @@ class PreCopying:
                 replay_optimizer_step(opt, record)
             finally:
                 self.loading = False
-            if not record.get("last", True) and not f.in_parts:
-                f.in_parts = True
-                log.info("pre-copy: the leaver's optimizer steps come in parts, each applied as it arrives")
-            f.steps += bool(record.get("last", True))
+            f.steps += 1
             f.buffers.give_back(replayed_grads(opt, record))
             return
         load_small_state(self.tracked, record["small"])
