@@ -39,6 +39,7 @@ _SETUP = (types.ModuleType, type, types.BuiltinFunctionType, types.MethodType, t
 _OS_RESOURCES = (io.IOBase, socket.socket, threading.Thread, subprocess.Popen, type(threading.Lock()),
                  type(threading.RLock()))
 _MAX_DEPTH = 4
+_CONTAINERS = frozenset((list, tuple, dict, set, frozenset))
 
 
 class Kind(str, enum.Enum):
@@ -59,6 +60,10 @@ class Classified:
     why: str = ""  # REFUSED: why it cannot be carried
 
 
+_PLAIN_BY_TYPE = {t: Classified(Kind.PLAIN, t.__name__) for t in _PLAIN}  # the exact types, not subclasses (an IntEnum)
+
+
+@functools.cache
 def _state_types() -> tuple[type, ...]:
     from torch.optim.lr_scheduler import LRScheduler
 
@@ -72,12 +77,14 @@ def _state_types() -> tuple[type, ...]:
     return tuple(out)
 
 
+@functools.cache
 def _loader_types() -> tuple[type, ...]:
     from torch.utils.data import DataLoader, Dataset, Sampler
 
     return DataLoader, Dataset, Sampler
 
 
+@functools.cache
 def _loader_iterator_type() -> type:
     from torch.utils.data.dataloader import _BaseDataLoaderIter
 
@@ -129,8 +136,17 @@ def is_attribute_record(value: Any) -> bool:
     """Whether classify() judges `value` by its attributes (an object of the script's own
     class or a namespace; not a module, optimizer, loader, function, container...): it is
     then a RECORD unless one of them is refused (values.carried_record)."""
-    return _by_type(value, True) is None and not isinstance(value, (list, tuple, dict, set, frozenset)) and \
-        _of_attributes(value)
+    cls = type(value)
+    if cls in _TYPED or isinstance(value, torch.Tensor):  # a tensor never is (_by_type)
+        return False
+    if _by_type(value, True) is not None:
+        if not issubclass(cls, (torch.Tensor, types.FunctionType)):  # else the instance decides (a DTensor, a lambda)
+            _TYPED.add(cls)
+        return False
+    return not isinstance(value, (list, tuple, dict, set, frozenset)) and _of_attributes(value)
+
+
+_TYPED: set[type] = set()  # classes whose type alone decides (_by_type): asked at every head of every name a loop reads
 
 
 def _of_attributes(value: Any) -> bool:
@@ -152,6 +168,11 @@ def _without_attributes(value: Any, from_setup: bool) -> Classified:
 
 def _by_type(value: Any, from_setup: bool) -> Classified | None:
     """What `value`'s type alone says it is; None for a container or an object judged by its contents."""
+    plain = _PLAIN_BY_TYPE.get(type(value))  # asked at every head: the common cases first, and cheaply
+    if plain is not None:
+        return plain
+    if type(value) in _CONTAINERS:  # no test below takes these
+        return None
     if isinstance(value, torch.nn.Parameter):
         return Classified(Kind.STATE, "Parameter (moves with its model)")
     if isinstance(value, torch.Tensor) and hasattr(value, "_local_tensor"):  # a DTensor (not imported: costly)
