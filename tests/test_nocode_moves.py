@@ -95,6 +95,10 @@ def test_a_planned_move_a_taint_and_a_lost_rank_end_bitwise_equal_to_torchrun(tm
     # arriving meanwhile), its load, form and check, the boundary, the rest
     for e in events:
         assert {"walk_and_fetch", "load", "form", "verify", "rest"} <= set(e["phases"] or {}), e
+    # and the joiner's script setup where training waited for it: a rebuild's (its Form came with
+    # its assignment), never a planned move's (the ranks pause once the joiner's setup is done)
+    assert [("setup" in e["phases"]) for e in events] == [False, False, True], events
+    assert list(events[2]["phases"])[:2] == ["collect", "setup"], events[2]
     # the survivor was in the victim's step (that step runs again) or, where the kill landed as
     # it stood at a head or in a region without collectives, not; the states above are the check
     assert events[2]["steps_rerun"] in (0, 1), events[2]

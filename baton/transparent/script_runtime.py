@@ -530,6 +530,14 @@ class ScriptRuntime(Runtime):
         rebuild's Form comes with its assignment, before the setup the ledger counts apart)."""
         return max(self.form_at, self.assigned_at + self.setup_s)
 
+    def _setup_in_pause(self) -> dict[str, float]:
+        """The part of the joiner's script setup training waited for, first of its phases: all
+        of it in a rebuild (its Form came with its assignment), none in a planned move (the
+        ranks pause once the setup is done). The ledger's `rest` is then messages only."""
+        arrived = self.ctl.first_form_at
+        waited = self.assigned_at + self.setup_s - max(self.assigned_at, arrived) if arrived else 0.0
+        return {"setup": waited} if waited > 0 else {}
+
     def _take_place(self) -> None:
         """A joiner at its rank's place in the script: its step loop's hooks set up, the
         orchestrator told (its setup time too), the prefetching of its state over."""
@@ -649,8 +657,8 @@ class ScriptRuntime(Runtime):
         log.info("joined generation %s at %s: fetch and walk %.3fs (%d bytes), place %.3fs, load %.3fs, form %.3fs, "
                  "verify %.3fs", gen, self.pos, t_arrived - t0, stats.bytes, t_fetched - t_arrived,
                  t_loaded - t_fetched, t_formed - t_loaded, t_verified - t_formed)
-        phases = {"walk_and_fetch": t_arrived - self._walk_began(), "place": t_fetched - t_arrived,
-                  "load": t_loaded - t_fetched, "form": t_formed - t_loaded, "verify": t_verified - t_formed}
+        phases = {**self._setup_in_pause(), "walk_and_fetch": t_arrived - self._walk_began(),
+                  "place": t_fetched - t_arrived, "load": t_loaded - t_fetched, "form": t_formed - t_loaded, "verify": t_verified - t_formed}
         self.ctl.report(m.Formed(generation=gen, pos=self.pos, bytes=stats.bytes, seconds=round(stats.seconds, 4),
                                  setup_s=round(self.setup_s, 4), fetch_wait_s=round(t_fetched - t0, 4),
                                  phases=_rounded(phases)))
@@ -836,7 +844,8 @@ class ScriptRuntime(Runtime):
                       "cannot go on bit for bit")
         t_verified = time.perf_counter()
         log.info("joined generation %s at %s after running %s", gen, self.pos, ran)
-        phases = {"walk_and_fetch": t_fetched - self._walk_began(), "run_again": t_ran - t_fetched,
+        phases = {**self._setup_in_pause(), "walk_and_fetch": t_fetched - self._walk_began(),
+                  "run_again": t_ran - t_fetched,
                   "form": t_formed - t_ran, "verify": t_verified - t_formed}
         self.ctl.report(m.Formed(generation=gen, pos=self.pos, bytes=stats.bytes, seconds=round(stats.seconds, 4),
                                  setup_s=round(self.setup_s, 4), fetch_wait_s=round(t_fetched - t0, 4),
