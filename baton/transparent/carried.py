@@ -39,7 +39,9 @@ _SETUP = (types.ModuleType, type, types.BuiltinFunctionType, types.MethodType, t
 _OS_RESOURCES = (io.IOBase, socket.socket, threading.Thread, subprocess.Popen, type(threading.Lock()),
                  type(threading.RLock()))
 _MAX_DEPTH = 4
-_CONTAINERS = frozenset((list, tuple, dict, set, frozenset))
+_CONTAINER_TYPES = (list, tuple, dict, set, frozenset)
+_CONTAINERS = frozenset(_CONTAINER_TYPES)  # the exact types, for the quick checks at every head
+PLAIN_EXACT = frozenset(_PLAIN)  # the exact types (not subclasses: an IntEnum), carried as they are
 
 
 class Kind(str, enum.Enum):
@@ -117,7 +119,7 @@ def classify(value: Any, from_setup: bool = False, _depth: int = 0,
     if id(value) in seen or _depth >= _MAX_DEPTH:
         return Classified(Kind.RECORD, type(value).__name__)
     seen.add(id(value))
-    if isinstance(value, (list, tuple, dict, set, frozenset)):
+    if isinstance(value, _CONTAINER_TYPES):
         return _container(value, from_setup, _depth, seen)
     if not _of_attributes(value):
         return _without_attributes(value, from_setup)
@@ -140,10 +142,10 @@ def is_attribute_record(value: Any) -> bool:
     if cls in _TYPED or isinstance(value, torch.Tensor):  # a tensor never is (_by_type)
         return False
     if _by_type(value, True) is not None:
-        if not issubclass(cls, (torch.Tensor, types.FunctionType)):  # else the instance decides (a DTensor, a lambda)
+        if not issubclass(cls, types.FunctionType):  # else the instance decides (a lambda)
             _TYPED.add(cls)
         return False
-    return not isinstance(value, (list, tuple, dict, set, frozenset)) and _of_attributes(value)
+    return not isinstance(value, _CONTAINER_TYPES) and _of_attributes(value)
 
 
 _TYPED: set[type] = set()  # classes whose type alone decides (_by_type): asked at every head of every name a loop reads

@@ -531,12 +531,10 @@ class ScriptRuntime(Runtime):
         return max(self.form_at, self.assigned_at + self.setup_s)
 
     def _setup_in_pause(self) -> dict[str, float]:
-        """The part of the joiner's script setup training waited for, first of its phases: all
-        of it in a rebuild (its Form came with its assignment), none in a planned move (the
-        ranks pause once the setup is done). The ledger's `rest` is then messages only."""
-        arrived = self.ctl.first_form_at
-        waited = self.assigned_at + self.setup_s - max(self.assigned_at, arrived) if arrived else 0.0
-        return {"setup": waited} if waited > 0 else {}
+        """The joiner's first phase, where training waited for its script's setup (a rebuild's;
+        a planned move's ranks pause once it is done): the ledger's `rest` is then messages only."""
+        waited = self.setup_waited_for()
+        return {"setup": waited} if waited else {}
 
     def _take_place(self) -> None:
         """A joiner at its rank's place in the script: its step loop's hooks set up, the
@@ -658,7 +656,8 @@ class ScriptRuntime(Runtime):
                  "verify %.3fs", gen, self.pos, t_arrived - t0, stats.bytes, t_fetched - t_arrived,
                  t_loaded - t_fetched, t_formed - t_loaded, t_verified - t_formed)
         phases = {**self._setup_in_pause(), "walk_and_fetch": t_arrived - self._walk_began(),
-                  "place": t_fetched - t_arrived, "load": t_loaded - t_fetched, "form": t_formed - t_loaded, "verify": t_verified - t_formed}
+                  "place": t_fetched - t_arrived, "load": t_loaded - t_fetched, "form": t_formed - t_loaded,
+                  "verify": t_verified - t_formed}
         self.ctl.report(m.Formed(generation=gen, pos=self.pos, bytes=stats.bytes, seconds=round(stats.seconds, 4),
                                  setup_s=round(self.setup_s, 4), fetch_wait_s=round(t_fetched - t0, 4),
                                  phases=_rounded(phases)))
@@ -845,8 +844,7 @@ class ScriptRuntime(Runtime):
         t_verified = time.perf_counter()
         log.info("joined generation %s at %s after running %s", gen, self.pos, ran)
         phases = {**self._setup_in_pause(), "walk_and_fetch": t_fetched - self._walk_began(),
-                  "run_again": t_ran - t_fetched,
-                  "form": t_formed - t_ran, "verify": t_verified - t_formed}
+                  "run_again": t_ran - t_fetched, "form": t_formed - t_ran, "verify": t_verified - t_formed}
         self.ctl.report(m.Formed(generation=gen, pos=self.pos, bytes=stats.bytes, seconds=round(stats.seconds, 4),
                                  setup_s=round(self.setup_s, 4), fetch_wait_s=round(t_fetched - t0, 4),
                                  ran_again=f"ran {ran} ({t_ran - t_fetched:.3f}s)",

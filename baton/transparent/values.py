@@ -17,10 +17,9 @@ from typing import Any
 
 import torch
 
-from baton.transparent.carried import CARRIED_KINDS, Kind, classify, is_attribute_record
+from baton.transparent.carried import CARRIED_KINDS, PLAIN_EXACT, Kind, classify, is_attribute_record
 
 RECORD = "$record"
-_PLAIN_EXACT = frozenset((type(None), bool, int, float, str, bytes))  # carried as they are
 
 
 class RestoreError(RuntimeError):
@@ -63,7 +62,7 @@ def record(obj: Any, _seen: frozenset[int] = frozenset()) -> dict[str, Any]:
     seen = _seen | {id(obj)}
     attrs = {}
     for name, attr in vars(obj).items():
-        if type(attr) in _PLAIN_EXACT:
+        if type(attr) in PLAIN_EXACT:
             attrs[name] = attr
             continue
         if id(attr) in seen:
@@ -84,7 +83,7 @@ def carried_record(obj: Any) -> dict[str, Any] | None:
     seen = frozenset((id(obj),))
     attrs = {}
     for name, attr in vars(obj).items():
-        if type(attr) in _PLAIN_EXACT:  # the common case, as classify() and value() would take it
+        if type(attr) in PLAIN_EXACT:  # the common case, as classify() and value() would take it
             attrs[name] = attr
             continue
         if id(attr) in seen:

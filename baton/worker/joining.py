@@ -36,13 +36,17 @@ class Joining:
         if written:
             self.ctl.report(m.SetupWritten(files=written))
 
-    def _join(self) -> None:
-        setup_end = time.perf_counter()
-        self.setup_s = setup_end - self.assigned_at
-        # The part of it training waited for: all of it where the Form came with the Assign (a
-        # recovery), none where the Form came once the joiner was ready (a planned move).
+    def setup_waited_for(self) -> float:
+        """The part of the joiner's setup (`setup_s`) training waited for: all of it where the
+        Form came with the Assign (a recovery), none where the Form came once the joiner was
+        ready (a planned move)."""
         form_at = self.ctl.first_form_at
-        self.setup_in_pause_s = max(0.0, setup_end - max(self.assigned_at, form_at)) if form_at else 0.0
+        setup_end = self.assigned_at + self.setup_s
+        return max(0.0, setup_end - max(self.assigned_at, form_at)) if form_at else 0.0
+
+    def _join(self) -> None:
+        self.setup_s = time.perf_counter() - self.assigned_at
+        self.setup_in_pause_s = self.setup_waited_for()
         log.info("the script's setup took %.3fs from this rank's assignment to its step loop", self.setup_s)
         if self.tracked.sharded:  # learns the capture only: no optimizer step, nothing to guard
             t0 = time.perf_counter()
