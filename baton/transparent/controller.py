@@ -33,7 +33,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from baton.control import messages as m
 from baton.transfer import TransferError
-from baton.transparent import analysis, extras, nest, values
+from baton.transparent import analysis, deferred_init, extras, nest, values
 from baton.worker.script_files import ScriptModules
 from baton.transparent.loops import LOOPS, ActiveLoop
 from baton.transparent.sites import SITES
@@ -63,7 +63,11 @@ class StepLoopController:
         # values its head would have rebound, which the code after the loop rebinds (ran_out)
         self._ran_out_on_arrival: tuple[ActiveLoop, dict[str, Any]] | None = None
         self._extras_read: set[int] = set()  # id(frame) of the nest's frames read for untracked state
+        # A joiner whose setup's dropped draws are still being replayed: the stream its
+        # predecessor's fingerprint names (None: none there), checked before its first record
+        self._late_stream: tuple[deferred_init.StreamReplay, dict[str, int]] | None = None
         rt.script_section = self.script_section
+        rt.settle_setup = self.settle_setup
         if rt.joiner:
             assert rt.assignment is not None and rt.assignment.loop is not None, "a joiner is told the loop"
             self.nest_keys = list(rt.assignment.loop.nest)
@@ -150,7 +154,26 @@ class StepLoopController:
                     else:
                         entry["returned"] = returned[0]
             path.append(entry)
-        return {"path": path, "setup": self.setup, "globals": _declared_globals()}
+        return {"path": path, "setup": self.settle_setup(), "globals": _declared_globals()}
+
+    def settle_setup(self) -> dict[str, int]:
+        """This process's setup fingerprint, its torch stream in it where a joiner's left-out
+        initialisation was being replayed (deferred_init): compared with its predecessor's
+        now, before a record of this process names it (the job stops where they differ)."""
+        if self._late_stream is not None:
+            replay, theirs = self._late_stream
+            self._late_stream = None
+            try:
+                state = replay.result()
+            except Exception as exc:  # noqa: BLE001 - no stream to check the setup by: no going on
+                self.rt.stop(f"rank {self.rt.rank}: the replay of its setup's left-out draws failed ({exc!r}), so "
+                             "its setup could not be checked against its predecessor's; the job stops here")
+            mine = setup_check.fingerprint({"torch": rng.bytes_of(state)}, {})
+            self.setup.update(mine)
+            log.info("setup's torch stream replayed on a thread in %.3fs", replay.seconds)
+            if theirs and setup_check.differences(mine, {k: theirs.get(k) for k in mine}):  # type: ignore[misc]
+                self.rt.stop(setup_check.explain(self.rt.rank, sorted(mine)))
+        return self.setup
 
     # ---------------------------------------------------------------- the loops (loops.Controller)
     def before_item(self, loop: ActiveLoop) -> None:
@@ -334,6 +357,8 @@ def _declared_globals() -> dict[str, dict[str, Any]]:
 
 
 def _restore_globals(saved: dict[str, dict[str, Any]]) -> None:
+    if not saved:  # (reading every module's __file__ took 6-8 ms of a walk on 2 cores)
+        return
     by_file = {getattr(mod, "__file__", None): mod for mod in list(sys.modules.values())}
     for file, names in saved.items():
         module = by_file.get(file)
@@ -389,6 +414,16 @@ def _walked_past(early: list[dict[str, Any]], now: list[dict[str, Any]], rebound
     return None
 
 
+def _arriving(tracked: Any) -> list[Any]:
+    """The tensors a joiner's arriving state is loaded into, whole: every tracked model's
+    `state_dict()` (load_state_dict copies each), its sharded ones aside."""
+    import torch
+
+    sharded = set(tracked.sharded_names())
+    return [t for name, obj in tracked.objects.items() if isinstance(obj, torch.nn.Module) and name not in sharded
+            for t in obj.state_dict().values() if isinstance(t, torch.Tensor)]
+
+
 def _setup_fingerprint(loop: ActiveLoop, streams: dict[str, Any] | None) -> dict[str, int]:
     """Where the nest starts: the streams at its outermost loop's first head, and what the
     loaders, datasets and samplers its frame holds (directly, or as attributes of `self`)
@@ -432,6 +467,8 @@ class _CatchUp:
         # its buddies, while the ranks train on), and the nest's loops walked to it
         self.ahead: dict[str, Any] | None = None
         self.walked: list[ActiveLoop] = []
+        self.deferred = deferred_init.arm()  # the setup's random initialisation the state overwrites
+        self.replay: deferred_init.StreamReplay | None = None
 
     def head(self, loop: ActiveLoop) -> None:
         c = self.c
@@ -447,7 +484,12 @@ class _CatchUp:
         if self.fetched is None and self.depth == 0:
             # What this setup built, taken before the pause (the ranks stop at its SetupDone):
             # a model's classification there took 15-40 ms, beside the state's arrival on 2 cores.
-            self.setup = _setup_fingerprint(loop, rng.capture(c.rt.tracked.generators))
+            replay = self.deferred.finish(_arriving(c.rt.tracked))
+            streams = rng.capture(c.rt.tracked.generators)
+            if replay is not None:  # the stream its left-out draws would have left: checked late
+                del streams["torch"]
+            self.setup = _setup_fingerprint(loop, streams)
+            self.replay = replay
             self.ahead = c.rt.latest_record()
             why = self._not_worth_walking_ahead(self.ahead) if self.ahead is not None else "no record to walk to"
             if why:
@@ -466,10 +508,13 @@ class _CatchUp:
         entry = path[self.depth]
         if self.depth == 0:  # where the nest starts: did this setup build what the predecessor's did?
             theirs = bundle["script"].get("setup") or {}
-            differing = setup_check.differences(self.setup, theirs) if theirs else []
+            late = {"stream.torch"} if self.replay is not None else set()
+            differing = [d for d in setup_check.differences(self.setup, theirs) if d not in late] if theirs else []
             if differing:
                 raise Divergence(setup_check.explain(c.rt.rank, differing))
             c.setup = self.setup  # what this process's own record says from now on: its successor checks it too
+            if self.replay is not None:
+                c._late_stream = (self.replay, theirs)
             _restore_globals(bundle["script"].get("globals", {}))
         self.walked.append(loop)
         c._track_extras(loop.frame)  # before the streams at this head are put back: they include its generators

@@ -114,6 +114,7 @@ class ScriptRuntime(Runtime):
         self.current: Step | None = None
         self.shard_roots: list[Any] = []  # modules the script gave fully_shard(), in order (intercept)
         self.script_section: Callable[[], dict[str, Any]] = lambda: {}  # set by the controller
+        self.settle_setup: Callable[[], Any] = lambda: None  # the controller's: a joiner's late setup check
         self.head_state: dict[str, Any] | None = None  # this rank's own state at the running step's head
         self.region: Region | None = None  # since the step loop's latest exit (kept through the next steps)
         # What this rank records of each step (tail): the running one's, and the one before,
@@ -430,6 +431,7 @@ class ScriptRuntime(Runtime):
         if self.finished:
             return
         self._join_if_deferred()
+        self.settle_setup()  # a joiner that made no record since it joined: its setup checked all the same
         if self.scope == "step" and self.committed:
             self._complete_step()
         self._finish_check_before("the script's end")  # nothing finishes unchecked

@@ -21,7 +21,7 @@ def main(argv: list[str]) -> None:
         print("usage: python -m baton.transparent.worker script.py [args...]", file=sys.stderr)
         sys.exit(2)
     script, args = argv[0], argv[1:]
-    from baton.transparent import ahead, intercept
+    from baton.transparent import ahead, deferred_init, intercept
     from baton.transparent.controller import StepLoopController
     from baton.transparent.importer import print_script_error, run_script
     from baton.transparent.script_runtime import ScriptRuntime
@@ -31,6 +31,7 @@ def main(argv: list[str]) -> None:
 
     modules = ScriptModules(script_dir_of(script))
     ahead.prepare(Path(script), modules)  # a spare: before it waits, not in a move's downtime
+    deferred_init.warm_up()
     rt = job_mod.join(ScriptRuntime, script)  # which sets torchrun's environment
     assert isinstance(rt, ScriptRuntime)
     controller = StepLoopController(rt, modules, script, args)

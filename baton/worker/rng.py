@@ -143,7 +143,8 @@ def _numpy_now() -> tuple[bytes, list]:
     return np.asarray(key, dtype="<u4").tobytes() + struct.pack("<i", int(pos)), [int(has), float(gauss) if has else 0.0]
 
 
-def _bytes_of(t: torch.Tensor) -> bytes:
+def bytes_of(t: torch.Tensor) -> bytes:
+    """A generator's state tensor as capture() holds it."""
     return t.numpy().tobytes()
 
 
@@ -161,10 +162,10 @@ def capture(extra: dict[str, Any] | None = None) -> dict[str, Any]:
     numpy (key, then position) and numpy_gauss [has, value], cuda (one byte state per
     initialised device), tracked (the script's own generators)."""
     words, gauss = _python_now()
-    state: dict[str, Any] = {"torch": _bytes_of(torch.get_rng_state()), "python": words, "python_gauss": gauss}
+    state: dict[str, Any] = {"torch": bytes_of(torch.get_rng_state()), "python": words, "python_gauss": gauss}
     n = _cuda_devices()
     if n:
-        state["cuda"] = [_bytes_of(torch.cuda.get_rng_state(i)) for i in range(n)]
+        state["cuda"] = [bytes_of(torch.cuda.get_rng_state(i)) for i in range(n)]
     if np is not None:
         state["numpy"], state["numpy_gauss"] = _numpy_now()
     if extra:

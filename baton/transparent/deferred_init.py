@@ -1,0 +1,344 @@
+"""A joiner's setup leaves out the random initialisation its rank's state overwrites.
+
+A spare that takes a rank over runs the script's setup, and its model's constructors fill
+every parameter with random numbers (`reset_parameters`, `init.normal_`): ~5 ms for each
+1M parameters on our CPUs (a 1B model: seconds), inside a kill's downtime, for values the
+rank's arriving state then replaces. A model-aware script says so itself (`job.joined`:
+build on the meta device); here the script is unchanged, so baton decides op by op, below
+autograd (a dispatch mode on the script's thread), and never changes a value anyone sees:
+
+- An in-place random fill with the default CPU generator (`uniform_`, `normal_`, ...), and
+  the in-place scalar ops after it on the same memory (`trunc_normal_`'s `erfinv_`, `mul_`;
+  `zeros_`, `ones_`), are recorded instead of run.
+- Anything that reads that memory (an out-of-place op, a forward, a copy, `.tolist()`,
+  `torch.save`, `repr`), another draw from the default generator, `torch.manual_seed` or
+  `torch.get_rng_state()` and their kin, or a tensor subclass (FSDP2's DTensor) runs
+  everything recorded first, in order, on the generator as it was (a clone of it, where
+  its state changed meanwhile): what the script reads is what it would have read.
+- At the step loop (`finish`), where the state is about to arrive: what only the arriving
+  state's tensors hold (every model's `state_dict()`, loaded whole), or nothing holds any
+  more, is dropped; anything else recorded is run. The default generator is then behind where the draws would have
+  left it; the rank's own streams replace it before the script runs on, and the setup's
+  fingerprint (setup_check) takes the stream it would have had from a replay of the draws
+  alone into scratch memory, on a low-priority thread (`StreamReplay`), checked before
+  this process's first record names it.
+
+Only the script's thread is watched (baton's own threads never see the mode). Not noticed:
+memory read from another thread of the script's, or through a raw pointer taken before the
+mode; a seed set on `torch.default_generator` itself, not through `torch.manual_seed`, to
+the state it had. The fingerprint's stream check stops the job where either changed what
+the setup drew (the README's limits say so).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any, Callable, Iterable
+
+import torch
+from torch.utils import _python_dispatch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+log = logging.getLogger("baton.worker")
+
+_SEEDED = torch.Tag.nondeterministic_seeded
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_storage_of = torch.Tensor.untyped_storage  # the original: the patched one would run the recorded ops
+# Ops that make an alias or read only sizes: the memory they see is read later, if at all.
+_METADATA = {torch.ops.aten.detach.default, torch.ops.aten.alias.default, torch.ops.aten.lift_fresh.default,
+             torch.ops.aten.empty_like.default, torch.ops.aten.new_empty.default,
+             torch.ops.aten.new_empty_strided.default}
+# What reads a tensor's memory without the dispatcher seeing it: each runs the recorded ops first.
+_INHERITED = object()  # a patched name the class only inherited: deleted again, not set
+_READERS = ("tolist", "numpy", "__array__", "data_ptr", "untyped_storage", "storage", "_typed_storage",
+            "__dlpack__", "__reduce_ex__", "__repr__")
+
+
+def _key(t: torch.Tensor) -> int:
+    return _storage_of(t).data_ptr()
+
+
+_TRAITS: dict[Any, tuple[bool, bool, bool]] = {}
+
+
+def _traits(func: Any) -> tuple[bool, bool, bool]:
+    """Whether `func` draws random numbers, writes its first argument alone in place, and
+    only aliases or reads sizes (once per op: the schema is slow to read)."""
+    traits = _TRAITS.get(func)
+    if traits is None:
+        args = func._schema.arguments
+        in_place = bool(args) and args[0].alias_info is not None and args[0].alias_info.is_write and \
+            not any(a.alias_info is not None and a.alias_info.is_write for a in args[1:])
+        traits = _TRAITS[func] = (_SEEDED in func.tags, in_place, func.is_view or func in _METADATA)
+    return traits
+
+
+class _Entry:
+    __slots__ = ("func", "args", "kwargs", "key", "seeded")
+
+    def __init__(self, func: Any, args: tuple, kwargs: dict, key: int, seeded: bool):
+        self.func, self.args, self.kwargs, self.key, self.seeded = func, args, kwargs, key, seeded
+
+
+class DeferredInit(TorchDispatchMode):
+    """The mode (see the module's docstring). `install()` on the script's thread before its
+    setup runs; `finish(...)` there at its step loop."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.owner = threading.get_ident()
+        self.entries: list[_Entry] = []
+        self.pending: set[int] = set()
+        self.start_state: torch.Tensor | None = None  # the default generator's, at the first recorded draw
+        self.replaying = False
+        self.ran = 0  # ops run late (read before the step loop), for the log
+        self.off = False  # finished, but not the innermost mode then: it only passes ops on
+        self.finished = False
+        self.disarm: Callable[[], None] = lambda: None  # `arm`'s patch, where no module was made
+        self._originals: dict[tuple[Any, str], Any] = {}
+
+    # ------------------------------------------------------------------ the dispatch
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if self.replaying or self.off:
+            return func(*args, **kwargs)
+        if any(t not in _PLAIN for t in types):  # a subclass's own dispatch reads its inner tensors unseen
+            self.run_recorded()
+            return func(*args, **kwargs)
+        seeded, in_place, passes = _traits(func)
+        if in_place and (seeded or self.pending) and self._recordable(args, kwargs, seeded):
+            target = args[0]
+            if seeded:
+                state = torch.default_generator.get_state()
+                if self.start_state is not None and not torch.equal(state, self.start_state):
+                    self.run_recorded()  # seeded again since the recorded draws: they take the old stream
+                if self.start_state is None:
+                    self.start_state = state
+            key = _key(target)
+            # an alias of its memory, not the tensor: `param.data = ...` later gives the tensor other memory
+            alias = torch.ops.aten.alias.default(target)
+            self.entries.append(_Entry(func, (alias, *args[1:]), kwargs, key, seeded))
+            self.pending.add(key)
+            return target
+        if (seeded and self._default_generator(args, kwargs)) or (
+                self.pending and not passes
+                and any(isinstance(t, torch.Tensor) and _key(t) in self.pending for t in tree_leaves((args, kwargs)))):
+            self.run_recorded()  # a draw after the recorded ones, or a read of their memory: theirs first
+        return func(*args, **kwargs)
+
+    def _recordable(self, args: tuple, kwargs: dict, seeded: bool) -> bool:
+        target = args[0]
+        if type(target) not in _PLAIN or target.device.type != "cpu" or target.layout is not torch.strided \
+                or target.numel() == 0:
+            return False
+        if seeded:
+            if kwargs.get("generator") is not None:
+                return False
+        elif _key(target) not in self.pending:
+            return False  # a scalar op on memory not recorded: it costs nothing to run
+        return not any(isinstance(x, (torch.Tensor, torch.Generator)) for x in tree_leaves((args[1:], kwargs)))
+
+    @staticmethod
+    def _default_generator(args: tuple, kwargs: dict) -> bool:
+        gens = [x for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Generator)]
+        return not gens or any(g is torch.default_generator for g in gens)
+
+    # ------------------------------------------------------------------ running what was recorded
+    def run_recorded(self) -> None:
+        """Run the recorded ops in order (all of them), on the default generator where the
+        script left it alone since the first recorded draw, else on a clone of it as it was."""
+        if not self.entries:
+            return
+        entries, self.entries, self.pending = self.entries, [], set()
+        start, self.start_state = self.start_state, None
+        self.replaying = True
+        try:  # below autograd, as they were recorded there (no second bump of a version counter)
+            clone = None
+            if start is not None and not torch.equal(torch.default_generator.get_state(), start):
+                clone = torch.Generator().set_state(start)  # seeded again since: the draws' stream, apart
+            with torch._C._AutoDispatchBelowADInplaceOrView():
+                for e in entries:
+                    kwargs = {**e.kwargs, "generator": clone} if e.seeded and clone is not None else e.kwargs
+                    e.func(*e.args, **kwargs)
+            self.ran += len(entries)
+        finally:
+            self.replaying = False
+
+    def _unreachable(self) -> set[int]:
+        """The recorded memory nothing but the records holds any more (a tensor the script gave
+        other memory, `param.data = ...`, or dropped): no one can read it."""
+        held: dict[int, list[_Entry]] = {}
+        for e in self.entries:
+            held.setdefault(e.key, []).append(e)
+        out = set()
+        for key, entries in held.items():
+            storage = _storage_of(entries[0].args[0])
+            if torch._C._storage_Use_Count(storage._cdata) == len(entries) + 1:  # our aliases, and `storage`
+                out.add(key)
+        return out
+
+    def _reads(self, t: Any) -> None:
+        if self.entries and threading.get_ident() == self.owner and isinstance(t, torch.Tensor) \
+                and _key(t) in self.pending:
+            self.run_recorded()
+
+    def _any(self) -> None:
+        if self.entries and threading.get_ident() == self.owner:
+            self.run_recorded()
+
+    # ------------------------------------------------------------------ in and out
+    def install(self) -> DeferredInit:
+        for name in _READERS:
+            original = getattr(torch.Tensor, name)
+            self._patch(torch.Tensor, name, _reading(self, original))
+        for module in (torch, torch.random):  # a seed set again reads as the state it had: seen here
+            for name in ("get_rng_state", "set_rng_state", "manual_seed", "seed"):
+                self._patch(module, name, _first(self, getattr(module, name)))
+        self._patch(torch, "save", _first(self, torch.save))
+        self.__enter__()
+        return self
+
+    def _patch(self, owner: Any, name: str, replacement: Any) -> None:
+        self._originals[(owner, name)] = owner.__dict__.get(name, _INHERITED)
+        setattr(owner, name, replacement)
+
+    def _uninstall(self) -> None:
+        if _python_dispatch._get_current_dispatch_mode() is self:
+            self.__exit__(None, None, None)
+        else:  # the script's own mode above it (it entered one and never left): pass ops on from now
+            self.off = True
+        for (owner, name), original in self._originals.items():
+            if original is _INHERITED:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
+        self._originals.clear()
+
+    def finish(self, overwritten: Iterable[torch.Tensor]) -> StreamReplay | None:
+        """The setup reached the step loop: stop watching. The recorded ops whose memory only
+        `overwritten` (what the arriving state is loaded into, whole) holds are dropped, where
+        every one is; else all run now. With draws dropped, the replay that gives the stream
+        the setup would have left (None where none were, or the generator was seeded since)."""
+        self.finished = True
+        self.disarm()
+        if self._originals:
+            self._uninstall()
+        if not self.entries:
+            return None
+        whole = {_key(t) for t in overwritten if _spans_storage(t)} | self._unreachable()
+        if any(e.key not in whole for e in self.entries):
+            n = len(self.entries)
+            t0 = time.perf_counter()
+            self.run_recorded()
+            log.info("deferred initialisation: %d ops run at the step loop (%.3fs): not all of their memory "
+                     "receives the rank's state", n, time.perf_counter() - t0)
+            return None
+        entries, start = self.entries, self.start_state
+        self.entries, self.pending, self.start_state = [], set(), None
+        log.info("deferred initialisation: %d ops left out (the rank's state overwrites their memory), "
+                 "%d run earlier where the setup read their memory", len(entries), self.ran)
+        if start is None or not torch.equal(torch.default_generator.get_state(), start):
+            return None  # no draws, or a seed since: the generator is as the script left it
+        return StreamReplay(start, [e for e in entries if e.seeded])
+
+
+def _spans_storage(t: torch.Tensor) -> bool:
+    """Writing `t` whole writes every byte of its memory."""
+    if type(t) not in _PLAIN or t.device.type != "cpu" or t.numel() == 0:
+        return False
+    return t.storage_offset() == 0 and t.is_contiguous() and \
+        t.numel() * t.element_size() == _storage_of(t).nbytes()
+
+
+def _reading(mode: DeferredInit, original: Callable[..., Any]) -> Callable[..., Any]:
+    def reading(self: Any, *args: Any, **kwargs: Any) -> Any:
+        mode._reads(self)
+        return original(self, *args, **kwargs)
+
+    reading.__name__ = getattr(original, "__name__", "reading")
+    reading.__doc__ = getattr(original, "__doc__", None)
+    return reading
+
+
+def _first(mode: DeferredInit, original: Callable[..., Any]) -> Callable[..., Any]:
+    def first(*args: Any, **kwargs: Any) -> Any:
+        mode._any()
+        return original(*args, **kwargs)
+
+    first.__name__ = getattr(original, "__name__", "first")
+    first.__doc__ = getattr(original, "__doc__", None)
+    return first
+
+
+def arm() -> DeferredInit:
+    """A joiner's mode, installed by the script's thread at its first module's construction
+    (the ops of a setup before its model, a dataset built op by op, run at full speed)."""
+    mode = DeferredInit()
+    original = torch.nn.Module.__init__
+
+    def first_module(module: Any, *args: Any, **kwargs: Any) -> None:
+        if threading.get_ident() == mode.owner and torch.nn.Module.__init__ is first_module:
+            torch.nn.Module.__init__ = original  # type: ignore[method-assign]
+            if not mode.finished:
+                mode.install()
+        original(module, *args, **kwargs)
+
+    torch.nn.Module.__init__ = first_module  # type: ignore[method-assign]
+    mode.disarm = lambda: setattr(torch.nn.Module, "__init__", original) \
+        if torch.nn.Module.__init__ is first_module else None
+    return mode
+
+
+def warm_up() -> None:
+    """Pay the mode's first use (its ops' traits, the replay thread) while a spare waits;
+    no stream of the script's is drawn from."""
+    mode = DeferredInit().install()
+    x = torch.empty(16)
+    x.uniform_()
+    replay = mode.finish([x])
+    if replay is not None:
+        replay.result()
+
+
+class StreamReplay:
+    """The default generator's state had the dropped draws run: they run again, into scratch
+    memory of their shapes, on a clone of the generator, on a thread at the lowest priority
+    (it takes what CPU the move leaves idle). `result()` waits for it."""
+
+    def __init__(self, start: torch.Tensor, draws: list[_Entry]):
+        self._future: Future[torch.Tensor] = Future()
+        self.seconds = 0.0
+        self._thread = threading.Thread(target=self._run, args=(start, draws), name="baton-stream-replay",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self, start: torch.Tensor, draws: list[_Entry]) -> None:
+        t0 = time.perf_counter()
+        try:
+            try:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+            except OSError:
+                pass
+            gen = torch.Generator().set_state(start)
+            scratch: dict[torch.dtype, torch.Tensor] = {}  # one buffer a dtype, of the largest draw's extent
+            for e in draws:
+                t = e.args[0]
+                extent = 1 + sum((n - 1) * st for n, st in zip(t.size(), t.stride()))
+                if scratch.get(t.dtype) is None or scratch[t.dtype].numel() < extent:
+                    scratch[t.dtype] = torch.empty(extent, dtype=t.dtype)
+                into = scratch[t.dtype].as_strided(t.size(), t.stride())  # its layout: the same draws
+                e.func(into, *e.args[1:], **{**e.kwargs, "generator": gen})
+            self.seconds = time.perf_counter() - t0
+            self._future.set_result(gen.get_state())
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
+            self._future.set_exception(exc)
+
+    def result(self) -> torch.Tensor:
+        state = self._future.result()
+        self._thread.join()  # its end too: an interpreter leaving while it still ran aborted (SIGABRT)
+        return state
