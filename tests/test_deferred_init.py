@@ -206,3 +206,26 @@ def test_memory_given_to_a_tensor_later_is_not_drawn_into():
     teacher.weight.data = pretrained.clone()
     assert mode.finish(list(student.state_dict().values())) is not None  # all left out: the stream replayed
     assert torch.equal(teacher.weight.detach(), pretrained)
+
+
+def test_armed_it_waits_for_the_first_module_and_can_be_turned_off(monkeypatch):
+    from baton.transparent import deferred_init
+
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(32, 32)
+    data_ref = torch.randn(4)
+    for off in (False, True):
+        if off:
+            monkeypatch.setenv(deferred_init.OFF, "0")
+        mode = deferred_init.arm()
+        torch.manual_seed(0)
+        before = torch.empty(4)
+        before.normal_()  # before any module: not the mode's (it is not installed yet)
+        assert not mode.entries
+        torch.manual_seed(0)
+        model = torch.nn.Linear(32, 32)
+        assert bool(mode.entries) is not off
+        data = torch.randn(4)
+        mode.finish(list(model.state_dict().values()))
+        assert torch.nn.Module.__init__ is deferred_init._MODULE_INIT
+        assert torch.equal(data, data_ref) and torch.equal(model.weight, ref.weight)

@@ -5,6 +5,7 @@ fence (fence) guards only their writes."""
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import sysconfig
@@ -13,6 +14,7 @@ from pathlib import Path
 _PACKAGE_DIRS = ("site-packages", "dist-packages")
 
 
+@functools.cache  # the same for the process's life; a joiner built it twice in its setup (1-3 ms each)
 def _installed_roots() -> list[Path]:
     roots = {Path(p).resolve() for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
     roots.update(Path(p).resolve() for p in sysconfig.get_paths().values())
