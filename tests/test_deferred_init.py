@@ -229,3 +229,63 @@ def test_armed_it_waits_for_the_first_module_and_can_be_turned_off(monkeypatch):
         mode.finish(list(model.state_dict().values()))
         assert torch.nn.Module.__init__ is deferred_init._MODULE_INIT
         assert torch.equal(data, data_ref) and torch.equal(model.weight, ref.weight)
+
+
+def test_a_model_moved_to_another_dtype_is_copied_only_when_read():
+    """`model.to(device)` of a model built on the CPU (here the dtype moves: no GPU here): the
+    copy is recorded after the fills it copies, and the CPU memory it came from, which no one
+    holds after `Module._apply`, is dropped with it."""
+    def setup():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.LayerNorm(16)).to(torch.float64)
+        half = torch.nn.Linear(8, 8).half()
+        return {"model": model, "half": half}
+
+    ref = setup()
+    ref_stream = torch.get_rng_state()
+    mode = DeferredInit().install()
+    models = setup()
+    assert models["model"][0].weight.dtype == torch.float64 and models["half"].weight.dtype == torch.float16
+    replay = mode.finish(list(_tensors(models).values()))
+    assert replay is not None and mode.ran == 0, "all left out: the copies and what they copied"
+    assert torch.equal(replay.result(), ref_stream)
+
+    mode = DeferredInit().install()
+    models = setup()
+    read = models["half"].weight.detach().clone()  # read after the copy: fills, then the copy, run
+    mode.finish(list(_tensors(models).values()))
+    assert mode.ran > 0 and torch.equal(read, ref["half"].weight.detach())
+    assert torch.equal(models["model"][0].weight, ref["model"][0].weight)
+
+
+def test_a_resume_blocks_load_makes_the_initialisation_dead_but_not_its_draws():
+    """`model.load_state_dict(checkpoint)` in the setup writes every parameter whole: the fills
+    before it are never needed, but the stream still moves on past their draws."""
+    saved = {k: v + 1 for k, v in torch.nn.Linear(16, 16).state_dict().items()}
+
+    def setup():
+        torch.manual_seed(0)
+        model = torch.nn.Linear(16, 16)
+        model.load_state_dict(saved)  # a resume block
+        return {"model": model}, {"after": torch.randn(5), "loaded": model.weight.detach().clone()}
+
+    ref_models, ref_kept = setup()
+    mode = DeferredInit().install()
+    models, kept = setup()  # the randn: the dead fills' draws run into scratch, then it draws
+    assert mode.ran > 0 and torch.equal(kept["after"], ref_kept["after"])
+    assert torch.equal(kept["loaded"], saved["weight"])
+    mode.finish([])
+
+    def setup_then_loop():
+        torch.manual_seed(0)
+        model = torch.nn.Linear(16, 16)
+        model.load_state_dict(saved)
+        return model
+
+    setup_then_loop()
+    ref_stream = torch.get_rng_state()
+    mode = DeferredInit().install()
+    model = setup_then_loop()
+    replay = mode.finish([])  # nothing covers it: it was written whole, which is enough
+    assert replay is not None and mode.ran == 0 and mode.left_out_bytes == 16 * 16 * 4 + 16 * 4
+    assert torch.equal(replay.result(), ref_stream) and torch.equal(model.weight.detach(), saved["weight"])

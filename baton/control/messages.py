@@ -205,6 +205,9 @@ class Formed(_Dated):
     # A joiner: its script's own time from the rank's assignment to its step loop (building
     # the model, sharding it), part of the downtime when it was assigned at a failure.
     setup_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
+    # A no-code joiner: bytes of its setup's random initialisation it left out, as its rank's
+    # arriving state overwrote them (baton.transparent.deferred_init).
+    setup_left_out_bytes: NonNegativeInt = 0
     # How long the joiner's step loop waited for its state: less than `seconds` when the
     # fetch ran while the script was still setting up.
     fetch_wait_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0

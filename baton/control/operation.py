@@ -60,6 +60,7 @@ class Operation:
     transfer_bytes: int = 0
     transfer_s: float = 0.0
     joiner_setup_s: float = 0.0  # the slowest joiner's script setup after its assignment
+    joiner_setup_left_out_bytes: int = 0  # the initialisation a no-code joiner's setup left out
     walked_ahead: dict[str, int] = field(default_factory=dict)  # joiner -> step-loop iteration it walked ahead to
     transfer_wait_s: float = 0.0  # the longest a joiner waited for its state after its setup
     joiner_phases: dict[str, float] = field(default_factory=dict)  # the slowest joiner's (Formed.phases)

@@ -501,6 +501,8 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing, PathFa
             op.transfer_wait_s = max(op.transfer_wait_s, rep.fetch_wait_s)
         if rep.setup_s and op:
             op.joiner_setup_s = max(op.joiner_setup_s, rep.setup_s)
+        if rep.setup_left_out_bytes and op:
+            op.joiner_setup_left_out_bytes = max(op.joiner_setup_left_out_bytes, rep.setup_left_out_bytes)
         if rep.phases and op and sum(rep.phases.values()) >= sum(op.joiner_phases.values()):
             op.joiner_phases = dict(rep.phases)
         if rep.hot_spare is not None and op and w.rank in op.moves:
@@ -915,6 +917,8 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing, PathFa
             ev.state_bytes = op.transfer_bytes or None
             ev.transfer_s = round(op.transfer_s, 4) if op.transfer_s else None
             ev.joiner_setup_s = round(op.joiner_setup_s, 4) if op.joiner_setup_s else None
+            ev.joiner_setup_left_out_mb = round(op.joiner_setup_left_out_bytes / 1e6, 3) \
+                if op.joiner_setup_left_out_bytes else None
             ev.transfer_wait_s = round(op.transfer_wait_s, 4) if op.transfer_bytes else None
             joiner_caught_up = op.caught_up.get(move.to_worker or "")
             if joiner_caught_up is not None:

@@ -112,6 +112,8 @@ class Event:
     state_bytes: int | None = None
     transfer_s: float | None = None
     joiner_setup_s: float | None = None  # the joiner's script from its assignment to its step loop
+    # a no-code joiner's setup: the random initialisation it left out (its rank's state overwrote it)
+    joiner_setup_left_out_mb: float | None = None
     transfer_wait_s: float | None = None  # the part of transfer_s the joiner waited for after its setup
     phases: dict[str, float] | None = None  # where a move's downtime went: the joiner's fetch, load, form, verify; rest
     # Not downtime: how long the first step after the move waited for its state check's pass

@@ -485,6 +485,7 @@ class _CatchUp:
             # What this setup built, taken before the pause (the ranks stop at its SetupDone):
             # a model's classification there took 15-40 ms, beside the state's arrival on 2 cores.
             replay = self.deferred.finish(_arriving(c.rt.tracked))
+            c.rt.setup_left_out_bytes = self.deferred.left_out_bytes
             streams = rng.capture(c.rt.tracked.generators)
             if replay is not None:  # the stream its left-out draws would have left: checked late
                 del streams["torch"]

@@ -7,9 +7,13 @@ rank's arriving state then replaces. A model-aware script says so itself (`job.j
 build on the meta device); here the script is unchanged, so baton decides op by op, below
 autograd (a dispatch mode on the script's thread), and never changes a value anyone sees:
 
-- An in-place random fill with the default CPU generator (`uniform_`, `normal_`, ...), and
-  the in-place scalar ops after it on the same memory (`trunc_normal_`'s `erfinv_`, `mul_`;
-  `zeros_`, `ones_`), are recorded instead of run.
+- An in-place random fill with the default CPU generator (`uniform_`, `normal_`, ...), the
+  in-place scalar ops after it on the same memory (`trunc_normal_`'s `erfinv_`, `mul_`;
+  `zeros_`, `ones_`), and a copy of that memory to another device or dtype (a model built
+  on the CPU, then `model.to(device)` or `.half()`: the copy's memory is allocated, not
+  filled), are recorded instead of run. Memory copied over whole (a resume block's
+  `load_state_dict`) needs none of them: only their draws still run, into scratch memory,
+  when the stream is next needed.
 - Anything that reads that memory (an out-of-place op, a forward, a copy, `.tolist()`,
   `torch.save`, `repr`), another draw from the default generator, `torch.manual_seed` or
   `torch.get_rng_state()` and their kin, or a tensor subclass (FSDP2's DTensor) runs
@@ -17,17 +21,17 @@ autograd (a dispatch mode on the script's thread), and never changes a value any
   its state changed meanwhile): what the script reads is what it would have read.
 - At the step loop (`finish`), where the state is about to arrive: what only the arriving
   state's tensors hold (every model's `state_dict()`, loaded whole), or nothing holds any
-  more, is dropped; anything else recorded is run. The default generator is then behind where the draws would have
-  left it; the rank's own streams replace it before the script runs on, and the setup's
-  fingerprint (setup_check) takes the stream it would have had from a replay of the draws
-  alone into scratch memory, on a low-priority thread (`StreamReplay`), checked before
-  this process's first record names it.
+  more, is dropped; anything else recorded is run. The default generator is then behind
+  where the draws would have left it; the rank's own streams replace it before the script
+  runs on, and the setup's fingerprint (setup_check) takes the stream it would have had
+  from a replay of the draws alone into scratch memory, on a low-priority thread
+  (`StreamReplay`), checked before this process's first record names it.
 
-Only the script's thread is watched (baton's own threads never see the mode). Not noticed:
-memory read from another thread of the script's, or through a raw pointer taken before the
-mode; a seed set on `torch.default_generator` itself, not through `torch.manual_seed`, to
-the state it had. The fingerprint's stream check stops the job where either changed what
-the setup drew (the README's limits say so).
+Only the script's thread is watched (baton's own threads never see the mode). Not noticed
+(the README's limits say so): memory read from another thread of the script's, or through a
+raw pointer taken before; a seed set on `torch.default_generator` itself, not through
+`torch.manual_seed`, to the state it had (that one the fingerprint's stream check catches:
+the job stops).
 """
 
 from __future__ import annotations
@@ -54,6 +58,9 @@ _METADATA = {torch.ops.aten.detach.default, torch.ops.aten.alias.default, torch.
              torch.ops.aten.empty_like.default, torch.ops.aten.new_empty.default,
              torch.ops.aten.new_empty_strided.default}
 # What reads a tensor's memory without the dispatcher seeing it: each runs the recorded ops first.
+_TO_COPY = torch.ops.aten._to_copy.default  # what `.to(device)`, `.cuda()`, `.half()` run
+_COPY = torch.ops.aten.copy_.default
+_TO_COPY_ARGS = {"dtype", "layout", "device", "pin_memory", "non_blocking", "memory_format"}
 _INHERITED = object()  # a patched name the class only inherited: deleted again, not set
 _READERS = ("tolist", "numpy", "__array__", "data_ptr", "untyped_storage", "storage", "_typed_storage",
             "__dlpack__", "__reduce_ex__", "__repr__")
@@ -79,10 +86,22 @@ def _traits(func: Any) -> tuple[bool, bool, bool]:
 
 
 class _Entry:
-    __slots__ = ("func", "args", "kwargs", "key", "seeded")
+    __slots__ = ("func", "args", "kwargs", "key", "seeded", "dead")
 
     def __init__(self, func: Any, args: tuple, kwargs: dict, key: int, seeded: bool):
         self.func, self.args, self.kwargs, self.key, self.seeded = func, args, kwargs, key, seeded
+        self.dead = False  # its memory was written whole since: a draw still draws, into scratch memory
+
+    def run(self, kwargs: dict) -> None:
+        if not self.dead:
+            self.func(*self.args, **kwargs)
+        elif self.seeded:  # (the stream must move on as it would have)
+            self.func(_scratch_like(self.args[0]), *self.args[1:], **kwargs)
+
+
+def _scratch_like(t: torch.Tensor) -> torch.Tensor:
+    """Memory of `t`'s layout (so a draw into it takes as many numbers as into `t`)."""
+    return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device)
 
 
 class DeferredInit(TorchDispatchMode):
@@ -97,6 +116,7 @@ class DeferredInit(TorchDispatchMode):
         self.start_state: torch.Tensor | None = None  # the default generator's, at the first recorded draw
         self.replaying = False
         self.ran = 0  # ops run late (read before the step loop), for the log
+        self.left_out_bytes = 0  # the memory whose random fill `finish` dropped
         self.off = False  # finished, but not the innermost mode then: it only passes ops on
         self.finished = False
         self.disarm: Callable[[], None] = lambda: None  # `arm`'s patch, where no module was made
@@ -125,6 +145,14 @@ class DeferredInit(TorchDispatchMode):
             self.entries.append(_Entry(func, (alias, *args[1:]), kwargs, key, seeded))
             self.pending.add(key)
             return target
+        if func is _TO_COPY and self.pending and type(args[0]) in _PLAIN and _key(args[0]) in self.pending:
+            moved = self._copy_later(args[0], kwargs)
+            if moved is not None:
+                return moved
+        if func is _COPY and self.pending and type(args[0]) in _PLAIN and _key(args[0]) in self.pending \
+                and _spans_storage(args[0]):
+            self._written_whole(_key(args[0]), args[1])  # a resume block's load_state_dict, say
+            return func(*args, **kwargs)
         if (seeded and self._default_generator(args, kwargs)) or (
                 self.pending and not passes
                 and any(isinstance(t, torch.Tensor) and _key(t) in self.pending for t in tree_leaves((args, kwargs)))):
@@ -142,6 +170,36 @@ class DeferredInit(TorchDispatchMode):
         elif _key(target) not in self.pending:
             return False  # a scalar op on memory not recorded: it costs nothing to run
         return not any(isinstance(x, (torch.Tensor, torch.Generator)) for x in tree_leaves((args[1:], kwargs)))
+
+    def _written_whole(self, key: int, src: Any) -> None:
+        """Memory with recorded ops is copied over whole: they are dead (their draws still
+        count for the stream), unless a recorded copy still reads it, or `src` is recorded."""
+        reads = [e for e in self.entries if not e.dead and e.key != key and
+                 any(isinstance(t, torch.Tensor) and _key(t) == key for t in e.args[1:])]
+        if reads or (isinstance(src, torch.Tensor) and _key(src) in self.pending):
+            self.run_recorded()
+            return
+        for e in self.entries:
+            if e.key == key:
+                e.dead = True
+        self.pending.discard(key)
+
+    def _copy_later(self, src: torch.Tensor, kwargs: dict) -> torch.Tensor | None:
+        """`src.to(device or dtype)` of recorded memory (`model.to(device)`, `.half()`): the
+        copy's memory, its copy recorded after the ops it copies (None where it cannot be)."""
+        if not set(kwargs) <= _TO_COPY_ARGS or kwargs.get("layout", torch.strided) is not torch.strided:
+            return None
+        device = torch.device(kwargs.get("device") or src.device)
+        if device.type not in ("cpu", "cuda"):
+            return None  # (meta memory has no address to key it by)
+        out = torch.empty_like(src, dtype=kwargs.get("dtype") or src.dtype, device=device,
+                               memory_format=kwargs.get("memory_format") or torch.preserve_format,
+                               pin_memory=bool(kwargs.get("pin_memory")))
+        key = _key(out)
+        self.entries.append(_Entry(torch.ops.aten.copy_.default, (torch.ops.aten.alias.default(out),
+                                   torch.ops.aten.alias.default(src)), {}, key, False))
+        self.pending.add(key)
+        return out
 
     @staticmethod
     def _default_generator(args: tuple, kwargs: dict) -> bool:
@@ -163,22 +221,24 @@ class DeferredInit(TorchDispatchMode):
                 clone = torch.Generator().set_state(start)  # seeded again since: the draws' stream, apart
             with torch._C._AutoDispatchBelowADInplaceOrView():
                 for e in entries:
-                    kwargs = {**e.kwargs, "generator": clone} if e.seeded and clone is not None else e.kwargs
-                    e.func(*e.args, **kwargs)
+                    e.run({**e.kwargs, "generator": clone} if e.seeded and clone is not None else e.kwargs)
             self.ran += len(entries)
         finally:
             self.replaying = False
 
     def _unreachable(self) -> set[int]:
         """The recorded memory nothing but the records holds any more (a tensor the script gave
-        other memory, `param.data = ...`, or dropped): no one can read it."""
-        held: dict[int, list[_Entry]] = {}
+        other memory, `param.data = ...`, `Module.to`, or dropped): no one can read it."""
+        held: dict[int, tuple[torch.Tensor, int]] = {}  # key -> (one alias of it, how many the records hold)
         for e in self.entries:
-            held.setdefault(e.key, []).append(e)
+            for t in e.args:
+                if isinstance(t, torch.Tensor):
+                    key = _key(t)
+                    held[key] = (t, held[key][1] + 1 if key in held else 1)
         out = set()
-        for key, entries in held.items():
-            storage = _storage_of(entries[0].args[0])
-            if torch._C._storage_Use_Count(storage._cdata) == len(entries) + 1:  # our aliases, and `storage`
+        for key, (alias, count) in held.items():
+            storage = _storage_of(alias)
+            if torch._C._storage_Use_Count(storage._cdata) == count + 1:  # the records' aliases, and `storage`
                 out.add(key)
         return out
 
@@ -231,7 +291,7 @@ class DeferredInit(TorchDispatchMode):
         if not self.entries:
             return None
         whole = {_key(t) for t in overwritten if _spans_storage(t)} | self._unreachable()
-        if any(e.key not in whole for e in self.entries):
+        if any(e.key not in whole and not e.dead for e in self.entries):
             n = len(self.entries)
             t0 = time.perf_counter()
             self.run_recorded()
@@ -240,8 +300,9 @@ class DeferredInit(TorchDispatchMode):
             return None
         entries, start = self.entries, self.start_state
         self.entries, self.pending, self.start_state = [], set(), None
-        log.info("deferred initialisation: %d ops left out (the rank's state overwrites their memory), "
-                 "%d run earlier where the setup read their memory", len(entries), self.ran)
+        self.left_out_bytes = sum(_storage_of(t).nbytes() for t in {e.key: e.args[0] for e in entries if e.seeded}.values())
+        log.info("deferred initialisation: %d ops on %.1f MB left out (the rank's state overwrites their memory), "
+                 "%d run earlier where the setup read their memory", len(entries), self.left_out_bytes / 1e6, self.ran)
         if start is None or not torch.equal(torch.default_generator.get_state(), start):
             return None  # no draws, or a seed since: the generator is as the script left it
         return StreamReplay(start, [e for e in entries if e.seeded])
@@ -249,7 +310,7 @@ class DeferredInit(TorchDispatchMode):
 
 def _spans_storage(t: torch.Tensor) -> bool:
     """Writing `t` whole writes every byte of its memory."""
-    if type(t) not in _PLAIN or t.device.type != "cpu" or t.numel() == 0:
+    if type(t) not in _PLAIN or t.device.type not in ("cpu", "cuda") or t.numel() == 0:
         return False
     return t.storage_offset() == 0 and t.is_contiguous() and \
         t.numel() * t.element_size() == _storage_of(t).nbytes()
@@ -333,7 +394,7 @@ class StreamReplay:
                 pass
             gen = torch.Generator().set_state(start)
             scratch: dict[torch.dtype, torch.Tensor] = {}  # one buffer a dtype, of the largest draw's extent
-            for e in draws:
+            for e in draws:  # (dead ones too: the stream moved on past them)
                 t = e.args[0]
                 extent = 1 + sum((n - 1) * st for n, st in zip(t.size(), t.stride()))
                 if scratch.get(t.dtype) is None or scratch[t.dtype].numel() < extent:

@@ -115,6 +115,7 @@ class ScriptRuntime(Runtime):
         self.shard_roots: list[Any] = []  # modules the script gave fully_shard(), in order (intercept)
         self.script_section: Callable[[], dict[str, Any]] = lambda: {}  # set by the controller
         self.settle_setup: Callable[[], Any] = lambda: None  # the controller's: a joiner's late setup check
+        self.setup_left_out_bytes = 0  # a joiner's: its setup's initialisation left out (deferred_init)
         self.head_state: dict[str, Any] | None = None  # this rank's own state at the running step's head
         self.region: Region | None = None  # since the step loop's latest exit (kept through the next steps)
         # What this rank records of each step (tail): the running one's, and the one before,
@@ -661,7 +662,8 @@ class ScriptRuntime(Runtime):
                   "place": t_fetched - t_arrived, "load": t_loaded - t_fetched, "form": t_formed - t_loaded,
                   "verify": t_verified - t_formed}
         self.ctl.report(m.Formed(generation=gen, pos=self.pos, bytes=stats.bytes, seconds=round(stats.seconds, 4),
-                                 setup_s=round(self.setup_s, 4), fetch_wait_s=round(t_fetched - t0, 4),
+                                 setup_s=round(self.setup_s, 4), setup_left_out_bytes=self.setup_left_out_bytes,
+                                 fetch_wait_s=round(t_fetched - t0, 4),
                                  phases=_rounded(phases)))
         self.joiner = False
         self._start_step(dict(bundle_state))
@@ -848,7 +850,8 @@ class ScriptRuntime(Runtime):
         phases = {**self._setup_in_pause(), "walk_and_fetch": t_fetched - self._walk_began(),
                   "run_again": t_ran - t_fetched, "form": t_formed - t_ran, "verify": t_verified - t_formed}
         self.ctl.report(m.Formed(generation=gen, pos=self.pos, bytes=stats.bytes, seconds=round(stats.seconds, 4),
-                                 setup_s=round(self.setup_s, 4), fetch_wait_s=round(t_fetched - t0, 4),
+                                 setup_s=round(self.setup_s, 4), setup_left_out_bytes=self.setup_left_out_bytes,
+                                 fetch_wait_s=round(t_fetched - t0, 4),
                                  ran_again=f"ran {ran} ({t_ran - t_fetched:.3f}s)",
                                  phases=_rounded(phases)))
         self.joiner = False
