@@ -289,3 +289,22 @@ def test_a_resume_blocks_load_makes_the_initialisation_dead_but_not_its_draws():
     replay = mode.finish([])  # nothing covers it: it was written whole, which is enough
     assert replay is not None and mode.ran == 0 and mode.left_out_bytes == 16 * 16 * 4 + 16 * 4
     assert torch.equal(replay.result(), ref_stream) and torch.equal(model.weight.detach(), saved["weight"])
+
+
+def test_a_process_started_in_the_setup_gets_the_memory_as_it_would_be():
+    """A DataLoader's workers started before the loop (`iter(loader)` with its own generator,
+    so no draw runs what was recorded) read a dataset the setup filled in place: the fork
+    copies memory as it is, so what was recorded runs first."""
+    def setup():
+        torch.manual_seed(0)
+        data = torch.empty(64, 4)
+        data.normal_()  # in place, with the default generator: recorded
+        loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data), batch_size=64, num_workers=1,
+                                             generator=torch.Generator().manual_seed(0), shuffle=True)
+        return next(iter(loader))[0]
+
+    ref = setup()
+    mode = DeferredInit().install()
+    got = setup()
+    mode.finish([])
+    assert torch.equal(got.sort(0).values, ref.sort(0).values) and torch.equal(got, ref)

@@ -1192,6 +1192,41 @@ def test_a_successor_whose_setup_built_other_data_stops_the_job(tmp_path):
     assert events[0]["status"] == "failed"
 
 
+SEEDED_BY_PROCESS = """
+import os, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+dist.init_process_group("gloo")
+torch.manual_seed(os.getpid())  # this process's own seed: a successor's setup draws other numbers
+model = DDP(torch.nn.Linear(8, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+g = torch.Generator().manual_seed(0)
+for step in range(400):
+    x, y = torch.randn(16, 8, generator=g), torch.randn(16, 1, generator=g)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+dist.destroy_process_group()
+os._exit(0)  # past gloo's exit-time abort with torch 2.13 (baton/examples/plain_exit.py), as tests/nocode do
+"""
+
+
+def test_a_successor_whose_left_out_initialisation_drew_another_stream_stops_the_job(tmp_path):
+    """The successor's setup seeds from its own pid, builds its model (whose initialisation it
+    leaves out: the rank's state overwrites it) and draws nothing else before the loop: only
+    the replay of the left-out draws (deferred_init) can tell its torch stream from its
+    predecessor's, after the move has formed. The job stops there, before the new rank's
+    first record names a stream it did not check."""
+    script = tmp_path / "seeded.py"
+    script.write_text(textwrap.dedent(SEEDED_BY_PROCESS))
+    code, job = faulted(tmp_path, script, "1:30:SIGKILL")
+    log, events = job.log(None), job.events()
+    assert code != 0 and (tmp_path / "fired").exists(), log[-3000:]
+    assert "the torch random stream" in log and "not deterministic" in log, log[-3000:]
+    assert events[0]["kind"] == "unplanned" and events[0]["joiner_setup_left_out_mb"], events
+    assert "divergence" in [e["kind"] for e in events], events
+
+
 SPLIT_FROM_A_FILE = _SPLIT.format(seeding="""\
 with open(sys.argv[1]) as f:  # a setup reading a file that changes while the job runs
     random.seed(int(f.read()))""")

@@ -917,7 +917,7 @@ class Orchestrator(PlannedMoves, Recovery, SparePool, NodeHealth, Homing, PathFa
             ev.state_bytes = op.transfer_bytes or None
             ev.transfer_s = round(op.transfer_s, 4) if op.transfer_s else None
             ev.joiner_setup_s = round(op.joiner_setup_s, 4) if op.joiner_setup_s else None
-            ev.joiner_setup_left_out_mb = round(op.joiner_setup_left_out_bytes / 1e6, 3) \
+            ev.joiner_setup_left_out_mb = round(op.joiner_setup_left_out_bytes / 1e6, 6) \
                 if op.joiner_setup_left_out_bytes else None
             ev.transfer_wait_s = round(op.transfer_wait_s, 4) if op.transfer_bytes else None
             joiner_caught_up = op.caught_up.get(move.to_worker or "")

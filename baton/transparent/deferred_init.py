@@ -15,7 +15,7 @@ autograd (a dispatch mode on the script's thread), and never changes a value any
   `load_state_dict`) needs none of them: only their draws still run, into scratch memory,
   when the stream is next needed.
 - Anything that reads that memory (an out-of-place op, a forward, a copy, `.tolist()`,
-  `torch.save`, `repr`), another draw from the default generator, `torch.manual_seed` or
+  `torch.save`, `repr`, a process forked or started), another draw from the default generator, `torch.manual_seed` or
   `torch.get_rng_state()` and their kin, or a tensor subclass (FSDP2's DTensor) runs
   everything recorded first, in order, on the generator as it was (a clone of it, where
   its state changed meanwhile): what the script reads is what it would have read.
@@ -37,6 +37,7 @@ the job stops).
 from __future__ import annotations
 
 import logging
+import multiprocessing.process
 import os
 import threading
 import time
@@ -253,6 +254,8 @@ class DeferredInit(TorchDispatchMode):
 
     # ------------------------------------------------------------------ in and out
     def install(self) -> DeferredInit:
+        _ACTIVE[0] = self
+        self._patch(multiprocessing.process.BaseProcess, "start", _first(self, multiprocessing.process.BaseProcess.start))
         for name in _READERS:
             original = getattr(torch.Tensor, name)
             self._patch(torch.Tensor, name, _reading(self, original))
@@ -286,6 +289,8 @@ class DeferredInit(TorchDispatchMode):
         the setup would have left (None where none were, or the generator was seeded since)."""
         self.finished = True
         self.disarm()
+        if _ACTIVE[0] is self:
+            _ACTIVE[0] = None
         if self._originals:
             self._uninstall()
         if not self.entries:
@@ -306,6 +311,21 @@ class DeferredInit(TorchDispatchMode):
         if start is None or not torch.equal(torch.default_generator.get_state(), start):
             return None  # no draws, or a seed since: the generator is as the script left it
         return StreamReplay(start, [e for e in entries if e.seeded])
+
+
+_ACTIVE: list[DeferredInit | None] = [None]  # the installed mode, for the hook below
+
+
+def _before_fork() -> None:
+    """A process forked from the script's thread (a DataLoader's workers started in the setup)
+    gets memory as it is: what was recorded runs first. (A spawned one pickles what it takes:
+    `BaseProcess.start` is patched the same way.)"""
+    mode = _ACTIVE[0]
+    if mode is not None:
+        mode._any()
+
+
+os.register_at_fork(before=_before_fork)
 
 
 def _spans_storage(t: torch.Tensor) -> bool:
