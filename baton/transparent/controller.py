@@ -29,6 +29,7 @@ import sys
 import time
 from typing import Any
 
+import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from baton.control import messages as m
@@ -417,8 +418,6 @@ def _walked_past(early: list[dict[str, Any]], now: list[dict[str, Any]], rebound
 def _arriving(tracked: Any) -> list[Any]:
     """The tensors a joiner's arriving state is loaded into, whole: every tracked model's
     `state_dict()` (load_state_dict copies each), its sharded ones aside."""
-    import torch
-
     sharded = set(tracked.sharded_names())
     return [t for name, obj in tracked.objects.items() if isinstance(obj, torch.nn.Module) and name not in sharded
             for t in obj.state_dict().values() if isinstance(t, torch.Tensor)]

@@ -15,9 +15,9 @@ autograd (a dispatch mode on the script's thread), and never changes a value any
   `load_state_dict`) needs none of them: only their draws still run, into scratch memory,
   when the stream is next needed.
 - Anything that reads that memory (an out-of-place op, a forward, a copy, `.tolist()`,
-  `torch.save`, `repr`, a process forked or started), another draw from the default generator, `torch.manual_seed` or
-  `torch.get_rng_state()` and their kin, or a tensor subclass (FSDP2's DTensor) runs
-  everything recorded first, in order, on the generator as it was (a clone of it, where
+  `torch.save`, `repr`, a process forked or started), another draw from the default
+  generator, `torch.manual_seed` or `torch.get_rng_state()` and their kin, or a tensor
+  subclass (FSDP2's DTensor) runs everything recorded first, in order, on the generator as it was (a clone of it, where
   its state changed meanwhile): what the script reads is what it would have read.
 - At the step loop (`finish`), where the state is about to arrive: what only the arriving
   state's tensors hold (every model's `state_dict()`, loaded whole), or nothing holds any
@@ -58,11 +58,11 @@ _storage_of = torch.Tensor.untyped_storage  # the original: the patched one woul
 _METADATA = {torch.ops.aten.detach.default, torch.ops.aten.alias.default, torch.ops.aten.lift_fresh.default,
              torch.ops.aten.empty_like.default, torch.ops.aten.new_empty.default,
              torch.ops.aten.new_empty_strided.default}
-# What reads a tensor's memory without the dispatcher seeing it: each runs the recorded ops first.
 _TO_COPY = torch.ops.aten._to_copy.default  # what `.to(device)`, `.cuda()`, `.half()` run
 _COPY = torch.ops.aten.copy_.default
 _TO_COPY_ARGS = {"dtype", "layout", "device", "pin_memory", "non_blocking", "memory_format"}
 _INHERITED = object()  # a patched name the class only inherited: deleted again, not set
+# What reads a tensor's memory without the dispatcher seeing it: each runs the recorded ops first.
 _READERS = ("tolist", "numpy", "__array__", "data_ptr", "untyped_storage", "storage", "_typed_storage",
             "__dlpack__", "__reduce_ex__", "__repr__")
 
@@ -114,6 +114,7 @@ class DeferredInit(TorchDispatchMode):
         self.owner = threading.get_ident()
         self.entries: list[_Entry] = []
         self.pending: set[int] = set()
+        self.copies_of: dict[int, list[_Entry]] = {}  # key -> the recorded copies that read its memory
         self.start_state: torch.Tensor | None = None  # the default generator's, at the first recorded draw
         self.replaying = False
         self.ran = 0  # ops run late (read before the step loop), for the log
@@ -175,8 +176,7 @@ class DeferredInit(TorchDispatchMode):
     def _written_whole(self, key: int, src: Any) -> None:
         """Memory with recorded ops is copied over whole: they are dead (their draws still
         count for the stream), unless a recorded copy still reads it, or `src` is recorded."""
-        reads = [e for e in self.entries if not e.dead and e.key != key and
-                 any(isinstance(t, torch.Tensor) and _key(t) == key for t in e.args[1:])]
+        reads = any(not e.dead for e in self.copies_of.get(key, ()))
         if reads or (isinstance(src, torch.Tensor) and _key(src) in self.pending):
             self.run_recorded()
             return
@@ -197,8 +197,9 @@ class DeferredInit(TorchDispatchMode):
                                memory_format=kwargs.get("memory_format") or torch.preserve_format,
                                pin_memory=bool(kwargs.get("pin_memory")))
         key = _key(out)
-        self.entries.append(_Entry(torch.ops.aten.copy_.default, (torch.ops.aten.alias.default(out),
-                                   torch.ops.aten.alias.default(src)), {}, key, False))
+        copy = _Entry(_COPY, (torch.ops.aten.alias.default(out), torch.ops.aten.alias.default(src)), {}, key, False)
+        self.entries.append(copy)
+        self.copies_of.setdefault(_key(src), []).append(copy)
         self.pending.add(key)
         return out
 
@@ -213,8 +214,7 @@ class DeferredInit(TorchDispatchMode):
         script left it alone since the first recorded draw, else on a clone of it as it was."""
         if not self.entries:
             return
-        entries, self.entries, self.pending = self.entries, [], set()
-        start, self.start_state = self.start_state, None
+        entries, start = self._take()
         self.replaying = True
         try:  # below autograd, as they were recorded there (no second bump of a version counter)
             clone = None
@@ -226,6 +226,12 @@ class DeferredInit(TorchDispatchMode):
             self.ran += len(entries)
         finally:
             self.replaying = False
+
+    def _take(self) -> tuple[list[_Entry], torch.Tensor | None]:
+        """The records and the generator's state at their first draw, no longer recorded."""
+        taken = self.entries, self.start_state
+        self.entries, self.pending, self.copies_of, self.start_state = [], set(), {}, None
+        return taken
 
     def _unreachable(self) -> set[int]:
         """The recorded memory nothing but the records holds any more (a tensor the script gave
@@ -303,9 +309,9 @@ class DeferredInit(TorchDispatchMode):
             log.info("deferred initialisation: %d ops run at the step loop (%.3fs): not all of their memory "
                      "receives the rank's state", n, time.perf_counter() - t0)
             return None
-        entries, start = self.entries, self.start_state
-        self.entries, self.pending, self.start_state = [], set(), None
-        self.left_out_bytes = sum(_storage_of(t).nbytes() for t in {e.key: e.args[0] for e in entries if e.seeded}.values())
+        entries, start = self._take()
+        filled = {e.key: e.args[0] for e in entries if e.seeded}
+        self.left_out_bytes = sum(_storage_of(t).nbytes() for t in filled.values())
         log.info("deferred initialisation: %d ops on %.1f MB left out (the rank's state overwrites their memory), "
                  "%d run earlier where the setup read their memory", len(entries), self.left_out_bytes / 1e6, self.ran)
         if start is None or not torch.equal(torch.default_generator.get_state(), start):
